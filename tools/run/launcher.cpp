@@ -1,0 +1,493 @@
+#include "launcher.h"
+
+// How the launcher keeps "no orphans, no zombies":
+//  - every rank is the leader of its own process group, and every signal the
+//    launcher sends goes to the whole group, so a rank's children get it too;
+//  - when a rank's first process exits, whatever it left in its group is
+//    SIGKILLed before the exit is reaped (the zombie keeps the group id from
+//    being reused in between);
+//  - the launcher is a child subreaper: descendants that left their group
+//    (setsid, double fork) come back to it as orphans and are SIGKILLed once
+//    all ranks are done;
+//  - if the launcher is killed outright, PR_SET_PDEATHSIG kills each rank's
+//    first process and the Watchdog process SIGKILLs the groups.
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+extern char** environ;
+
+namespace commgrad::run {
+namespace {
+
+// After the last rank is reaped, how long its descendants may keep the
+// output pipes open before the launcher stops reading them.
+constexpr double kDrainSeconds = 2.0;
+constexpr int kHandledSignals[] = {SIGCHLD, SIGINT, SIGTERM, SIGHUP};
+constexpr int kNumHandled = sizeof(kHandledSignals) / sizeof(kHandledSignals[0]);
+
+// The self-pipe; file-scope because signal handlers cannot reach an object.
+int g_wake_read = -1;
+int g_wake_write = -1;
+struct sigaction g_old_actions[kNumHandled];
+bool g_installed[kNumHandled] = {};
+struct sigaction g_old_sigpipe;
+bool g_sigpipe_installed = false;
+
+extern "C" void wake_on_signal(int sig) {
+  const int saved_errno = errno;
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  ssize_t ignored = write(g_wake_write, &byte, 1);  // full pipe: a wake-up is pending anyway
+  (void)ignored;
+  errno = saved_errno;
+}
+
+std::string format_seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", s);
+  return buf;
+}
+
+std::string ranks_phrase(int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); }
+
+}  // namespace
+
+Launcher::Launcher(LaunchOptions options) : options_(std::move(options)) {}
+
+Launcher::~Launcher() {
+  for (Rank& rank : ranks_) {
+    close_pipe(rank, false);
+    close_pipe(rank, true);
+  }
+  watchdog_.stop();
+  restore_signal_handlers();
+  if (devnull_ >= 0) close(devnull_);
+}
+
+void Launcher::report(const std::string& message) const {
+  const std::string line = "commgrad-run: " + message + "\n";
+  write_all(STDERR_FILENO, line.data(), line.size());
+}
+
+int Launcher::running_count() const {
+  int n = 0;
+  for (const Rank& rank : ranks_) n += rank.running ? 1 : 0;
+  return n;
+}
+
+int Launcher::run() {
+  const ResolvedProgram program = resolve_program(options_.program);
+  if (program.exit_code != 0) {
+    report("cannot execute '" + options_.program + "': " + program.error);
+    return program.exit_code;
+  }
+  if (options_.master_port) {
+    port_ = *options_.master_port;
+  } else {
+    std::string error;
+    port_ = pick_free_port(options_.master_addr, &error);
+    if (port_ < 0) {
+      report(error);
+      return kExitLaunchFailed;
+    }
+  }
+  devnull_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (devnull_ < 0 || !install_signal_handlers()) {
+    report(std::string("cannot set up: ") + std::strerror(errno));
+    return kExitLaunchFailed;
+  }
+  // Orphaned descendants come back to us instead of init (see top of file).
+  prctl(PR_SET_CHILD_SUBREAPER, 1);
+  // Before any rank pipe exists, so the watchdog holds none of them open.
+  watchdog_.start();
+
+  ranks_.resize(static_cast<std::size_t>(options_.nproc_per_node));
+  for (int r = 0; r < options_.nproc_per_node; ++r) {
+    ranks_[r].rank = options_.node_rank * options_.nproc_per_node + r;
+    if (!spawn(ranks_[r], program.path)) {
+      exit_code_ = kExitLaunchFailed;
+      stop_ranks(SIGTERM);
+      break;
+    }
+  }
+  if (options_.timeout_s) {
+    job_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(*options_.timeout_s));
+  }
+  supervise();
+  watchdog_.stop();
+  restore_signal_handlers();
+  return exit_code_.value_or(0);
+}
+
+bool Launcher::install_signal_handlers() {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) return false;
+  g_wake_read = fds[0];
+  g_wake_write = fds[1];
+  for (int i = 0; i < kNumHandled; ++i) {
+    const int sig = kHandledSignals[i];
+    struct sigaction old {};
+    sigaction(sig, nullptr, &old);
+    // A signal ignored at startup (nohup, a background job) stays ignored.
+    if (sig != SIGCHLD && old.sa_handler == SIG_IGN) continue;
+    struct sigaction action {};
+    action.sa_handler = wake_on_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART | (sig == SIGCHLD ? SA_NOCLDSTOP : 0);
+    if (sigaction(sig, &action, &g_old_actions[i]) != 0) return false;
+    g_installed[i] = true;
+  }
+  // A reader that went away must not kill the launcher while ranks run.
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  g_sigpipe_installed = sigaction(SIGPIPE, &ignore, &g_old_sigpipe) == 0;
+  return true;
+}
+
+void Launcher::restore_signal_handlers() {
+  for (int i = 0; i < kNumHandled; ++i) {
+    if (g_installed[i]) sigaction(kHandledSignals[i], &g_old_actions[i], nullptr);
+    g_installed[i] = false;
+  }
+  if (g_sigpipe_installed) sigaction(SIGPIPE, &g_old_sigpipe, nullptr);
+  g_sigpipe_installed = false;
+  if (g_wake_read >= 0) close(g_wake_read);
+  if (g_wake_write >= 0) close(g_wake_write);
+  g_wake_read = g_wake_write = -1;
+}
+
+bool Launcher::spawn(Rank& rank, const std::string& path) {
+  const int n = options_.nproc_per_node;
+  const std::vector<std::pair<std::string, std::string>> vars = {
+      {"RANK", std::to_string(rank.rank)},
+      {"WORLD_SIZE", std::to_string(options_.nnodes * n)},
+      {"LOCAL_RANK", std::to_string(rank.rank - options_.node_rank * n)},
+      {"LOCAL_WORLD_SIZE", std::to_string(n)},
+      {"GROUP_RANK", std::to_string(options_.node_rank)},
+      {"MASTER_ADDR", options_.master_addr},
+      {"MASTER_PORT", std::to_string(port_)},
+  };
+  // Everything the child needs is built before fork: after it, the child only
+  // makes async-signal-safe calls.
+  std::vector<std::string> env = rank_environment(environ, vars);
+  std::vector<char*> envp;
+  for (std::string& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args_storage = {options_.program};
+  args_storage.insert(args_storage.end(), options_.args.begin(), options_.args.end());
+  std::vector<char*> argv;
+  for (std::string& a : args_storage) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  // execvp's fallback for a script without "#!": run it with /bin/sh.
+  std::string sh = "/bin/sh";
+  std::string script = path;
+  std::vector<char*> sh_argv = {sh.data(), script.data()};
+  sh_argv.insert(sh_argv.end(), argv.begin() + 1, argv.end());
+  const std::string exec_error =
+      "commgrad-run: rank " + std::to_string(rank.rank) + ": cannot execute '" + path + "': ";
+
+  int out[2];
+  int err[2];
+  if (pipe2(out, O_CLOEXEC) != 0) {
+    report(std::string("pipe: ") + std::strerror(errno));
+    return false;
+  }
+  if (pipe2(err, O_CLOEXEC) != 0) {
+    report(std::string("pipe: ") + std::strerror(errno));
+    close(out[0]);
+    close(out[1]);
+    return false;
+  }
+
+  // Signals stay blocked across fork so that our handlers (and their writes
+  // to the self-pipe) never run in the child.
+  sigset_t all;
+  sigset_t old_mask;
+  sigfillset(&all);
+  sigprocmask(SIG_BLOCK, &all, &old_mask);
+  const pid_t launcher_pid = getpid();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != launcher_pid) _exit(kExitLaunchFailed);  // launcher died before prctl
+    for (int i = 0; i < kNumHandled; ++i) {
+      if (g_installed[i]) sigaction(kHandledSignals[i], &g_old_actions[i], nullptr);
+    }
+    if (g_sigpipe_installed) sigaction(SIGPIPE, &g_old_sigpipe, nullptr);
+    sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+    dup2(devnull_, STDIN_FILENO);
+    dup2(out[1], STDOUT_FILENO);
+    dup2(err[1], STDERR_FILENO);
+    execve(path.c_str(), argv.data(), envp.data());
+    if (errno == ENOEXEC) execve(sh.c_str(), sh_argv.data(), envp.data());
+    const char* reason = std::strerror(errno);
+    ssize_t ignored = write(STDERR_FILENO, exec_error.data(), exec_error.size());
+    ignored = write(STDERR_FILENO, reason, std::strlen(reason));
+    ignored = write(STDERR_FILENO, "\n", 1);
+    (void)ignored;
+    _exit(kExitNotFound);
+  }
+  const int fork_errno = errno;
+  if (pid > 0) setpgid(pid, pid);  // both sides, so the group exists before either goes on
+  sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+  close(out[1]);
+  close(err[1]);
+  if (pid < 0) {
+    close(out[0]);
+    close(err[0]);
+    report(std::string("fork: ") + std::strerror(fork_errno));
+    return false;
+  }
+  fcntl(out[0], F_SETFL, fcntl(out[0], F_GETFL) | O_NONBLOCK);
+  fcntl(err[0], F_SETFL, fcntl(err[0], F_GETFL) | O_NONBLOCK);
+  rank.pid = pid;
+  rank.running = true;
+  rank.out_fd = out[0];
+  rank.err_fd = err[0];
+  const std::string prefix = options_.prefix ? "[" + std::to_string(rank.rank) + "] " : "";
+  rank.out = std::make_unique<LineForwarder>(STDOUT_FILENO, prefix);
+  rank.err = std::make_unique<LineForwarder>(STDERR_FILENO, prefix);
+  watchdog_.watch(pid);
+  return true;
+}
+
+void Launcher::supervise() {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<Rank*, bool>> owners;  // fds[i + 1] is owners[i]'s stdout/stderr
+  for (;;) {
+    if (running_count() == 0) {
+      if (orphan_check_due_) kill_orphans();
+      bool any_open = false;
+      for (const Rank& rank : ranks_) any_open = any_open || rank.out_fd >= 0 || rank.err_fd >= 0;
+      if (!any_open) break;
+      const Clock::time_point now = Clock::now();
+      if (!drain_deadline_) {
+        drain_deadline_ = now + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(kDrainSeconds));
+      }
+      if (now >= *drain_deadline_) break;  // held open by someone outside our tree
+    }
+
+    fds.assign(1, pollfd{g_wake_read, POLLIN, 0});
+    owners.clear();
+    for (Rank& rank : ranks_) {
+      for (bool is_err : {false, true}) {
+        const int fd = is_err ? rank.err_fd : rank.out_fd;
+        if (fd < 0) continue;
+        fds.push_back(pollfd{fd, POLLIN, 0});
+        owners.emplace_back(&rank, is_err);
+      }
+    }
+    const int rc = poll(fds.data(), fds.size(), poll_timeout_ms());
+    if (rc < 0 && errno != EINTR) {
+      report(std::string("poll: ") + std::strerror(errno));
+      if (!exit_code_) exit_code_ = kExitLaunchFailed;
+      break;
+    }
+    if (rc > 0 && fds[0].revents != 0) drain_signals();
+    for (std::size_t i = 0; rc > 0 && i < owners.size(); ++i) {
+      if (fds[i + 1].revents == 0) continue;
+      Rank& rank = *owners[i].first;
+      const bool is_err = owners[i].second;
+      // Skip a pipe that handling a signal above already closed.
+      if ((is_err ? rank.err_fd : rank.out_fd) == fds[i + 1].fd) read_pipe(rank, is_err);
+    }
+    check_deadlines();
+  }
+
+  // Whatever is left: kill the last orphans, reap every child, flush output.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    kill_orphans();
+    reap();
+    std::vector<pid_t> known;
+    if (watchdog_.pid() > 0) known.push_back(watchdog_.pid());
+    if (orphaned_children(known).empty()) break;
+    usleep(10 * 1000);
+  }
+  reap();
+  for (Rank& rank : ranks_) {
+    close_pipe(rank, false);
+    close_pipe(rank, true);
+  }
+}
+
+int Launcher::poll_timeout_ms() const {
+  std::optional<Clock::time_point> next;
+  const auto consider = [&next](const std::optional<Clock::time_point>& t) {
+    if (t && (!next || *t < *next)) next = t;
+  };
+  if (!stopping_) consider(job_deadline_);
+  if (stopping_ && !killed_) consider(kill_deadline_);
+  consider(drain_deadline_);
+  if (!next) return -1;
+  const auto left = std::chrono::duration<double, std::milli>(*next - Clock::now()).count();
+  if (left <= 0) return 0;
+  return static_cast<int>(std::min(std::ceil(left), 3600.0 * 1000));
+}
+
+void Launcher::drain_signals() {
+  unsigned char buf[256];
+  for (;;) {
+    const ssize_t n = read(g_wake_read, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    for (ssize_t i = 0; i < n; ++i) {
+      if (buf[i] == SIGCHLD) {
+        reap();
+      } else {
+        on_signal(buf[i]);
+      }
+    }
+  }
+}
+
+void Launcher::reap() {
+  for (;;) {
+    // Peek first (WNOWAIT): while the rank is an unreaped zombie its process
+    // group id cannot be reused, so killing the group cannot hit a stranger.
+    siginfo_t info{};
+    if (waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) != 0) return;
+    if (info.si_pid == 0) return;
+    const pid_t pid = info.si_pid;
+    Rank* exited = nullptr;
+    for (Rank& rank : ranks_) {
+      if (rank.running && rank.pid == pid) exited = &rank;
+    }
+    if (exited != nullptr) kill(-pid, SIGKILL);
+    if (pid == watchdog_.pid()) watchdog_.lost();
+    while (waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+    if (exited != nullptr) on_rank_exit(*exited, info);
+    if (running_count() == 0) orphan_check_due_ = true;
+  }
+}
+
+void Launcher::on_rank_exit(Rank& rank, const siginfo_t& info) {
+  rank.running = false;
+  // Show what the rank wrote before it died ahead of the verdict on it.
+  read_pipe(rank, false);
+  read_pipe(rank, true);
+  const bool exited = info.si_code == CLD_EXITED;
+  if ((exited && info.si_status == 0) || stopping_) return;
+
+  std::string what;
+  if (exited) {
+    what = "exited with code " + std::to_string(info.si_status);
+  } else {
+    what = "was killed by signal " + signal_name(info.si_status) + " (" +
+           std::to_string(info.si_status) + (info.si_code == CLD_DUMPED ? ", core dumped" : "") +
+           ")";
+  }
+  const int others = running_count();
+  std::string message =
+      "rank " + std::to_string(rank.rank) + " (pid " + std::to_string(rank.pid) + ") " + what;
+  if (others > 0) message += "; stopping the other " + ranks_phrase(others);
+  report(message);
+  exit_code_ = exited ? info.si_status : 128 + info.si_status;
+  stop_ranks(SIGTERM);
+}
+
+void Launcher::on_signal(int sig) {
+  const int running = running_count();
+  if (!stopping_) {
+    if (running > 0) {
+      report("received " + signal_name(sig) + "; forwarding it to " + ranks_phrase(running));
+    }
+    exit_code_ = 128 + sig;
+    stop_ranks(sig);
+  } else if (!killed_ && running > 0) {
+    // Asked twice: do not wait out the grace period.
+    report("received " + signal_name(sig) + " while stopping; sending SIGKILL to " +
+           ranks_phrase(running));
+    for (const Rank& rank : ranks_) {
+      if (rank.running) kill(-rank.pid, SIGKILL);
+    }
+    killed_ = true;
+  }
+}
+
+void Launcher::check_deadlines() {
+  const Clock::time_point now = Clock::now();
+  if (!stopping_ && job_deadline_ && now >= *job_deadline_) {
+    report("job exceeded --timeout " + format_seconds(*options_.timeout_s) + "s; stopping " +
+           ranks_phrase(running_count()));
+    exit_code_ = kExitTimeout;
+    stop_ranks(SIGTERM);
+  }
+  if (stopping_ && !killed_ && kill_deadline_ && now >= *kill_deadline_) {
+    const int running = running_count();
+    if (running > 0) {
+      report(ranks_phrase(running) + " still running " + format_seconds(options_.grace_s) +
+             "s after being told to stop; sending SIGKILL");
+    }
+    for (const Rank& rank : ranks_) {
+      if (rank.running) kill(-rank.pid, SIGKILL);
+    }
+    killed_ = true;
+  }
+}
+
+bool Launcher::read_pipe(Rank& rank, bool is_err) {
+  static char buf[1 << 16];
+  // Bounded, so one chatty rank cannot starve the others or the signals.
+  for (int i = 0; i < 16; ++i) {
+    const int fd = is_err ? rank.err_fd : rank.out_fd;
+    if (fd < 0) return false;
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    if (n > 0) {
+      (is_err ? rank.err : rank.out)->feed(buf, static_cast<std::size_t>(n));
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      return true;
+    } else {
+      close_pipe(rank, is_err);  // EOF (or an error, which ends the stream too)
+      return false;
+    }
+  }
+  return true;
+}
+
+void Launcher::close_pipe(Rank& rank, bool is_err) {
+  int& fd = is_err ? rank.err_fd : rank.out_fd;
+  if (fd < 0) return;
+  std::unique_ptr<LineForwarder>& forwarder = is_err ? rank.err : rank.out;
+  if (forwarder) forwarder->finish();
+  close(fd);
+  fd = -1;
+}
+
+void Launcher::stop_ranks(int sig) {
+  stopping_ = true;
+  for (const Rank& rank : ranks_) {
+    if (!rank.running) continue;
+    kill(-rank.pid, sig);
+    // A stopped rank could not act on the signal until continued.
+    if (sig != SIGKILL) kill(-rank.pid, SIGCONT);
+  }
+  kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(options_.grace_s));
+}
+
+void Launcher::kill_orphans() {
+  orphan_check_due_ = false;
+  std::vector<pid_t> known;
+  if (watchdog_.pid() > 0) known.push_back(watchdog_.pid());
+  for (const Rank& rank : ranks_) {
+    if (rank.running) known.push_back(rank.pid);
+  }
+  for (pid_t pid : orphaned_children(known)) kill(pid, SIGKILL);
+}
+
+}  // namespace commgrad::run

@@ -1,0 +1,92 @@
+#pragma once
+
+// The launcher: starts the ranks, forwards their output and signals, and
+// stops the whole job when one rank fails, the time runs out, or it is told to.
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <csignal>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "options.h"
+#include "output.h"
+#include "process.h"
+
+namespace commgrad::run {
+
+/// Exit code when the job ran past `--timeout` (as timeout(1)).
+constexpr int kExitTimeout = 124;
+/// Exit code when the launcher itself failed (fork, pipe, port).
+constexpr int kExitLaunchFailed = 1;
+
+/// Runs one node's share of a job to the end.
+///
+/// All waiting happens in one poll() loop over the ranks' output pipes and a
+/// self-pipe fed by the signal handlers (SIGCHLD, SIGINT, SIGTERM, SIGHUP),
+/// so the handlers do nothing but write() one byte.
+///
+/// Example:
+///   ParseResult parsed = parse_options(argc, argv);
+///   return Launcher(parsed.options).run();
+class Launcher {
+ public:
+  explicit Launcher(LaunchOptions options);
+  Launcher(const Launcher&) = delete;
+  Launcher& operator=(const Launcher&) = delete;
+  ~Launcher();
+
+  /// Starts the ranks, supervises them until every one is reaped and every
+  /// pipe is drained, and returns the exit code for the launcher.
+  int run();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  struct Rank {
+    int rank = 0;         // global RANK
+    pid_t pid = -1;       // also its process group id
+    bool running = false; // started and not yet reaped
+    int out_fd = -1;      // read ends of its stdout / stderr pipes
+    int err_fd = -1;
+    std::unique_ptr<LineForwarder> out;
+    std::unique_ptr<LineForwarder> err;
+  };
+
+  bool install_signal_handlers();
+  void restore_signal_handlers();
+  bool spawn(Rank& rank, const std::string& path);
+  void supervise();
+  int poll_timeout_ms() const;
+  void drain_signals();
+  void reap();
+  void on_rank_exit(Rank& rank, const siginfo_t& info);
+  void on_signal(int sig);
+  void check_deadlines();
+  bool read_pipe(Rank& rank, bool is_err);
+  void close_pipe(Rank& rank, bool is_err);
+  void stop_ranks(int sig);
+  void kill_orphans();
+  int running_count() const;
+  void report(const std::string& message) const;
+
+  LaunchOptions options_;
+  int port_ = 0;
+  std::vector<Rank> ranks_;
+  Watchdog watchdog_;
+  int devnull_ = -1;
+
+  // Set once, by the first of: a failed rank, a signal, the timeout.
+  std::optional<int> exit_code_;
+  bool stopping_ = false;
+  bool killed_ = false;           // SIGKILL already sent after the grace period
+  std::optional<Clock::time_point> job_deadline_;
+  std::optional<Clock::time_point> kill_deadline_;
+  std::optional<Clock::time_point> drain_deadline_;
+  bool orphan_check_due_ = false;
+};
+
+}  // namespace commgrad::run

@@ -1,0 +1,56 @@
+#pragma once
+
+// Command-line options of commgrad-run.
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace commgrad::run {
+
+/// Exit code for bad usage (unknown flag, bad value, missing program).
+constexpr int kExitUsage = 2;
+
+/// What `commgrad-run [options] [--] program [args...]` asked for.
+///
+/// Example:
+///   commgrad-run -n 4 --timeout 600 ./train --lr 0.1
+///   -> nproc_per_node = 4, timeout_s = 600, program = "./train",
+///      args = {"--lr", "0.1"}
+struct LaunchOptions {
+  /// Ranks started on this node (`-n`, `--nproc-per-node`).
+  int nproc_per_node = 1;
+  /// Nodes in the job (`--nnodes`) and this node's index (`--node-rank`).
+  int nnodes = 1;
+  int node_rank = 0;
+  /// Rendezvous address and port; empty port means "pick a free one".
+  std::string master_addr = "127.0.0.1";
+  std::optional<int> master_port;
+  /// Whole-job time limit in seconds (`--timeout`); unset means none.
+  std::optional<double> timeout_s;
+  /// Seconds between SIGTERM and SIGKILL when stopping ranks (`--grace`).
+  double grace_s = 3.0;
+  /// Pass output through without the `[rank] ` prefix (`--no-prefix`).
+  bool prefix = true;
+  /// The program and its arguments.
+  std::string program;
+  std::vector<std::string> args;
+};
+
+/// The outcome of parsing: options to run with, or help, or a usage error.
+struct ParseResult {
+  enum class Kind { kRun, kHelp, kError };
+  Kind kind = Kind::kError;
+  LaunchOptions options;
+  /// One-line reason when kind == kError.
+  std::string error;
+};
+
+/// Parses argv. Options stop at the first non-option word or at `--`;
+/// everything after belongs to the program.
+ParseResult parse_options(int argc, const char* const* argv);
+
+/// The text printed by `commgrad-run --help`.
+std::string usage_text();
+
+}  // namespace commgrad::run
