@@ -1,0 +1,391 @@
+// Tests of commgrad-run: run the real binary ($COMMGRAD_RUN) on small
+// /bin/sh programs and check its output, exit code, timing, and that no
+// process it started outlives it. Each test tags its long-running processes
+// with a unique `sleep 60.<digits>` so leftovers can be found in /proc.
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "launch/child_process.h"
+
+namespace commgrad::testing {
+namespace {
+
+// Generous: the tests share two cores with whole builds.
+constexpr double kRunLimitS = 30;
+constexpr double kFastTeardownS = 10;
+constexpr double kLeftoverWaitS = 3;
+
+// $COMMGRAD_RUN, else the build tree's bin/, else the path this test was
+// built with (ctest may pass only part of the environment list).
+std::string launcher_path() {
+  if (const char* path = std::getenv("COMMGRAD_RUN")) return path;
+  if (const char* dir = std::getenv("COMMGRAD_BUILD_DIR")) {
+    const std::string path = std::string(dir) + "/bin/commgrad-run";
+    if (access(path.c_str(), X_OK) == 0) return path;
+  }
+  return COMMGRAD_RUN_PATH;
+}
+
+// A unique duration for `sleep`, e.g. "60.123450007": it finds the process.
+std::string unique_marker() {
+  static int counter = 0;
+  return "60." + std::to_string(getpid()) + std::to_string(100 + counter++);
+}
+
+std::vector<std::string> launch_args(std::vector<std::string> args) {
+  args.insert(args.begin(), launcher_path());
+  return args;
+}
+
+// Runs commgrad-run with `args` to the end.
+ChildResult launch(const std::vector<std::string>& args,
+                   const std::map<std::string, std::optional<std::string>>& env = {}) {
+  ChildProcess child(launch_args(args), env);
+  return child.finish(kRunLimitS);
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+bool has_line(const std::string& text, const std::string& line) {
+  for (const std::string& l : lines_of(text))
+    if (l == line) return true;
+  return false;
+}
+
+// A temporary directory removed with everything in it at the end of a test.
+class TempDir {
+ public:
+  TempDir() {
+    char templ[] = "/tmp/commgrad_launch_XXXXXX";
+    path_ = mkdtemp(templ);
+  }
+  ~TempDir() { std::system(("rm -rf '" + path_ + "'").c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+#define EXPECT_NO_LEFTOVERS(marker) \
+  EXPECT_TRUE(leftovers(marker, kLeftoverWaitS).empty()) << "processes with " << (marker) << " remain"
+
+TEST(LauncherTest, HelpMentionsEveryOption) {
+  const ChildResult r = launch({"--help"});
+  EXPECT_EQ(r.code, 0);
+  for (const char* opt : {"-n,", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
+                          "--master-port", "--timeout", "--grace", "--no-prefix", "--help"}) {
+    EXPECT_NE(r.out.find(opt), std::string::npos) << opt;
+  }
+  EXPECT_TRUE(r.err.empty()) << r.err;
+}
+
+TEST(LauncherTest, BadUsageExitsTwo) {
+  const std::vector<std::vector<std::string>> cases = {
+      {},
+      {"-n", "2"},
+      {"--bogus", "true"},
+      {"-n", "0", "true"},
+      {"-n", "two", "true"},
+      {"-n", "3x", "true"},
+      {"--nproc-per-node"},
+      {"--timeout", "soon", "true"},
+      {"--timeout", "0", "true"},
+      {"--grace", "-1", "true"},
+      {"--master-port", "70000", "true"},
+      {"--nnodes", "2", "true"},
+      {"--nnodes", "2", "--master-addr", "127.0.0.1", "true"},
+      {"--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "--master-port",
+       "29500", "true"},
+      {"--node-rank", "1", "true"},
+  };
+  for (const auto& args : cases) {
+    std::string joined;
+    for (const auto& a : args) joined += " " + a;
+    const ChildResult r = launch(args);
+    EXPECT_EQ(r.code, 2) << joined;
+    EXPECT_NE(r.err.find("commgrad-run: "), std::string::npos) << joined;
+    EXPECT_NE(r.err.find("see commgrad-run --help"), std::string::npos) << joined;
+    EXPECT_EQ(lines_of(r.err).size(), 2u) << joined << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << joined;
+  }
+}
+
+TEST(LauncherTest, SetsTorchrunEnvironmentAndRemovesOtherLaunchers) {
+  const ChildResult r = launch(
+      {"-n", "3", "sh", "-c",
+       "echo R=$RANK W=$WORLD_SIZE L=$LOCAL_RANK LW=$LOCAL_WORLD_SIZE G=$GROUP_RANK "
+       "A=$MASTER_ADDR O=$OMP_NUM_THREADS "
+       "X=${OMPI_COMM_WORLD_RANK-unset},${OMPI_COMM_WORLD_SIZE-unset},"
+       "${SLURM_PROCID-unset},${SLURM_NTASKS-unset},${SLURM_LOCALID-unset} J=$SLURM_JOB_ID; "
+       "echo P=$MASTER_PORT"},
+      {{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "9"}, {"SLURM_PROCID", "4"},
+       {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"}, {"SLURM_JOB_ID", "77"},
+       {"OMP_NUM_THREADS", std::nullopt}, {"RANK", "99"}, {"MASTER_PORT", "1"}});
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string s = std::to_string(rank);
+    EXPECT_TRUE(has_line(r.out, "[" + s + "] R=" + s + " W=3 L=" + s +
+                                    " LW=3 G=0 A=127.0.0.1 O=1 X=unset,unset,unset,unset,unset J=77"))
+        << r.out;
+  }
+  // One free port, the same for every rank.
+  std::set<std::string> ports;
+  for (const std::string& line : lines_of(r.out)) {
+    std::smatch m;
+    if (std::regex_match(line, m, std::regex(R"(\[\d\] P=(\d+))"))) ports.insert(m[1]);
+  }
+  ASSERT_EQ(ports.size(), 1u) << r.out;
+  const int port = std::stoi(*ports.begin());
+  EXPECT_GT(port, 1);
+  EXPECT_LE(port, 65535);
+}
+
+TEST(LauncherTest, KeepsOmpNumThreadsWhenSet) {
+  const ChildResult r =
+      launch({"-n", "2", "sh", "-c", "echo O=$OMP_NUM_THREADS"}, {{"OMP_NUM_THREADS", "4"}});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(has_line(r.out, "[0] O=4")) << r.out;
+  EXPECT_TRUE(has_line(r.out, "[1] O=4")) << r.out;
+}
+
+TEST(LauncherTest, MultiNodeRanksAreOffsetByNodeRank) {
+  const ChildResult r = launch({"--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3",
+                                "--master-port", "29555", "--nproc-per-node=2", "--", "sh", "-c",
+                                "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK "
+                                "$MASTER_ADDR $MASTER_PORT"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(has_line(r.out, "[2] 2 4 0 2 1 10.1.2.3 29555")) << r.out;
+  EXPECT_TRUE(has_line(r.out, "[3] 3 4 1 2 1 10.1.2.3 29555")) << r.out;
+  EXPECT_EQ(lines_of(r.out).size(), 2u) << r.out;
+}
+
+TEST(LauncherTest, PrefixesStdoutAndStderrSeparately) {
+  const ChildResult r = launch(
+      {"-n", "2", "sh", "-c", "printf 'out1\\nout2\\n'; printf 'err1\\n' >&2; printf \"tail-$RANK\""});
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const std::string s : {"0", "1"}) {
+    const std::string p = "[" + s + "] ";
+    EXPECT_TRUE(has_line(r.out, p + "out1")) << r.out;
+    EXPECT_TRUE(has_line(r.out, p + "tail-" + s)) << r.out;  // unterminated, flushed at EOF
+    EXPECT_LT(r.out.find(p + "out1"), r.out.find(p + "out2"));
+    EXPECT_TRUE(has_line(r.err, p + "err1")) << r.err;
+  }
+  EXPECT_EQ(r.out.find("err1"), std::string::npos) << r.out;
+  EXPECT_EQ(r.err.find("out1"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.back(), '\n');
+  EXPECT_EQ(lines_of(r.out).size(), 6u) << r.out;
+}
+
+TEST(LauncherTest, NoPrefixPassesOutputThrough) {
+  const ChildResult r = launch({"--no-prefix", "sh", "-c", "printf 'a\\nb'; printf 'e\\n' >&2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, "a\nb");
+  EXPECT_EQ(r.err, "e\n");
+}
+
+TEST(LauncherTest, ConcurrentLinesNeverInterleave) {
+  // Four ranks writing long lines at once, each through many small writes.
+  const ChildResult r = launch(
+      {"-n", "4", "sh", "-c",
+       "i=0; while [ $i -lt 400 ]; do printf 'rank %s ' $RANK; printf 'line %s ' $i; "
+       "printf 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\\n'; "
+       "i=$((i+1)); done"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::regex line_re(R"(\[(\d)\] rank (\d) line (\d+) x{62})");
+  std::map<std::string, int> next_line;
+  for (const std::string& line : lines_of(r.out)) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(line, m, line_re)) << "mangled line: " << line;
+    ASSERT_EQ(m[1], m[2]) << line;
+    EXPECT_EQ(std::stoi(m[3]), next_line[m[1]]++) << line;  // per-rank order kept
+  }
+  for (const std::string s : {"0", "1", "2", "3"}) EXPECT_EQ(next_line[s], 400) << s;
+}
+
+TEST(LauncherTest, AllRanksSucceedExitsZero) {
+  const ChildResult r = launch({"-n", "4", "true"});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_TRUE(r.err.empty()) << r.err;
+}
+
+TEST(LauncherTest, PropagatesFirstFailureAndStopsOthersFast) {
+  const std::string marker = unique_marker();
+  const ChildResult r = launch(
+      {"-n", "4", "sh", "-c", "if [ $RANK = 1 ]; then sleep 0.2; exit 3; fi; sleep " + marker});
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("commgrad-run: rank 1 (pid "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(") exited with code 3; stopping the other 3 ranks"), std::string::npos)
+      << r.err;
+  EXPECT_LT(r.seconds, kFastTeardownS);
+  EXPECT_NO_LEFTOVERS(marker);
+}
+
+TEST(LauncherTest, ReportsRankKilledBySignal) {
+  const std::string marker = unique_marker();
+  const ChildResult r = launch(
+      {"-n", "2", "sh", "-c", "if [ $RANK = 1 ]; then kill -9 $$; fi; sleep " + marker});
+  EXPECT_EQ(r.code, 137) << r.err;
+  EXPECT_NE(r.err.find("rank 1 (pid "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("was killed by signal SIGKILL (9)"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, kFastTeardownS);
+  EXPECT_NO_LEFTOVERS(marker);
+}
+
+TEST(LauncherTest, SigkillsRankThatIgnoresSigtermAfterGrace) {
+  const std::string marker = unique_marker();
+  TempDir dir;
+  // Rank 0 fails only once rank 1 ignores SIGTERM (which its sleep inherits).
+  const ChildResult r = launch(
+      {"-n", "2", "--grace", "1", "sh", "-c",
+       "if [ $RANK = 0 ]; then while [ ! -e " + dir.path() + "/ready ]; do sleep 0.02; done; "
+       "exit 5; fi; trap '' TERM; touch " + dir.path() + "/ready; sleep " + marker});
+  EXPECT_EQ(r.code, 5) << r.err;
+  EXPECT_NE(r.err.find("rank 0 (pid "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("1 rank still running 1s after being told to stop; sending SIGKILL"),
+            std::string::npos)
+      << r.err;
+  EXPECT_GE(r.seconds, 1.0);
+  EXPECT_LT(r.seconds, kFastTeardownS);
+  EXPECT_NO_LEFTOVERS(marker);
+}
+
+// Ranks trap `sig`, print a marker when they get it, and exit 0.
+void expect_signal_forwarded(int sig, const std::string& trap_name, int expected_code) {
+  const std::string marker = unique_marker();
+  ChildProcess child(launch_args(
+      {"-n", "2", "sh", "-c",
+       "trap 'echo got-" + trap_name + "-$RANK; exit 0' " + trap_name +
+           "; echo ready; sleep " + marker + " & wait"}));
+  ASSERT_TRUE(child.wait_for_stdout({"[0] ready", "[1] ready"}, kRunLimitS)) << child.err();
+  child.send(sig);
+  const ChildResult r = child.finish(kRunLimitS);
+  EXPECT_EQ(r.code, expected_code) << r.err;
+  EXPECT_TRUE(has_line(r.out, "[0] got-" + trap_name + "-0")) << r.out;
+  EXPECT_TRUE(has_line(r.out, "[1] got-" + trap_name + "-1")) << r.out;
+  EXPECT_NE(r.err.find("received SIG" + trap_name + "; forwarding it to 2 ranks"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NO_LEFTOVERS(marker);
+}
+
+TEST(LauncherTest, ForwardsSigtermToRanks) { expect_signal_forwarded(SIGTERM, "TERM", 143); }
+
+TEST(LauncherTest, ForwardsSigintToRanks) { expect_signal_forwarded(SIGINT, "INT", 130); }
+
+TEST(LauncherTest, ForwardedSignalEscalatesToSigkill) {
+  const std::string marker = unique_marker();
+  ChildProcess child(launch_args({"-n", "2", "--grace", "0.5", "sh", "-c",
+                                  "trap '' HUP; echo ready; sleep " + marker}));
+  ASSERT_TRUE(child.wait_for_stdout({"[0] ready", "[1] ready"}, kRunLimitS)) << child.err();
+  child.send(SIGHUP);
+  const ChildResult r = child.finish(kRunLimitS);
+  EXPECT_EQ(r.code, 128 + SIGHUP) << r.err;
+  EXPECT_NE(r.err.find("sending SIGKILL"), std::string::npos) << r.err;
+  EXPECT_NO_LEFTOVERS(marker);
+}
+
+TEST(LauncherTest, TimeoutStopsJobWith124) {
+  const std::string marker = unique_marker();
+  const ChildResult r = launch({"-n", "2", "--timeout", "1", "sleep", marker});
+  EXPECT_EQ(r.code, 124) << r.err;
+  EXPECT_NE(r.err.find("commgrad-run: job exceeded --timeout 1s; stopping 2 ranks"),
+            std::string::npos)
+      << r.err;
+  EXPECT_GE(r.seconds, 1.0);
+  EXPECT_LT(r.seconds, kFastTeardownS);
+  EXPECT_NO_LEFTOVERS(marker);
+}
+
+TEST(LauncherTest, ProgramNotFoundExits127BeforeStarting) {
+  const ChildResult r = launch({"-n", "2", "commgrad-no-such-program-xyz"});
+  EXPECT_EQ(r.code, 127);
+  EXPECT_EQ(r.err, "commgrad-run: cannot execute 'commgrad-no-such-program-xyz': not found in PATH\n");
+  EXPECT_TRUE(r.out.empty());
+}
+
+TEST(LauncherTest, ProgramNotExecutableExits126) {
+  TempDir dir;
+  const std::string file = dir.path() + "/not_executable";
+  std::ofstream(file) << "echo hi\n";
+  chmod(file.c_str(), 0644);
+  ChildResult r = launch({file});
+  EXPECT_EQ(r.code, 126);
+  EXPECT_EQ(r.err, "commgrad-run: cannot execute '" + file + "': Permission denied\n");
+  r = launch({dir.path()});  // a directory
+  EXPECT_EQ(r.code, 126);
+  EXPECT_NE(r.err.find("cannot execute '" + dir.path() + "'"), std::string::npos) << r.err;
+  // Found in PATH but not executable.
+  r = launch({"not_executable"}, {{"PATH", dir.path()}});
+  EXPECT_EQ(r.code, 126);
+  EXPECT_EQ(r.err, "commgrad-run: cannot execute 'not_executable': Permission denied\n");
+}
+
+TEST(LauncherTest, ExecFailureInRankExits127) {
+  TempDir dir;
+  const std::string file = dir.path() + "/bad_interpreter";
+  std::ofstream(file) << "#!/nonexistent/interpreter\n";
+  chmod(file.c_str(), 0755);
+  const ChildResult r = launch({"-n", "2", file});
+  EXPECT_EQ(r.code, 127) << r.err;
+  EXPECT_NE(r.err.find("cannot execute '" + file + "': No such file or directory"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find(") exited with code 127"), std::string::npos) << r.err;
+}
+
+TEST(LauncherTest, RunsScriptWithoutShebangWithSh) {
+  TempDir dir;
+  const std::string file = dir.path() + "/script";
+  std::ofstream(file) << "echo script-ran $RANK\n";
+  chmod(file.c_str(), 0755);
+  const ChildResult r = launch({"script"}, {{"PATH", dir.path() + ":/usr/bin:/bin"}});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, "[0] script-ran 0\n");
+}
+
+TEST(LauncherTest, KillsWhatARankLeavesBehind) {
+  // One child stays in the rank's process group, one escapes it with setsid.
+  const std::string in_group = unique_marker();
+  const std::string escaped = unique_marker();
+  const ChildResult r =
+      launch({"-n", "2", "sh", "-c",
+              "sleep " + in_group + " & setsid sleep " + escaped + " & sleep 0.2; echo started"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(has_line(r.out, "[1] started")) << r.out;
+  EXPECT_LT(r.seconds, kFastTeardownS);
+  EXPECT_NO_LEFTOVERS(in_group);
+  EXPECT_NO_LEFTOVERS(escaped);
+}
+
+TEST(LauncherTest, RanksDieWhenLauncherIsKilled) {
+  // The sleeps are children of the ranks' shells: the watchdog must get them.
+  const std::string marker = unique_marker();
+  const std::string direct = unique_marker();
+  ChildProcess child(launch_args(
+      {"-n", "3", "sh", "-c",
+       "if [ $RANK = 2 ]; then exec sleep " + direct + "; fi; echo ready; sleep " + marker}));
+  ASSERT_TRUE(child.wait_for_stdout({"[0] ready", "[1] ready"}, kRunLimitS)) << child.err();
+  ASSERT_TRUE(wait_for_processes("sleep " + marker, 2, kRunLimitS));
+  ASSERT_TRUE(wait_for_processes("sleep " + direct, 1, kRunLimitS));
+  child.send(SIGKILL);
+  const ChildResult r = child.finish(kRunLimitS);
+  EXPECT_EQ(r.code, 137);
+  EXPECT_NO_LEFTOVERS(marker);
+  EXPECT_NO_LEFTOVERS(direct);
+}
+
+}  // namespace
+}  // namespace commgrad::testing
