@@ -14,8 +14,6 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
-#include <fstream>
-#include <iterator>
 #include <map>
 #include <optional>
 #include <string>
@@ -205,8 +203,14 @@ inline std::vector<pid_t> processes_with(const std::string& marker, bool exact =
     char* end = nullptr;
     const long pid = std::strtol(entry->d_name, &end, 10);
     if (*end != '\0' || pid <= 0 || pid == getpid()) continue;
-    std::ifstream file(std::string("/proc/") + entry->d_name + "/cmdline");
-    std::string cmdline((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+    // Plain read(): iostreams throw when the process vanishes mid-read.
+    std::string cmdline;
+    const int fd = open((std::string("/proc/") + entry->d_name + "/cmdline").c_str(),
+                        O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    char buf[4096];
+    for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) cmdline.append(buf, n);
+    close(fd);
     if (!cmdline.empty() && cmdline.back() == '\0') cmdline.pop_back();
     for (char& c : cmdline) c = c == '\0' ? ' ' : c;  // zombies have an empty one
     const bool match = exact ? cmdline == marker : cmdline.find(marker) != std::string::npos;

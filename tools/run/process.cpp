@@ -17,8 +17,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 
 namespace commgrad::run {
 namespace {
@@ -34,6 +32,27 @@ int check_executable(const std::string& path) {
   if (!S_ISREG(st.st_mode)) return EACCES;
   if (access(path.c_str(), X_OK) != 0) return errno;
   return 0;
+}
+
+// Reads a small /proc file with plain read(): the process may vanish
+// mid-read, which iostreams report by throwing.
+std::string read_proc_file(const std::string& path) {
+  std::string text;
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return text;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    if (n > 0) {
+      text.append(buf, static_cast<std::size_t>(n));
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      break;
+    }
+  }
+  close(fd);
+  return text;
 }
 
 bool is_removed_variable(const std::string& name) {
@@ -186,9 +205,7 @@ std::vector<pid_t> orphaned_children(const std::vector<pid_t>& known) {
     char* end = nullptr;
     const long pid = std::strtol(entry->d_name, &end, 10);
     if (*end != '\0' || pid <= 0) continue;
-    std::ifstream stat_file(std::string("/proc/") + entry->d_name + "/stat");
-    const std::string stat((std::istreambuf_iterator<char>(stat_file)),
-                           std::istreambuf_iterator<char>());
+    const std::string stat = read_proc_file(std::string("/proc/") + entry->d_name + "/stat");
     // Format: "pid (comm) state ppid ..."; comm may contain spaces and ')'.
     const auto paren = stat.rfind(')');
     if (paren == std::string::npos) continue;
