@@ -7,9 +7,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <regex>
 #include <set>
 #include <sstream>
 
@@ -142,13 +142,14 @@ TEST(LauncherTest, SetsTorchrunEnvironmentAndRemovesOtherLaunchers) {
         << r.out;
   }
   // One free port, the same for every rank.
-  std::set<std::string> ports;
+  std::set<int> ports;
   for (const std::string& line : lines_of(r.out)) {
-    std::smatch m;
-    if (std::regex_match(line, m, std::regex(R"(\[\d\] P=(\d+))"))) ports.insert(m[1]);
+    int rank = -1;
+    int port = -1;
+    if (std::sscanf(line.c_str(), "[%d] P=%d", &rank, &port) == 2) ports.insert(port);
   }
   ASSERT_EQ(ports.size(), 1u) << r.out;
-  const int port = std::stoi(*ports.begin());
+  const int port = *ports.begin();
   EXPECT_GT(port, 1);
   EXPECT_LE(port, 65535);
 }
@@ -204,15 +205,19 @@ TEST(LauncherTest, ConcurrentLinesNeverInterleave) {
        "printf 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\\n'; "
        "i=$((i+1)); done"});
   ASSERT_EQ(r.code, 0) << r.err;
-  const std::regex line_re(R"(\[(\d)\] rank (\d) line (\d+) x{62})");
-  std::map<std::string, int> next_line;
+  std::map<int, int> next_line;
   for (const std::string& line : lines_of(r.out)) {
-    std::smatch m;
-    ASSERT_TRUE(std::regex_match(line, m, line_re)) << "mangled line: " << line;
-    ASSERT_EQ(m[1], m[2]) << line;
-    EXPECT_EQ(std::stoi(m[3]), next_line[m[1]]++) << line;  // per-rank order kept
+    int prefix = -1;
+    int rank = -1;
+    int index = -1;
+    int used = 0;
+    ASSERT_EQ(std::sscanf(line.c_str(), "[%d] rank %d line %d %n", &prefix, &rank, &index, &used), 3)
+        << "mangled line: " << line;
+    ASSERT_EQ(line.substr(static_cast<std::size_t>(used)), std::string(62, 'x')) << line;
+    ASSERT_EQ(prefix, rank) << line;
+    EXPECT_EQ(index, next_line[rank]++) << line;  // per-rank order kept
   }
-  for (const std::string s : {"0", "1", "2", "3"}) EXPECT_EQ(next_line[s], 400) << s;
+  for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(next_line[rank], 400) << rank;
 }
 
 TEST(LauncherTest, AllRanksSucceedExitsZero) {
