@@ -99,6 +99,9 @@ int Launcher::run() {
       return kExitLaunchFailed;
     }
   }
+  // First, so the watchdog holds no rank pipe and no self-pipe open and
+  // cannot run our signal handlers.
+  watchdog_.start();
   devnull_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (devnull_ < 0 || !install_signal_handlers()) {
     report(std::string("cannot set up: ") + std::strerror(errno));
@@ -106,8 +109,6 @@ int Launcher::run() {
   }
   // Orphaned descendants come back to us instead of init (see top of file).
   prctl(PR_SET_CHILD_SUBREAPER, 1);
-  // Before any rank pipe exists, so the watchdog holds none of them open.
-  watchdog_.start();
 
   ranks_.resize(static_cast<std::size_t>(options_.nproc_per_node));
   for (int r = 0; r < options_.nproc_per_node; ++r) {
@@ -410,9 +411,7 @@ void Launcher::on_signal(int sig) {
     // Asked twice: do not wait out the grace period.
     report("received " + signal_name(sig) + " while stopping; sending SIGKILL to " +
            ranks_phrase(running));
-    for (const Rank& rank : ranks_) {
-      if (rank.running) kill(-rank.pid, SIGKILL);
-    }
+    for (const Rank& rank : ranks_) signal_rank(rank, SIGKILL);
     killed_ = true;
   }
 }
@@ -431,9 +430,7 @@ void Launcher::check_deadlines() {
       report(ranks_phrase(running) + " still running " + format_seconds(options_.grace_s) +
              "s after being told to stop; sending SIGKILL");
     }
-    for (const Rank& rank : ranks_) {
-      if (rank.running) kill(-rank.pid, SIGKILL);
-    }
+    for (const Rank& rank : ranks_) signal_rank(rank, SIGKILL);
     killed_ = true;
   }
 }
@@ -471,13 +468,20 @@ void Launcher::close_pipe(Rank& rank, bool is_err) {
 void Launcher::stop_ranks(int sig) {
   stopping_ = true;
   for (const Rank& rank : ranks_) {
-    if (!rank.running) continue;
-    kill(-rank.pid, sig);
+    signal_rank(rank, sig);
     // A stopped rank could not act on the signal until continued.
-    if (sig != SIGKILL) kill(-rank.pid, SIGCONT);
+    if (sig != SIGKILL) signal_rank(rank, SIGCONT);
   }
   kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                       std::chrono::duration<double>(options_.grace_s));
+}
+
+void Launcher::signal_rank(const Rank& rank, int sig) {
+  if (!rank.running) return;
+  kill(-rank.pid, sig);
+  // A rank that moved itself to another group (setsid) is signalled by pid;
+  // it is our unreaped child, so the pid cannot belong to anyone else.
+  if (getpgid(rank.pid) != rank.pid) kill(rank.pid, sig);
 }
 
 void Launcher::kill_orphans() {

@@ -69,6 +69,7 @@ class Launcher {
   bool read_pipe(Rank& rank, bool is_err);
   void close_pipe(Rank& rank, bool is_err);
   void stop_ranks(int sig);
+  void signal_rank(const Rank& rank, int sig);
   void kill_orphans();
   int running_count() const;
   void report(const std::string& message) const;

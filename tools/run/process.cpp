@@ -99,22 +99,26 @@ ResolvedProgram resolve_program(const std::string& program) {
   return result;
 }
 
-int pick_free_port(const std::string& addr, std::string* error) {
+namespace {
+
+// Binds a TCP socket to port 0 on `host` (nullptr: the wildcard address) and
+// returns the port the kernel chose, or -1 with `*error` set.
+int bind_port_zero(const char* host, std::string* error) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
   addrinfo* list = nullptr;
-  const int rc = getaddrinfo(addr.c_str(), "0", &hints, &list);
+  const int rc = getaddrinfo(host, "0", &hints, &list);
   if (rc != 0) {
-    *error = "cannot resolve --master-addr '" + addr + "': " + gai_strerror(rc);
+    *error = gai_strerror(rc);
     return -1;
   }
   int port = -1;
-  std::string last_error = "no address";
   for (addrinfo* ai = list; ai != nullptr && port < 0; ai = ai->ai_next) {
     const int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) {
-      last_error = std::strerror(errno);
+      *error = std::strerror(errno);
       continue;
     }
     sockaddr_storage bound{};
@@ -125,12 +129,23 @@ int pick_free_port(const std::string& addr, std::string* error) {
                  ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
                  : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
     } else {
-      last_error = std::strerror(errno);
+      *error = std::strerror(errno);
     }
     close(fd);
   }
   freeaddrinfo(list);
-  if (port < 0) *error = "cannot bind a free port on '" + addr + "': " + last_error;
+  return port;
+}
+
+}  // namespace
+
+int pick_free_port(const std::string& addr, std::string* error) {
+  std::string why;
+  int port = bind_port_zero(addr.c_str(), &why);
+  // The master address may not be local (a hostname that resolves to
+  // another machine): then any free local port will do.
+  if (port < 0) port = bind_port_zero(nullptr, &why);
+  if (port < 0) *error = "cannot pick a free port for --master-addr '" + addr + "': " + why;
   return port;
 }
 
