@@ -1,0 +1,76 @@
+# Helpers shared by every commgrad target.
+#
+# Every target that includes LibTorch reuses one precompiled header (the
+# LibTorch headers cost ~30 s per translation unit otherwise), so all of them
+# are compiled position-independent with the same flags.
+
+set(COMMGRAD_PCH_HEADERS
+  <torch/torch.h>
+  <torch/csrc/distributed/c10d/ProcessGroup.hpp>)
+
+set(COMMGRAD_WARNINGS -Wall -Wextra -Winvalid-pch)
+
+
+if(COMMGRAD_SANITIZE STREQUAL "address")
+  set(COMMGRAD_SANITIZER_FLAGS -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
+elseif(COMMGRAD_SANITIZE STREQUAL "thread")
+  set(COMMGRAD_SANITIZER_FLAGS -fsanitize=thread -fno-omit-frame-pointer)
+elseif(COMMGRAD_SANITIZE)
+  message(FATAL_ERROR "COMMGRAD_SANITIZE must be empty, 'address' or 'thread'")
+endif()
+
+# The PCH is opt-in: loading it costs ~10 s even for a file that needs none
+# of it, so only translation units that include <torch/torch.h> (tests,
+# examples, the nn-module layers) use it; they save ~10-20 s each. It is
+# built once, by an object library, and reused; every user compiles with
+# -fPIC (not -fPIE) so that the PCH stays valid for executables too.
+set(COMMGRAD_PCH_OWNER "")
+if(COMMGRAD_USE_PCH)
+  add_library(commgrad_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/pch.cpp)
+  target_compile_features(commgrad_pch PRIVATE cxx_std_17)
+  target_link_libraries(commgrad_pch PRIVATE ${TORCH_LIBRARIES})
+  target_compile_options(commgrad_pch PRIVATE -fPIC ${COMMGRAD_SANITIZER_FLAGS})
+  set_target_properties(commgrad_pch PROPERTIES CXX_EXTENSIONS OFF)
+  target_precompile_headers(commgrad_pch PRIVATE ${COMMGRAD_PCH_HEADERS})
+  set(COMMGRAD_PCH_OWNER commgrad_pch)
+endif()
+
+# commgrad_configure_target(<target> [PCH])
+#   C++17, warnings, sanitizers, -fPIC, and with PCH the shared precompiled
+#   LibTorch headers.
+function(commgrad_configure_target target)
+  cmake_parse_arguments(ARG "PCH;NO_TORCH" "" "" ${ARGN})
+  target_compile_features(${target} PRIVATE cxx_std_17)
+  set_target_properties(${target} PROPERTIES CXX_EXTENSIONS OFF DEFINE_SYMBOL "")
+  target_compile_options(${target} PRIVATE -fPIC ${COMMGRAD_WARNINGS} ${COMMGRAD_SANITIZER_FLAGS})
+  if(COMMGRAD_SANITIZER_FLAGS)
+    target_link_options(${target} PRIVATE ${COMMGRAD_SANITIZER_FLAGS})
+  endif()
+  if(ARG_PCH AND COMMGRAD_PCH_OWNER)
+    target_precompile_headers(${target} REUSE_FROM ${COMMGRAD_PCH_OWNER})
+  endif()
+endfunction()
+
+# commgrad_add_library(<name> SOURCES ... [DEPS ...] [PCH])
+#   One layer of the library: a shared library commgrad::<name without prefix>,
+#   exported and installed.
+function(commgrad_add_library name)
+  cmake_parse_arguments(ARG "PCH" "" "SOURCES;DEPS" ${ARGN})
+  add_library(${name} SHARED ${ARG_SOURCES})
+  add_library(commgrad::${name} ALIAS ${name})
+  target_include_directories(${name} PUBLIC
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
+    $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/include>
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+  target_compile_features(${name} PUBLIC cxx_std_17)
+  target_link_libraries(${name} PUBLIC ${ARG_DEPS} ${TORCH_LIBRARIES} Threads::Threads)
+  if(ARG_PCH)
+    commgrad_configure_target(${name} PCH)
+  else()
+    commgrad_configure_target(${name})
+  endif()
+  set_property(GLOBAL APPEND PROPERTY COMMGRAD_LAYER_TARGETS ${name})
+  install(TARGETS ${name} EXPORT commgradTargets
+          LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+          ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+endfunction()

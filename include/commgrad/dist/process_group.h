@@ -1,0 +1,106 @@
+#pragma once
+// Starting and ending a distributed job: init_process_group(), the world
+// group, sub-groups, destroy_process_group().
+
+#include "commgrad/dist/environment.h"
+#include "commgrad/dist/group.h"
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace commgrad {
+
+/// Default collective and rendezvous timeout (overridden by the option or by
+/// the COMMGRAD_TIMEOUT environment variable, in seconds).
+constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(5);
+
+/// Options of init_process_group().
+struct InitOptions {
+  /// "auto" (NCCL for CUDA builds, else Gloo), "gloo", "nccl" or "shm".
+  TORCH_ARG(std::string, backend) = "auto";
+  /// Rendezvous and collective timeout; 0 means COMMGRAD_TIMEOUT or kDefaultTimeout.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::milliseconds(0);
+  /// LibTorch intra-op threads for this rank; 0 leaves LibTorch's default.
+  /// One by default, because ranks usually outnumber cores.
+  TORCH_ARG(int, intra_op_threads) = 1;
+  /// A store to rendezvous on instead of a TCPStore at MASTER_ADDR:MASTER_PORT,
+  /// with explicit rank and world size (like torch.distributed's `store=`).
+  TORCH_ARG(detail::StorePtr, store) = {};
+  TORCH_ARG(int, rank) = -1;
+  TORCH_ARG(int, world_size) = -1;
+};
+
+/// Joins the job described by the environment (see environment.h) and
+/// returns the world group. Rank 0 hosts a c10d TCPStore at
+/// MASTER_ADDR:MASTER_PORT; every rank joins it within the timeout or gets an
+/// error saying how many joined and which are missing. Without launcher
+/// variables the program runs as a world of one (with a one-line notice).
+///
+/// Example:
+///   auto world = commgrad::init_process_group();
+///   ... commgrad::ops::all_reduce(x) ...
+///   commgrad::destroy_process_group();
+Group init_process_group(const InitOptions& options = {});
+
+/// Builds a world group like init_process_group(options) but does not make it
+/// the process's world; install it per thread with ScopedWorld. This is how
+/// in-process multi-rank harnesses run one rank per thread.
+Group make_world_group(const InitOptions& options);
+
+/// Leaves the job: waits for every rank (so rank 0 keeps the store alive until
+/// the others are done) and releases the world and all sub-groups.
+void destroy_process_group();
+
+/// True between init_process_group() and destroy_process_group().
+bool is_initialized();
+
+/// The world group (this thread's ScopedWorld if any, else the process's).
+/// Throws when init_process_group() has not been called.
+Group world();
+
+/// Shortcuts for world().rank() / world().size(), and the local rank/size of
+/// the launch environment.
+int rank();
+int world_size();
+int local_rank();
+int local_world_size();
+
+/// The launch environment the world was built from.
+const LaunchEnvironment& launch_environment();
+
+/// Options of new_group().
+struct NewGroupOptions {
+  /// Shown in errors; default "group<k>" for the k-th new_group call.
+  TORCH_ARG(std::string, name) = "";
+  /// Transport; empty means the world's backend.
+  TORCH_ARG(std::string, backend) = "";
+  /// 0 means the world's timeout.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::milliseconds(0);
+};
+
+/// Creates a sub-group of the world with the given global ranks (in that
+/// order of group ranks). Every rank of the world must call it, with the
+/// same arguments in the same order, as c10d requires; ranks outside `ranks`
+/// get a handle with is_member() == false, and any op on it is an error.
+///
+/// Example:
+///   auto pair = commgrad::new_group({0, 1}, commgrad::NewGroupOptions().name("pair"));
+Group new_group(const std::vector<int>& ranks, const NewGroupOptions& options = {});
+
+/// Makes `group` the world of the current thread while it lives (for
+/// in-process harnesses that run one rank per thread).
+class ScopedWorld {
+ public:
+  explicit ScopedWorld(Group group);
+  ~ScopedWorld();
+  ScopedWorld(const ScopedWorld&) = delete;
+  ScopedWorld& operator=(const ScopedWorld&) = delete;
+
+ private:
+  Group previous_;
+};
+
+}  // namespace commgrad

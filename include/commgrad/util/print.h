@@ -1,0 +1,30 @@
+#pragma once
+// Printing tensors the way PyTorch's Python prints them.
+
+#include <ATen/core/Tensor.h>
+
+#include <ostream>
+#include <string>
+
+namespace commgrad {
+
+/// Formats `t` as Python's `repr(tensor)` does: `tensor([4., 4., 4., 4.])`,
+/// `tensor([[1, 2],\n        [3, 4]])`, `tensor(0.5000, dtype=torch.float64)`,
+/// with `requires_grad=True` / `grad_fn=<...>` suffixes and `...` summaries
+/// above 1000 elements, like torch's default print options.
+///
+/// Example:
+///   std::cout << "x.grad = " << commgrad::format_tensor(x.grad()) << "\n";
+std::string format_tensor(const at::Tensor& t);
+
+/// Streams `format_tensor(t)`.
+struct PythonRepr {
+  const at::Tensor& tensor;
+};
+std::ostream& operator<<(std::ostream& os, const PythonRepr& repr);
+
+/// Name of the BLAS library LibTorch's matmuls run on ("OpenBLAS 0.3.21 (pthread)",
+/// "reference BLAS (slow!)", ...), read from the libraries loaded in this process.
+std::string active_blas();
+
+}  // namespace commgrad

@@ -1,0 +1,261 @@
+// init_process_group / new_group / destroy_process_group.
+//
+// Rendezvous: rank 0 hosts a c10d TCPStore at MASTER_ADDR:MASTER_PORT, every
+// rank connects to it, writes its host identity under a join key and bumps a
+// counter, then waits until the counter reaches the world size. Doing this
+// ourselves (instead of TCPStore's own worker wait) lets a timeout say how
+// many ranks joined and exactly which are missing. The host identities tell
+// each group whether all its members share a host (loopback devices, shm).
+
+#include "commgrad/dist/process_group.h"
+
+#include "commgrad/dist/check.h"
+#include "commgrad/dist/transport.h"
+#include "commgrad/util/logging.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <iostream>
+#include <mutex>
+#include <set>
+#include <thread>
+
+namespace commgrad {
+namespace {
+
+std::mutex g_mutex;
+Group g_world;              // the process's world
+thread_local Group t_world;  // a ScopedWorld's world, for in-process harnesses
+
+std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) {
+  if (requested.count() > 0) return requested;
+  if (const char* v = std::getenv("COMMGRAD_TIMEOUT")) {
+    char* end = nullptr;
+    const double seconds = std::strtod(v, &end);
+    TORCH_CHECK(end != v && *end == '\0' && seconds > 0, "commgrad: COMMGRAD_TIMEOUT='", v,
+                "' is not a positive number of seconds");
+    return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  }
+  return kDefaultTimeout;
+}
+
+std::string seconds(std::chrono::milliseconds ms) { return c10::str(ms.count() / 1000.0, "s"); }
+
+std::string join_key(int rank) { return "commgrad/world/join/" + std::to_string(rank); }
+
+detail::StorePtr connect_store(const LaunchEnvironment& env, std::chrono::milliseconds timeout) {
+  if (env.world_size == 1) return c10::make_intrusive<c10d::HashStore>();
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(env.master_port);
+  opts.isServer = env.rank == 0;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  } catch (const std::exception& e) {
+    if (env.rank == 0) {
+      detail::throw_dist_error(c10::str("commgrad: rank 0 could not host the rendezvous store at ", env.master_addr,
+                                        ":", env.master_port, " (is the port in use?): ", e.what()));
+    }
+    detail::throw_dist_error(c10::str("commgrad: rank ", env.rank, " could not reach the rendezvous store at ",
+                                      env.master_addr, ":", env.master_port, " within ", seconds(timeout),
+                                      " (did rank 0 start?): ", e.what()));
+  }
+}
+
+// Waits until every rank has written its join key; returns the host
+// identities by rank.
+std::vector<std::string> join(const detail::StorePtr& store, const LaunchEnvironment& env,
+                              std::chrono::milliseconds timeout) {
+  const std::string me = host_identity();
+  store->set(join_key(env.rank), std::vector<uint8_t>(me.begin(), me.end()));
+  store->add("commgrad/world/joined", 1);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(1);
+  while (store->add("commgrad/world/joined", 0) < env.world_size) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::vector<int> missing;
+      for (int r = 0; r < env.world_size; ++r) {
+        if (!store->check({join_key(r)})) missing.push_back(r);
+      }
+      detail::throw_timeout_error(c10::str("commgrad: rendezvous timed out after ", seconds(timeout), ": ",
+                                           env.world_size - missing.size(), " of ", env.world_size,
+                                           " ranks joined; missing ranks: ", missing, " (store ", env.master_addr,
+                                           ":", env.master_port, ")"));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+  std::vector<std::string> hosts;
+  for (int r = 0; r < env.world_size; ++r) {
+    const auto bytes = store->get(join_key(r));
+    hosts.emplace_back(bytes.begin(), bytes.end());
+  }
+  return hosts;
+}
+
+bool all_same(const std::vector<std::string>& v) {
+  return std::all_of(v.begin(), v.end(), [&](const std::string& s) { return s == v.front(); });
+}
+
+}  // namespace
+
+Group make_world_group(const InitOptions& options) {
+  LaunchEnvironment env;
+  if (options.store()) {
+    TORCH_CHECK(options.rank() >= 0 && options.world_size() >= 1 && options.rank() < options.world_size(),
+                "commgrad: init_process_group with an explicit store needs rank in [0, world_size) and "
+                "world_size >= 1; got rank ",
+                options.rank(), ", world_size ", options.world_size());
+    env.rank = options.rank();
+    env.world_size = options.world_size();
+    env.local_rank = env.rank;
+    env.local_world_size = env.world_size;
+  } else {
+    TORCH_CHECK(options.rank() < 0 && options.world_size() < 0,
+                "commgrad: rank and world_size options need an explicit store; without one they come from the "
+                "launcher's environment");
+    env = LaunchEnvironment::from_env();
+    if (env.launcher == Launcher::kNone) {
+      std::cerr << "commgrad: no launcher variables (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, SLURM_*); "
+                   "running as a single process (world size 1)\n";
+    }
+  }
+  const auto timeout = resolve_timeout(options.timeout());
+  if (options.intra_op_threads() > 0) at::set_num_threads(options.intra_op_threads());
+
+  detail::StorePtr root = options.store() ? options.store() : connect_store(env, timeout);
+  root->setTimeout(timeout);
+  auto hosts = join(root, env, timeout);
+
+  auto state = std::make_shared<detail::GroupState>();
+  state->name = "world";
+  state->rank = env.rank;
+  state->global_rank = env.rank;
+  for (int r = 0; r < env.world_size; ++r) state->ranks.push_back(r);
+  state->hosts = hosts;
+  state->timeout = timeout;
+  state->root_store = root;
+  state->store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world", root);
+  state->launch = env;
+  state->backend = resolve_backend(options.backend(), hosts);
+
+  detail::TransportConfig config;
+  config.backend = state->backend;
+  config.store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world/transport", root);
+  config.rank = env.rank;
+  config.size = env.world_size;
+  config.timeout = timeout;
+  config.single_host = all_same(hosts);
+  config.group_name = state->name;
+  state->transport = detail::create_transport(config);
+  return Group(std::move(state));
+}
+
+Group init_process_group(const InitOptions& options) {
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    TORCH_CHECK(!g_world.defined(),
+                "commgrad: init_process_group() called twice; call destroy_process_group() first");
+  }
+  Group world = make_world_group(options);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_world = world;
+  set_log_rank(world.rank());
+  COMMGRAD_LOG(kInfo, "joined ", world.describe(), " — ", world.state()->launch.describe());
+  return world;
+}
+
+void destroy_process_group() {
+  Group world;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    world = g_world;
+  }
+  if (!world.defined()) return;
+  // Keep rank 0 (the store's host) alive until every rank is done with it.
+  try {
+    world.transport().barrier()->wait();
+  } catch (const std::exception& e) {
+    COMMGRAD_LOG(kWarn, "destroy_process_group: final barrier failed (a peer may have exited): ", e.what());
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_world = Group();
+  set_log_rank(-1);
+}
+
+bool is_initialized() {
+  if (t_world.defined()) return true;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_world.defined();
+}
+
+Group world() {
+  if (t_world.defined()) return t_world;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  TORCH_CHECK(g_world.defined(),
+              "commgrad: the process group is not initialised; call commgrad::init_process_group() first");
+  return g_world;
+}
+
+int rank() { return world().rank(); }
+int world_size() { return world().size(); }
+int local_rank() { return world().state()->launch.local_rank; }
+int local_world_size() { return world().state()->launch.local_world_size; }
+
+const LaunchEnvironment& launch_environment() { return world().state()->launch; }
+
+Group new_group(const std::vector<int>& ranks, const NewGroupOptions& options) {
+  Group parent = world();
+  const int n = parent.size();
+  const uint64_t index = parent.state()->subgroups.fetch_add(1);
+  const std::string name = options.name().empty() ? c10::str("group", index) : options.name();
+  TORCH_CHECK(!ranks.empty(), "[commgrad] new_group '", name, "' on ", parent.describe(), ": the rank list is empty");
+  std::set<int> seen;
+  for (int r : ranks) {
+    TORCH_CHECK(r >= 0 && r < n, "[commgrad] new_group '", name, "' on ", parent.describe(), ": rank ", r,
+                " is outside the world (0..", n - 1, "); ranks ", ranks);
+    TORCH_CHECK(seen.insert(r).second, "[commgrad] new_group '", name, "' on ", parent.describe(), ": rank ", r,
+                " appears twice in ", ranks);
+  }
+
+  const auto& ps = *parent.state();
+  auto state = std::make_shared<detail::GroupState>();
+  state->name = name;
+  state->global_rank = ps.global_rank;
+  state->ranks = ranks;
+  const auto me = std::find(ranks.begin(), ranks.end(), ps.global_rank);
+  state->rank = me == ranks.end() ? -1 : static_cast<int>(me - ranks.begin());
+  for (int r : ranks) state->hosts.push_back(ps.hosts[r]);
+  state->timeout = options.timeout().count() > 0 ? options.timeout() : ps.timeout;
+  state->root_store = ps.root_store;
+  // Keyed by the call index, not the name, so equal names cannot collide.
+  const std::string prefix = c10::str("commgrad/group/", index);
+  state->store = c10::make_intrusive<c10d::PrefixStore>(prefix, ps.root_store);
+  state->launch = ps.launch;
+  state->backend = options.backend().empty() ? ps.backend : resolve_backend(options.backend(), state->hosts);
+  if (state->rank >= 0) {
+    detail::TransportConfig config;
+    config.backend = state->backend;
+    config.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/transport", ps.root_store);
+    config.rank = state->rank;
+    config.size = static_cast<int>(ranks.size());
+    config.timeout = state->timeout;
+    config.single_host = all_same(state->hosts);
+    config.group_name = name;
+    state->transport = detail::create_transport(config);
+  }
+  return Group(std::move(state));
+}
+
+ScopedWorld::ScopedWorld(Group group) : previous_(t_world) { t_world = std::move(group); }
+ScopedWorld::~ScopedWorld() { t_world = previous_; }
+
+}  // namespace commgrad

@@ -1,0 +1,107 @@
+// Transport factory: maps a backend name to a connected c10d transport.
+
+#include "commgrad/dist/transport.h"
+
+#include "commgrad/config.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#if COMMGRAD_HAVE_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#include <torch/cuda.h>
+#endif
+
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+namespace commgrad {
+namespace {
+
+bool nccl_usable() {
+#if COMMGRAD_HAVE_NCCL
+  return torch::cuda::is_available();
+#else
+  return false;
+#endif
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, sep)) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+detail::TransportPtr create_gloo(const detail::TransportConfig& c) {
+  auto options = c10d::ProcessGroupGloo::Options::create(c.timeout);
+  // GLOO_SOCKET_IFNAME picks interfaces as in PyTorch; a single-host group
+  // stays on loopback (works without a resolvable hostname); otherwise bind
+  // to the address this host's name resolves to.
+  if (const char* ifnames = std::getenv("GLOO_SOCKET_IFNAME")) {
+    for (const auto& name : split(ifnames, ',')) {
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+    }
+  } else if (c.single_host) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(c.store, c.rank, c.size, options);
+}
+
+}  // namespace
+
+std::vector<std::string> available_backends() {
+  std::vector<std::string> out{"gloo"};
+  if (COMMGRAD_HAVE_NCCL) out.push_back("nccl");
+  return out;
+}
+
+std::string resolve_backend(const std::string& requested, const std::vector<std::string>& /*hosts*/) {
+  if (requested == "auto") return nccl_usable() ? "nccl" : "gloo";
+  const auto all = available_backends();
+  TORCH_CHECK(std::find(all.begin(), all.end(), requested) != all.end(), "commgrad: backend '", requested,
+              "' is not available in this build; available: auto, ", c10::Join(", ", all));
+  return requested;
+}
+
+std::string host_identity() {
+  char name[256] = {0};
+  gethostname(name, sizeof(name) - 1);
+  std::string boot_id;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, boot_id);
+  return std::string(name) + "/" + boot_id;
+}
+
+namespace detail {
+
+TransportPtr create_transport(const TransportConfig& c) {
+  try {
+    if (c.backend == "gloo") return create_gloo(c);
+#if COMMGRAD_HAVE_NCCL
+    if (c.backend == "nccl") {
+      auto options = c10d::ProcessGroupNCCL::Options::create();
+      options->timeout = c.timeout;
+      return c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, c.rank, c.size, options);
+    }
+#endif
+  } catch (const c10::Error& e) {
+    throw_dist_error(c10::str("commgrad: rank ", c.rank, " of group '", c.group_name, "' could not connect its ",
+                              c.backend, " transport to the other ", c.size - 1,
+                              " ranks within the timeout: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    throw_dist_error(c10::str("commgrad: rank ", c.rank, " of group '", c.group_name, "' could not connect its ",
+                              c.backend, " transport to the other ", c.size - 1, " ranks: ", e.what()));
+  }
+  TORCH_CHECK(false, "commgrad: unknown backend '", c.backend, "'");
+}
+
+}  // namespace detail
+}  // namespace commgrad

@@ -1,0 +1,36 @@
+#pragma once
+// The multi-process harness: runs a command (usually commgrad-run with an
+// example or test program) with a hard timeout and captures its output.
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace commgrad::testing {
+
+/// What a finished (or killed) command left behind.
+struct ProcessResult {
+  int exit_code = -1;     // 128+signal when killed by a signal
+  bool timed_out = false;  // killed by run_process's own timeout
+  std::string out;
+  std::string err;
+  double seconds = 0;
+};
+
+/// Runs argv[0] (searched in PATH) with `env` added to (or, for empty values,
+/// removed from) this process's environment. The command runs in its own
+/// process group, which is SIGKILLed when `timeout` passes.
+ProcessResult run_process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {},
+                          std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+/// Path of a built artefact: `$COMMGRAD_BUILD_DIR/<relative>`.
+std::string build_path(const std::string& relative);
+
+/// Path of commgrad-run (`$COMMGRAD_RUN`).
+std::string launcher_path();
+
+/// Lines of `text` that start with `prefix`.
+std::vector<std::string> lines_with_prefix(const std::string& text, const std::string& prefix);
+
+}  // namespace commgrad::testing
