@@ -10,3 +10,20 @@
 #include "commgrad/dist/transport.h"
 #include "commgrad/util/logging.h"
 #include "commgrad/util/print.h"
+
+// Layers that are built as separate libraries (see CMakeLists.txt).
+#if __has_include("commgrad/backend.h")
+#include "commgrad/backend.h"
+#endif
+#if __has_include("commgrad/ops.h")
+#include "commgrad/ops.h"
+#endif
+#if __has_include("commgrad/tp.h")
+#include "commgrad/tp.h"
+#endif
+#if __has_include("commgrad/dp.h")
+#include "commgrad/dp.h"
+#endif
+#if __has_include("commgrad/check.h")
+#include "commgrad/check.h"
+#endif

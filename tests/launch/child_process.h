@@ -101,15 +101,11 @@ class ChildProcess {
   /// Reads output until stdout contains every one of `needles`; false after
   /// `timeout_s` or when the child exits first.
   bool wait_for_stdout(const std::vector<std::string>& needles, double timeout_s) {
-    const auto deadline = Clock::now() + to_duration(timeout_s);
-    for (;;) {
-      bool all = true;
-      for (const std::string& n : needles) all = all && out_.find(n) != std::string::npos;
-      if (all) return true;
-      if (Clock::now() >= deadline || (reaped_ && out_fd_ < 0)) return false;
-      pump(20);
-      try_reap();
-    }
+    return wait_for(out_, needles, timeout_s);
+  }
+  /// The same for stderr.
+  bool wait_for_stderr(const std::vector<std::string>& needles, double timeout_s) {
+    return wait_for(err_, needles, timeout_s);
   }
 
   void send(int sig) { kill(pid_, sig); }
@@ -152,6 +148,19 @@ class ChildProcess {
  private:
   static Clock::duration to_duration(double s) {
     return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+  }
+
+  bool wait_for(const std::string& sink, const std::vector<std::string>& needles,
+                double timeout_s) {
+    const auto deadline = Clock::now() + to_duration(timeout_s);
+    for (;;) {
+      bool all = true;
+      for (const std::string& n : needles) all = all && sink.find(n) != std::string::npos;
+      if (all) return true;
+      if (Clock::now() >= deadline || (reaped_ && out_fd_ < 0 && err_fd_ < 0)) return false;
+      pump(20);
+      try_reap();
+    }
   }
 
   bool try_reap() {

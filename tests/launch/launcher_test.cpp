@@ -302,6 +302,23 @@ TEST(LauncherTest, ForwardedSignalEscalatesToSigkill) {
   EXPECT_NO_LEFTOVERS(marker);
 }
 
+TEST(LauncherTest, SecondSignalSkipsTheGracePeriod) {
+  const std::string marker = unique_marker();
+  ChildProcess child(launch_args({"-n", "2", "--grace", "60", "sh", "-c",
+                                  "trap '' INT; echo ready; sleep " + marker}));
+  ASSERT_TRUE(child.wait_for_stdout({"[0] ready", "[1] ready"}, kRunLimitS)) << child.err();
+  child.send(SIGINT);
+  ASSERT_TRUE(child.wait_for_stderr({"forwarding it to 2 ranks"}, kRunLimitS)) << child.err();
+  child.send(SIGINT);
+  const ChildResult r = child.finish(kRunLimitS);
+  EXPECT_EQ(r.code, 130) << r.err;
+  EXPECT_NE(r.err.find("received SIGINT while stopping; sending SIGKILL to 2 ranks"),
+            std::string::npos)
+      << r.err;
+  EXPECT_LT(r.seconds, kFastTeardownS);
+  EXPECT_NO_LEFTOVERS(marker);
+}
+
 TEST(LauncherTest, TimeoutStopsJobWith124) {
   const std::string marker = unique_marker();
   const ChildResult r = launch({"-n", "2", "--timeout", "1", "sleep", marker});

@@ -292,8 +292,10 @@ void Launcher::supervise() {
     }
     const int rc = poll(fds.data(), fds.size(), poll_timeout_ms());
     if (rc < 0 && errno != EINTR) {
-      report(std::string("poll: ") + std::strerror(errno));
+      report(std::string("poll: ") + std::strerror(errno) + "; killing all ranks");
       if (!exit_code_) exit_code_ = kExitLaunchFailed;
+      stop_ranks(SIGKILL);
+      killed_ = true;
       break;
     }
     if (rc > 0 && fds[0].revents != 0) drain_signals();
