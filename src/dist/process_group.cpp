@@ -145,7 +145,10 @@ Group make_world_group(const InitOptions& options) {
   state->root_store = root;
   state->store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world", root);
   state->launch = env;
-  state->backend = resolve_backend(options.backend(), hosts);
+  // COMMGRAD_BACKEND lets a launch script pick the transport of an unchanged program.
+  std::string backend = options.backend();
+  if (backend == "auto" && std::getenv("COMMGRAD_BACKEND") != nullptr) backend = std::getenv("COMMGRAD_BACKEND");
+  state->backend = resolve_backend(backend, hosts);
 
   detail::TransportConfig config;
   config.backend = state->backend;
