@@ -88,6 +88,9 @@ int main() {
     expect_equal("x2.grad", x2.grad(), all_n);
 
     commgrad::destroy_process_group();
+  } catch (const c10::Error& e) {
+    std::cerr << "tp_autograd_comm: " << e.what_without_backtrace() << "\n";
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "tp_autograd_comm: " << e.what() << "\n";
     return 1;

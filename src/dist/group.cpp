@@ -1,5 +1,6 @@
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/group.h"
+#include "commgrad/util/print.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -55,7 +56,7 @@ std::string Group::describe() const {
   if (!state_) return "(no group)";
   const auto& s = *state_;
   if (s.rank < 0) {
-    return c10::str("rank ", s.global_rank, " (not a member) group '", s.name, "' of ranks ", s.ranks);
+    return c10::str("rank ", s.global_rank, " (not a member) group '", s.name, "' of ranks ", format_ranks(s.ranks));
   }
   return c10::str("rank ", s.rank, "/", s.ranks.size(), " group '", s.name, "' (", s.backend, ")");
 }
@@ -63,7 +64,7 @@ std::string Group::describe() const {
 void check_member(const char* op, const Group& group) {
   TORCH_CHECK(group.defined(), "[commgrad] ", op, ": the group handle is empty (was init_process_group() called?)");
   COMMGRAD_CHECK(group.is_member(), op, group, "this rank is not a member of the group; only ranks ",
-                 group.ranks(), " may call collectives on it");
+                 format_ranks(group.ranks()), " may call collectives on it");
 }
 
 }  // namespace commgrad

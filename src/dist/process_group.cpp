@@ -12,6 +12,7 @@
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/transport.h"
 #include "commgrad/util/logging.h"
+#include "commgrad/util/print.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -87,7 +88,7 @@ std::vector<std::string> join(const detail::StorePtr& store, const LaunchEnviron
       }
       detail::throw_timeout_error(c10::str("commgrad: rendezvous timed out after ", seconds(timeout), ": ",
                                            env.world_size - missing.size(), " of ", env.world_size,
-                                           " ranks joined; missing ranks: ", missing, " (store ", env.master_addr,
+                                           " ranks joined; missing ranks: ", format_ranks(missing), " (store ", env.master_addr,
                                            ":", env.master_port, ")"));
     }
     std::this_thread::sleep_for(pause);
@@ -224,9 +225,9 @@ Group new_group(const std::vector<int>& ranks, const NewGroupOptions& options) {
   std::set<int> seen;
   for (int r : ranks) {
     TORCH_CHECK(r >= 0 && r < n, "[commgrad] new_group '", name, "' on ", parent.describe(), ": rank ", r,
-                " is outside the world (0..", n - 1, "); ranks ", ranks);
+                " is outside the world (0..", n - 1, "); ranks ", format_ranks(ranks));
     TORCH_CHECK(seen.insert(r).second, "[commgrad] new_group '", name, "' on ", parent.describe(), ": rank ", r,
-                " appears twice in ", ranks);
+                " appears twice in ", format_ranks(ranks));
   }
 
   const auto& ps = *parent.state();

@@ -9,6 +9,7 @@
 #include "commgrad/util/print.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <dlfcn.h>
@@ -243,6 +244,8 @@ std::string format_tensor(const at::Tensor& t) {
 std::ostream& operator<<(std::ostream& os, const PythonRepr& repr) {
   return os << format_tensor(repr.tensor);
 }
+
+std::string format_ranks(const std::vector<int>& ranks) { return "[" + c10::Join(", ", ranks) + "]"; }
 
 std::string active_blas() {
   // OpenBLAS exports its configuration string; find it in whatever is loaded.

@@ -95,9 +95,8 @@ std::string build_path(const std::string& relative) {
 }
 
 std::string launcher_path() {
-  const char* run = std::getenv("COMMGRAD_RUN");
-  if (run == nullptr) throw std::runtime_error("COMMGRAD_RUN is not set (run the tests through ctest)");
-  return run;
+  if (const char* run = std::getenv("COMMGRAD_RUN")) return run;
+  return build_path("bin/commgrad-run");
 }
 
 std::vector<std::string> lines_with_prefix(const std::string& text, const std::string& prefix) {

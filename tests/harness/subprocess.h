@@ -27,7 +27,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, const std::map<s
 /// Path of a built artefact: `$COMMGRAD_BUILD_DIR/<relative>`.
 std::string build_path(const std::string& relative);
 
-/// Path of commgrad-run (`$COMMGRAD_RUN`).
+/// Path of commgrad-run (`$COMMGRAD_RUN`, else `$COMMGRAD_BUILD_DIR/bin/commgrad-run`).
 std::string launcher_path();
 
 /// Lines of `text` that start with `prefix`.

@@ -5,6 +5,7 @@
 
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace commgrad {
 
@@ -22,6 +23,9 @@ struct PythonRepr {
   const at::Tensor& tensor;
 };
 std::ostream& operator<<(std::ostream& os, const PythonRepr& repr);
+
+/// Formats a rank list as Python prints a list: "[0, 2, 3]".
+std::string format_ranks(const std::vector<int>& ranks);
 
 /// Name of the BLAS library LibTorch's matmuls run on ("OpenBLAS 0.3.21 (pthread)",
 /// "reference BLAS (slow!)", ...), read from the libraries loaded in this process.

@@ -1,0 +1,148 @@
+// Process groups: the world and sub-groups over real Gloo transports, one
+// thread per rank (spawn_ranks), and the errors of misuse.
+
+#include "commgrad/dist/check.h"
+#include "commgrad/dist/process_group.h"
+#include "harness/spawn_ranks.h"
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <thread>
+
+namespace commgrad {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::spawn_ranks;
+
+std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+class WorldSizes : public ::testing::TestWithParam<int> {};
+
+TEST_P(WorldSizes, WorldGroupHasEveryRankAndItsTransportWorks) {
+  const int n = GetParam();
+  spawn_ranks(n, [n](Group& g) {
+    EXPECT_EQ(g.size(), n);
+    EXPECT_TRUE(g.is_member());
+    EXPECT_EQ(world(), g);
+    EXPECT_EQ(rank(), g.rank());
+    EXPECT_EQ(world_size(), n);
+    EXPECT_EQ(g.name(), "world");
+    EXPECT_EQ(g.backend_name(), "gloo");
+    EXPECT_TRUE(g.single_host());
+    EXPECT_EQ(g.describe(), c10::str("rank ", g.rank(), "/", n, " group 'world' (gloo)"));
+    std::vector<at::Tensor> t{at::full({3}, g.rank() + 1.0)};
+    g.transport().allreduce(t)->wait();
+    EXPECT_TRUE(at::equal(t[0], at::full({3}, n * (n + 1) / 2.0)));
+  });
+}
+
+TEST_P(WorldSizes, SubGroupsOfEvenAndOddRanks) {
+  const int n = GetParam();
+  spawn_ranks(n, [n](Group& g) {
+    std::vector<int> even, odd;
+    for (int r = 0; r < n; ++r) (r % 2 ? odd : even).push_back(r);
+    Group ge = new_group(even, NewGroupOptions().name("even"));
+    Group go = odd.empty() ? Group() : new_group(odd, NewGroupOptions().name("odd"));
+    Group mine = g.rank() % 2 ? go : ge;
+    Group other = g.rank() % 2 ? ge : go;
+    ASSERT_TRUE(mine.is_member());
+    EXPECT_EQ(mine.rank(), g.rank() / 2);
+    EXPECT_EQ(mine.global_rank(mine.rank()), g.rank());
+    EXPECT_EQ(mine.group_rank_of(g.rank()), mine.rank());
+    std::vector<at::Tensor> t{at::full({2}, double(g.rank()))};
+    mine.transport().allreduce(t)->wait();
+    double expect = 0;
+    for (int r : mine.ranks()) expect += r;
+    EXPECT_TRUE(at::equal(t[0], at::full({2}, expect)));
+    if (other.defined()) {
+      EXPECT_FALSE(other.is_member());
+      EXPECT_EQ(other.rank(), -1);
+      EXPECT_THAT(message_of([&] { check_member("all_reduce", other); }),
+                  HasSubstr("this rank is not a member of the group"));
+      EXPECT_THAT(message_of([&] { check_member("all_reduce", other); }),
+                  HasSubstr(c10::str("[commgrad] all_reduce rank ", g.rank(), " (not a member) group '",
+                                     other.name(), "'")));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(ProcessGroup, WorldSizes, ::testing::Values(1, 2, 3, 4));
+
+TEST(ProcessGroup, NewGroupRejectsBadRankLists) {
+  spawn_ranks(2, [](Group& g) {
+    EXPECT_THAT(message_of([] { new_group({0, 2}); }), HasSubstr("rank 2 is outside the world (0..1)"));
+    EXPECT_THAT(message_of([] { new_group({1, 1}); }), HasSubstr("rank 1 appears twice"));
+    EXPECT_THAT(message_of([] { new_group({}); }), HasSubstr("the rank list is empty"));
+    // A valid group still works after the rejected calls (they did not desynchronise the ranks).
+    Group both = new_group({1, 0});
+    EXPECT_EQ(both.rank(), 1 - g.rank());
+    std::vector<at::Tensor> t{at::ones({1})};
+    both.transport().allreduce(t)->wait();
+    EXPECT_EQ(t[0].item<float>(), 2.0f);
+  });
+}
+
+TEST(ProcessGroup, GroupsWithTheSameNameDoNotCollide) {
+  spawn_ranks(3, [](Group&) {
+    Group a = new_group({0, 1}, NewGroupOptions().name("same"));
+    Group b = new_group({1, 2}, NewGroupOptions().name("same"));
+    for (Group* grp : {&a, &b}) {
+      if (!grp->is_member()) continue;
+      std::vector<at::Tensor> t{at::ones({1})};
+      grp->transport().allreduce(t)->wait();
+      EXPECT_EQ(t[0].item<float>(), 2.0f);
+    }
+  });
+}
+
+TEST(ProcessGroup, WorldBeforeInitIsAClearError) {
+  std::string msg;
+  std::thread([&] { msg = message_of([] { world(); }); }).join();
+  EXPECT_THAT(msg, HasSubstr("call commgrad::init_process_group() first"));
+}
+
+TEST(ProcessGroup, EmptyGroupHandleIsAClearError) {
+  EXPECT_THAT(message_of([] { Group().rank(); }), HasSubstr("use of an empty Group handle"));
+  EXPECT_THAT(message_of([] { check_member("broadcast", Group()); }), HasSubstr("broadcast: the group handle is empty"));
+}
+
+TEST(ProcessGroup, ExplicitStoreNeedsValidRankAndSize) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  EXPECT_THAT(message_of([&] { make_world_group(InitOptions().store(store).rank(2).world_size(2)); }),
+              HasSubstr("needs rank in [0, world_size)"));
+  EXPECT_THAT(message_of([&] { make_world_group(InitOptions().rank(0).world_size(2)); }),
+              HasSubstr("rank and world_size options need an explicit store"));
+}
+
+TEST(ProcessGroup, UnknownBackendIsAClearError) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  EXPECT_THAT(message_of([&] { make_world_group(InitOptions().store(store).rank(0).world_size(1).backend("mpi2")); }),
+              HasSubstr("backend 'mpi2' is not available in this build; available: auto, gloo"));
+}
+
+TEST(ProcessGroup, CheckMacroNamesOpRankGroupAndShapes) {
+  spawn_ranks(2, [](Group& g) {
+    auto x = at::zeros({3, 5});
+    const auto msg = message_of([&] {
+      COMMGRAD_CHECK(x.size(0) % 2 == 0, "all_gather", g, "expected dim 0 divisible by 2, got ", x.sizes());
+    });
+    EXPECT_THAT(msg, HasSubstr(c10::str("[commgrad] all_gather rank ", g.rank(),
+                                        "/2 group 'world' (gloo): expected dim 0 divisible by 2, got [3, 5]")));
+  });
+}
+
+}  // namespace
+}  // namespace commgrad

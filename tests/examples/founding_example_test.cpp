@@ -1,0 +1,169 @@
+// The founding example as real processes over real Gloo: under commgrad-run
+// at world sizes 1-4, alone, and under hand-set torchrun, mpirun and Slurm
+// environments; plus the rendezvous and environment errors a user meets
+// first. The example checks y, x.grad, x and the caller's gradient on every
+// rank and exits non-zero on any mismatch, so exit code 0 means every rank
+// agreed; rank 0's printout is checked here.
+
+#include "harness/subprocess.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <future>
+
+namespace commgrad::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string example() { return build_path("bin/tp_autograd_comm"); }
+
+// Environment without any launcher variables (the test itself may run under one).
+std::map<std::string, std::string> clean_env(std::map<std::string, std::string> extra = {}) {
+  std::map<std::string, std::string> env = {
+      {"RANK", ""}, {"WORLD_SIZE", ""}, {"LOCAL_RANK", ""}, {"LOCAL_WORLD_SIZE", ""},
+      {"MASTER_ADDR", ""}, {"MASTER_PORT", ""}, {"OMPI_COMM_WORLD_RANK", ""}, {"OMPI_COMM_WORLD_SIZE", ""},
+      {"OMPI_COMM_WORLD_LOCAL_RANK", ""}, {"OMPI_COMM_WORLD_LOCAL_SIZE", ""}, {"SLURM_PROCID", ""},
+      {"SLURM_NTASKS", ""}, {"SLURM_LOCALID", ""}, {"COMMGRAD_BACKEND", ""}};
+  for (auto& [k, v] : extra) env[k] = v;
+  return env;
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string n_times(int n) {
+  std::string v = std::to_string(n) + ".";
+  return "tensor([" + v + ", " + v + ", " + v + ", " + v + "])";
+}
+
+void expect_founding_output(const ProcessResult& r, int n, const std::string& prefix) {
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr(prefix + "x.grad = " + n_times(n) + "\n"));
+  EXPECT_THAT(r.out, HasSubstr(prefix + "y = " + n_times(n).substr(0, n_times(n).size() - 1) +
+                               ", grad_fn=<AllReduceBackward>)\n"));
+  EXPECT_THAT(r.out, HasSubstr(prefix + "x = tensor([1., 1., 1., 1.])\n"));
+  EXPECT_THAT(r.out, HasSubstr(prefix + "after y.backward(g): g = tensor([1., 1., 1., 1.])\n"));
+  EXPECT_THAT(r.out, HasSubstr(prefix + "world: " + std::to_string(n) + " ranks, backend gloo, BLAS: OpenBLAS"));
+}
+
+class FoundingExample : public ::testing::TestWithParam<int> {};
+
+TEST_P(FoundingExample, UnderCommgradRun) {
+  const int n = GetParam();
+  auto r = run_process({launcher_path(), "-n", std::to_string(n), "--timeout", "60", example()}, clean_env());
+  expect_founding_output(r, n, "[0] ");
+  // Only rank 0 speaks on stdout.
+  EXPECT_TRUE(lines_with_prefix(r.out, "[1] ").empty()) << r.out;
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, FoundingExample, ::testing::Values(1, 2, 3, 4));
+
+TEST(FoundingExampleAlone, RunsAsAWorldOfOneWithANotice) {
+  auto r = run_process({example()}, clean_env());
+  expect_founding_output(r, 1, "");
+  EXPECT_THAT(r.err, HasSubstr("no launcher variables"));
+  EXPECT_THAT(r.err, HasSubstr("running as a single process (world size 1)"));
+}
+
+// Starts one process per rank with the variables `vars_of(rank)`, like a
+// hand-written launch script would, and returns each rank's result.
+std::vector<ProcessResult> hand_launch(int n, const std::function<std::map<std::string, std::string>(int)>& vars_of) {
+  std::vector<std::future<ProcessResult>> futures;
+  for (int r = 0; r < n; ++r) {
+    futures.push_back(std::async(std::launch::async, [&, r] {
+      return run_process({example()}, clean_env(vars_of(r)), std::chrono::seconds(60));
+    }));
+  }
+  std::vector<ProcessResult> results;
+  for (auto& f : futures) results.push_back(f.get());
+  return results;
+}
+
+TEST(FoundingExampleHandLaunched, TorchrunVariables) {
+  const auto port = std::to_string(free_port());
+  auto results = hand_launch(3, [&](int r) {
+    return std::map<std::string, std::string>{{"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"},
+                                              {"LOCAL_RANK", std::to_string(r)}, {"LOCAL_WORLD_SIZE", "3"},
+                                              {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+  });
+  expect_founding_output(results[0], 3, "");
+  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+TEST(FoundingExampleHandLaunched, MpirunVariables) {
+  const auto port = std::to_string(free_port());
+  auto results = hand_launch(2, [&](int r) {
+    return std::map<std::string, std::string>{
+        {"OMPI_COMM_WORLD_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_SIZE", "2"},
+        {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+        {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+  });
+  expect_founding_output(results[0], 2, "");
+  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+TEST(FoundingExampleHandLaunched, SlurmVariables) {
+  const auto port = std::to_string(free_port());
+  auto results = hand_launch(2, [&](int r) {
+    return std::map<std::string, std::string>{{"SLURM_PROCID", std::to_string(r)}, {"SLURM_NTASKS", "2"},
+                                              {"SLURM_LOCALID", std::to_string(r)}, {"SLURM_NTASKS_PER_NODE", "2"},
+                                              {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+  });
+  expect_founding_output(results[0], 2, "");
+  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+TEST(Rendezvous, TimeoutNamesTheMissingRanks) {
+  // Rank 0 of 3 alone: it hosts the store, nobody else comes.
+  auto r = run_process({example()}, clean_env({{"RANK", "0"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"},
+                                               {"MASTER_PORT", std::to_string(free_port())},
+                                               {"COMMGRAD_TIMEOUT", "1.5"}}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("rendezvous timed out after 1.5s: 1 of 3 ranks joined; missing ranks: [1, 2]"));
+  EXPECT_LT(r.seconds, 20);
+}
+
+TEST(Rendezvous, UnreachableStoreIsAClearError) {
+  auto r = run_process({example()}, clean_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                                               {"MASTER_PORT", std::to_string(free_port())},
+                                               {"COMMGRAD_TIMEOUT", "1.5"}}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("rank 1 could not reach the rendezvous store at 127.0.0.1:"));
+  EXPECT_LT(r.seconds, 20);
+}
+
+TEST(Rendezvous, HalfSetEnvironmentFailsBeforeAnyNetworking) {
+  auto r = run_process({example()}, clean_env({{"RANK", "0"}}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("RANK is set but WORLD_SIZE is not"));
+  EXPECT_THAT(r.err, HasSubstr("commgrad-run -n N"));
+}
+
+TEST(Rendezvous, DeadRankEndsTheJobThroughTheLauncher) {
+  // Rank 1 of a 2-rank job is not a commgrad program at all and exits 3:
+  // the launcher stops rank 0 (waiting in the rendezvous) and reports rank 1.
+  auto r = run_process({launcher_path(), "-n", "2", "--", "/bin/sh", "-c",
+                        "if [ \"$RANK\" = 1 ]; then exit 3; fi; exec " + example()},
+                       clean_env({{"COMMGRAD_TIMEOUT", "30"}}));
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_THAT(r.err, HasSubstr("rank 1"));
+  EXPECT_LT(r.seconds, 15);
+}
+
+}  // namespace
+}  // namespace commgrad::testing
