@@ -1,0 +1,5 @@
+#pragma once
+// commgrad data parallelism: DistributedDataParallel and its communication hooks.
+
+#include "commgrad/dp/comm_hooks.h"
+#include "commgrad/dp/distributed_data_parallel.h"

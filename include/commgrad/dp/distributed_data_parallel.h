@@ -1,0 +1,179 @@
+#pragma once
+// DistributedDataParallel: data parallelism for any torch::nn::Module.
+//
+// Each rank of a data-parallel group holds a full replica of the module and
+// runs forward and backward on its own shard of the batch. The wrapper
+// makes the replicas start equal and stay equal: after every backward each
+// parameter's gradient is the average (or sum) of the ranks' gradients, so
+// identical optimizer steps keep identical parameters. Gradients are
+// reduced in buckets whose all-reduces start while backward is still
+// computing the remaining gradients (see src/dp/reducer.cpp).
+
+#include "commgrad/dist/group.h"
+#include "commgrad/dp/comm_hooks.h"
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace commgrad {
+
+namespace detail {
+class DdpReducer;
+}
+
+/// How the gradients of the ranks are combined.
+enum class GradReduction {
+  kAverage,  ///< mean over the group (like PyTorch's DDP)
+  kSum,      ///< sum over the group
+};
+
+/// Options of DistributedDataParallel.
+///
+/// Example:
+///   commgrad::DistributedDataParallelOptions(dp_group).bucket_cap_mb(8).find_unused_parameters(true)
+struct DistributedDataParallelOptions {
+  /// `group` is the data-parallel group; an undefined group means the world.
+  /* implicit */ DistributedDataParallelOptions(Group group = Group()) : group_(std::move(group)) {}
+
+  /// The data-parallel group (with tensor parallelism: the DP group).
+  TORCH_ARG(Group, group);
+  /// Bucket size in MiB (PyTorch's default, 25). Gradients are packed into
+  /// buckets of about this size, in reverse registration order.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Size of the first bucket in MiB: small, so that the first all-reduce
+  /// starts early in backward (PyTorch uses 1 MiB).
+  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  /// Average (default) or sum the gradients over the group.
+  TORCH_ARG(GradReduction, reduction) = GradReduction::kAverage;
+  /// Tolerate parameters that get no gradient in a backward: they count as
+  /// zero on that rank. Without it such a parameter is an error naming it.
+  /// A parameter that gets no gradient on any rank keeps its old .grad().
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// After each synchronised backward, broadcast the module's buffers (batch
+  /// norm statistics, ...) from the group's first rank, so every forward
+  /// sees the same buffers, as PyTorch's DDP does before each forward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Make each parameter's .grad() a view into its bucket: backward then
+  /// accumulates straight into the buffer that is all-reduced, and the
+  /// averaged gradient needs no copy back. Off: one copy in, one copy out.
+  TORCH_ARG(bool, gradient_as_bucket_view) = true;
+};
+
+/// One bucket as built at construction (for inspection and tests).
+struct DdpBucketInfo {
+  at::ScalarType dtype;
+  int64_t numel = 0;
+  /// Parameter names in the order they sit in the bucket.
+  std::vector<std::string> names;
+};
+
+/// What happened in the last synchronised backward.
+struct DdpStepStats {
+  /// Buckets reduced, and how many of them started before backward ended.
+  int64_t buckets = 0;
+  int64_t launched_in_backward = 0;
+  /// Parameters that got no gradient on this rank (find_unused_parameters).
+  std::vector<std::string> unused_parameters;
+  /// Time the end of backward spent waiting for reductions, in milliseconds.
+  double wait_ms = 0;
+};
+
+/// Data parallelism for a module: attach it once, then train as usual.
+///
+/// At construction it checks that every rank of the group has the same
+/// parameters (names, shapes, dtypes, in order), broadcasts parameters and
+/// buffers from the group's first rank, builds the gradient buckets and
+/// installs one autograd hook per parameter. From then on every backward
+/// through the module reduces the gradients over the group before
+/// `backward()` returns; `.grad()` then holds the average (or sum).
+///
+/// The module is used directly (forward is not wrapped). One synchronised
+/// backward per optimizer step; for gradient accumulation use no_sync().
+/// Reentrant backward (activation checkpointing that calls backward inside
+/// backward) is not supported.
+///
+/// Example:
+///   auto model = std::make_shared<Net>();
+///   commgrad::DistributedDataParallel ddp(model);        // world group
+///   torch::optim::SGD opt(model->parameters(), 0.1);
+///   for (auto& [x, y] : my_shard_of_each_batch) {
+///     opt.zero_grad();
+///     torch::mse_loss(model->forward(x), y).backward();  // all-reduces in buckets
+///     opt.step();
+///   }
+class DistributedDataParallel {
+ public:
+  explicit DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                   DistributedDataParallelOptions options = {});
+  template <typename ModuleType>
+  explicit DistributedDataParallel(const torch::nn::ModuleHolder<ModuleType>& module,
+                                   DistributedDataParallelOptions options = {})
+      : DistributedDataParallel(std::static_pointer_cast<torch::nn::Module>(module.ptr()), std::move(options)) {}
+
+  /// Removes the hooks; the module keeps working without communication.
+  ~DistributedDataParallel();
+  DistributedDataParallel(DistributedDataParallel&&) noexcept;
+  DistributedDataParallel& operator=(DistributedDataParallel&&) noexcept;
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// The module whose gradients are synchronised.
+  const std::shared_ptr<torch::nn::Module>& module() const;
+  /// The data-parallel group.
+  const Group& group() const;
+  const DistributedDataParallelOptions& options() const;
+
+  /// Scope guard returned by no_sync(): while it lives, backward does not
+  /// communicate and gradients accumulate locally; the next backward after it
+  /// reduces the accumulated gradients.
+  class NoSync {
+   public:
+    ~NoSync();
+    NoSync(NoSync&& other) noexcept;
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    friend class DistributedDataParallel;
+    explicit NoSync(std::shared_ptr<detail::DdpReducer> reducer);
+    std::shared_ptr<detail::DdpReducer> reducer_;
+    bool previous_ = true;
+  };
+
+  /// Gradient accumulation without communication.
+  ///
+  /// Example:
+  ///   {
+  ///     auto guard = ddp.no_sync();
+  ///     for (int i = 0; i < 3; ++i) loss(micro[i]).backward();  // local only
+  ///   }
+  ///   loss(micro[3]).backward();  // reduces the sum of all four
+  [[nodiscard]] NoSync no_sync();
+
+  /// Replaces how each bucket is summed (default: allreduce_hook()). Call it
+  /// on every rank, before the first backward.
+  ///
+  /// Example:
+  ///   ddp.register_comm_hook(commgrad::bf16_compress_hook());
+  void register_comm_hook(CommHook hook);
+
+  /// Broadcasts the module's buffers from the group's first rank now.
+  void sync_buffers();
+
+  /// The buckets, in the order they are reduced.
+  std::vector<DdpBucketInfo> buckets() const;
+  /// Statistics of the last synchronised backward.
+  DdpStepStats last_step() const;
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<detail::DdpReducer> reducer_;
+};
+
+}  // namespace commgrad

@@ -1,0 +1,113 @@
+#pragma once
+// The gradient reducer behind DistributedDataParallel (internal).
+
+#include "commgrad/dp/comm_hooks.h"
+#include "commgrad/dp/distributed_data_parallel.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace commgrad::detail {
+
+/// A named tensor of the module (parameter or buffer).
+using NamedTensor = std::pair<std::string, at::Tensor>;
+
+/// Broadcasts `tensors` from the group's rank 0 in place, packed into byte
+/// buffers of at most `cap_bytes` (one broadcast per buffer). Every rank must
+/// pass tensors of the same shapes and dtypes in the same order.
+void broadcast_from_first(const Group& group, const std::vector<at::Tensor>& tensors, int64_t cap_bytes);
+
+/// Splits tensors (given in reduction order) into buckets: one dtype per
+/// bucket; a bucket closes once it holds at least its limit in bytes (the
+/// first bucket of each dtype `first_cap_bytes`, the others `cap_bytes`).
+/// Returns tensor indices per bucket, ordered by their first tensor.
+std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& tensors, int64_t first_cap_bytes,
+                                                int64_t cap_bytes);
+
+/// Everything DistributedDataParallel does after construction: the hooks,
+/// the buckets, and the end-of-backward reduction.
+class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
+ public:
+  /// `params` are the parameters that require grad, in registration order.
+  DdpReducer(Group group, DistributedDataParallelOptions options, std::vector<NamedTensor> params,
+             std::vector<at::Tensor> buffers);
+  ~DdpReducer();
+
+  /// Registers one post hook on each parameter's gradient accumulator.
+  void install_hooks();
+  /// Removes them again (the destructor does it too).
+  void remove_hooks();
+
+  bool sync_enabled() const;
+  void set_sync_enabled(bool enabled);
+  void set_comm_hook(CommHook hook);
+  void sync_buffers();
+
+  const Group& group() const { return group_; }
+  const DistributedDataParallelOptions& options() const { return options_; }
+  std::vector<DdpBucketInfo> bucket_info() const;
+  DdpStepStats last_step() const;
+
+  /// Called by the end-of-backward callback, or when a backward failed
+  /// before reaching it (its callback was dropped).
+  void finalize_backward();
+  void abandon_backward();
+
+ private:
+  struct Param {
+    std::string name;
+    at::Tensor tensor;
+    size_t bucket = 0;
+    size_t slot = 0;  // position in the bucket
+    std::shared_ptr<torch::autograd::Node> accumulator;
+    uintptr_t hook_key = 0;
+  };
+  struct Bucket {
+    at::ScalarType dtype;
+    std::vector<size_t> params;
+    std::vector<std::string> names;
+    int64_t bytes = 0;
+    at::Tensor buffer;               // flat gradients
+    std::vector<at::Tensor> views;   // one per parameter, shaped like it
+    size_t pending = 0;              // parameters not ready yet in this backward
+    bool launched = false;
+    CommWork work;
+  };
+
+  void on_gradient_ready(size_t index);
+  void begin_backward();
+  void mark_ready(size_t index);
+  void launch_ready_buckets(bool during_backward);
+  void write_back(const std::vector<int32_t>& global_use);
+  void wait_all_quietly();
+  void reset_backward_state();
+  std::string bucket_context(size_t b) const;
+
+  Group group_;
+  DistributedDataParallelOptions options_;
+  std::vector<Param> params_;
+  std::vector<Bucket> buckets_;
+  std::vector<at::Tensor> buffers_;
+  CommHook comm_hook_;
+
+  mutable std::recursive_mutex mutex_;
+  bool sync_enabled_ = true;
+  bool in_backward_ = false;         // a synchronised backward is running
+  std::vector<char> ready_;          // per parameter, this backward
+  std::vector<char> used_since_sync_;  // got a gradient since the last reduction
+  size_t next_bucket_ = 0;
+  int64_t launched_in_backward_ = 0;
+  DdpStepStats last_step_;
+};
+
+}  // namespace commgrad::detail
