@@ -80,52 +80,45 @@ TEST(FoundingExampleAlone, RunsAsAWorldOfOneWithANotice) {
   EXPECT_THAT(r.err, HasSubstr("running as a single process (world size 1)"));
 }
 
-// Starts one process per rank with the variables `vars_of(rank)`, like a
-// hand-written launch script would, and returns each rank's result.
-std::vector<ProcessResult> hand_launch(int n, const std::function<std::map<std::string, std::string>(int)>& vars_of) {
+// Starts one process per rank with the variables `vars_of(rank, port)`, like
+// a hand-written launch script would, and checks every rank's result.
+void expect_hand_launch_works(int n, const std::function<std::map<std::string, std::string>(int)>& vars_of) {
+  const auto port = std::to_string(free_port());
   std::vector<std::future<ProcessResult>> futures;
   for (int r = 0; r < n; ++r) {
-    futures.push_back(std::async(std::launch::async, [&, r] {
-      return run_process({example()}, clean_env(vars_of(r)), std::chrono::seconds(60));
+    auto env = vars_of(r);
+    env["MASTER_ADDR"] = "127.0.0.1";
+    env["MASTER_PORT"] = port;
+    futures.push_back(std::async(std::launch::async, [env] {
+      return run_process({example()}, clean_env(env), std::chrono::seconds(60));
     }));
   }
   std::vector<ProcessResult> results;
   for (auto& f : futures) results.push_back(f.get());
-  return results;
+  expect_founding_output(results[0], n, "");
+  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.err;
 }
 
 TEST(FoundingExampleHandLaunched, TorchrunVariables) {
-  const auto port = std::to_string(free_port());
-  auto results = hand_launch(3, [&](int r) {
+  expect_hand_launch_works(3, [](int r) {
     return std::map<std::string, std::string>{{"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"},
-                                              {"LOCAL_RANK", std::to_string(r)}, {"LOCAL_WORLD_SIZE", "3"},
-                                              {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+                                              {"LOCAL_RANK", std::to_string(r)}, {"LOCAL_WORLD_SIZE", "3"}};
   });
-  expect_founding_output(results[0], 3, "");
-  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.err;
 }
 
 TEST(FoundingExampleHandLaunched, MpirunVariables) {
-  const auto port = std::to_string(free_port());
-  auto results = hand_launch(2, [&](int r) {
+  expect_hand_launch_works(2, [](int r) {
     return std::map<std::string, std::string>{
         {"OMPI_COMM_WORLD_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_SIZE", "2"},
-        {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
-        {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+        {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
   });
-  expect_founding_output(results[0], 2, "");
-  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.err;
 }
 
 TEST(FoundingExampleHandLaunched, SlurmVariables) {
-  const auto port = std::to_string(free_port());
-  auto results = hand_launch(2, [&](int r) {
+  expect_hand_launch_works(2, [](int r) {
     return std::map<std::string, std::string>{{"SLURM_PROCID", std::to_string(r)}, {"SLURM_NTASKS", "2"},
-                                              {"SLURM_LOCALID", std::to_string(r)}, {"SLURM_NTASKS_PER_NODE", "2"},
-                                              {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+                                              {"SLURM_LOCALID", std::to_string(r)}, {"SLURM_NTASKS_PER_NODE", "2"}};
   });
-  expect_founding_output(results[0], 2, "");
-  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.err;
 }
 
 TEST(Rendezvous, TimeoutNamesTheMissingRanks) {
