@@ -1,0 +1,150 @@
+#pragma once
+// `shm`: a c10d process group for the ranks of one host, carried by one
+// shared-memory segment per group instead of TCP loopback.
+
+#include "commgrad/detail/torch_compat.h"
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace commgrad::backend {
+
+namespace detail {
+class Comm;
+class Executor;
+}  // namespace detail
+
+/// Settings of a ShmProcessGroup. Every rank of a group must use the same
+/// chunk_bytes and mailbox_bytes (the segment's layout depends on them).
+///
+/// Example:
+///   auto options = commgrad::backend::ShmOptions().timeout(std::chrono::seconds(60)).group_name("tp0");
+struct ShmOptions {
+  /// How long a collective may wait for its peers before it fails, naming them.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
+  /// Bytes each rank stages per pipeline step; larger tensors are pipelined
+  /// in chunks. 0: $COMMGRAD_SHM_CHUNK_BYTES, else 256 KiB. The segment holds
+  /// 3 x size x chunk_bytes of buffers.
+  TORCH_ARG(int64_t, chunk_bytes) = 0;
+  /// Ring bytes of each point-to-point mailbox (one per ordered pair of
+  /// ranks). 0: 16 MiB shared out over the pairs, 4 KiB to 1 MiB each.
+  TORCH_ARG(int64_t, mailbox_bytes) = 0;
+  /// Collectives on tensors of at least this many bytes run on the group's
+  /// worker thread and return at once (overlap with compute); smaller ones,
+  /// when nothing is queued before them, run on the calling thread and
+  /// return completed (no thread hand-off: microseconds matter there).
+  TORCH_ARG(int64_t, async_bytes) = 1 << 20;
+  /// Microseconds to spin before sleeping on a futex; -1: 50 when the
+  /// group's ranks fit on this process's CPUs, else 0 (ranks outnumber cores).
+  TORCH_ARG(int, spin_us) = -1;
+  /// Name used in error messages ("world", "tp0", ...).
+  TORCH_ARG(std::string, group_name) = "";
+};
+
+/// A c10d process group (c10d::ProcessGroup in LibTorch 1.13, c10d::Backend
+/// in 2.x) for CPU tensors of ranks that share a host. Collectives reduce
+/// directly in shared memory, every rank its own slice, in a fixed rank
+/// order: results are bitwise identical on every rank.
+///
+/// Supported: allreduce (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR),
+/// allreduce_coalesced, reduce, broadcast, allgather (also with different
+/// sizes per rank), _allgather_base, gather, scatter, reduce_scatter,
+/// _reduce_scatter_base, alltoall_base (equal or uneven splits), alltoall,
+/// barrier, send, recv. Reductions take float, double, half and bfloat16
+/// (combined in float32, rounded once), complex (SUM/AVG), int8/16/32/64,
+/// uint8 and bool; data movement takes any dtype. Integer AVG truncates.
+/// One tensor per call; non-contiguous tensors are staged through a
+/// contiguous copy.
+///
+/// Arguments are checked before anything is shared. A rank whose arguments
+/// are rejected still takes its place in the collective, so the other ranks
+/// fail at once with its reason; ranks that call different collectives all
+/// fail at the same point with a message listing what each called, and the
+/// group stays usable. A peer that dies, or does not arrive within the
+/// timeout, fails every waiting rank with an error naming it; the group is
+/// then aborted and every later call fails.
+///
+/// Messages between two ranks arrive in the order they were sent: a recv
+/// must match the next message from its source (tag, dtype and size are
+/// checked).
+///
+/// Example:
+///   auto store = c10::make_intrusive<c10d::HashStore>();   // or a TCPStore
+///   auto pg = c10::make_intrusive<commgrad::backend::ShmProcessGroup>(store, rank, size);
+///   std::vector<at::Tensor> t{at::ones({4})};
+///   pg->allreduce(t)->wait();                                // t == [size, size, size, size]
+class ShmProcessGroup : public commgrad::detail::TransportBase {
+ public:
+  /// Creates (rank 0) or maps (others) the group's segment through `store`;
+  /// returns once every rank has mapped it and its name is unlinked.
+  ShmProcessGroup(const commgrad::detail::StorePtr& store, int rank, int size, ShmOptions options = {});
+  ~ShmProcessGroup() override;
+
+  const std::string getBackendName() const override { return "shm"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
+
+  /// The options in force (defaults resolved: chunk_bytes, mailbox_bytes, spin_us).
+  const ShmOptions& options() const { return options_; }
+  /// The segment's name in /dev/shm; already unlinked once the constructor returns.
+  std::string segment_name() const;
+  /// Bytes of the segment mapped by each rank.
+  int64_t segment_bytes() const;
+  /// "rank 0/4 group 'world' (shm)".
+  std::string describe() const;
+
+ private:
+  struct Job;
+  c10::intrusive_ptr<c10d::Work> submit_collective(const char* op, c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                   int64_t bytes, std::chrono::milliseconds timeout, Job job);
+  [[noreturn]] void reject(const char* op, int kind, const std::string& message);
+  detail::Executor& peer_executor(bool sending, int peer);
+  std::chrono::milliseconds timeout_of(std::chrono::milliseconds requested) const;
+
+  ShmOptions options_;
+  std::unique_ptr<detail::Comm> comm_;
+  std::unique_ptr<detail::Executor> collectives_;
+  std::mutex peers_mutex_;
+  std::vector<std::unique_ptr<detail::Executor>> senders_;    // by destination, created on first use
+  std::vector<std::unique_ptr<detail::Executor>> receivers_;  // by source
+};
+
+}  // namespace commgrad::backend

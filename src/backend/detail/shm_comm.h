@@ -1,0 +1,149 @@
+#pragma once
+// The collectives of the shm backend on raw memory: what every rank does in
+// the shared segment, step by step. ShmProcessGroup (shm_process_group.cpp)
+// turns c10d calls with tensors into calls of this class on its worker
+// threads. Internal to commgrad_backend.
+
+#include "detail/shm_segment.h"
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/FunctionRef.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace commgrad::backend::detail {
+
+/// The collective a descriptor announces.
+enum class OpKind : uint32_t {
+  kNone = 0,
+  kInvalid,  // a rank rejected its arguments
+  kBarrier,
+  kAllreduce,
+  kReduce,
+  kBroadcast,
+  kAllgather,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAlltoall,
+};
+
+/// Reductions, in the order of c10d::ReduceOp.
+enum class RedOp : int32_t { kSum = 0, kAvg, kProduct, kMin, kMax, kBand, kBor, kBxor };
+
+const char* red_op_name(RedOp op);
+const char* op_kind_name(OpKind kind);
+
+/// True when `reduce_into` supports (dtype, op); otherwise `why` says why not.
+bool reduction_supported(c10::ScalarType dtype, RedOp op, std::string* why);
+
+/// dst[i] (and dst2[i] when not null) = srcs[0][i] op srcs[1][i] op ... in
+/// that order, i < count; half and bfloat16 are combined in float32 and
+/// rounded once; AVG divides the sum by `divisor`. dst/dst2 may alias srcs
+/// element for element (in-place).
+void reduce_into(void* dst, void* dst2, const void* const* srcs, int nsrcs, int64_t count, c10::ScalarType dtype,
+                 RedOp op, int divisor);
+
+/// Per-call context: names and deadline for error messages.
+struct Call {
+  const char* op = "";  // the c10d name: "allreduce", "_allgather_base", ...
+  std::chrono::milliseconds timeout{0};
+  std::chrono::steady_clock::time_point deadline;
+};
+
+/// How long to spin and yield before sleeping on a futex.
+struct WaitPolicy {
+  int64_t spin_ns = 0;
+  int yields = 0;
+};
+
+/// The engine. Every rank of the group calls the same collectives in the
+/// same order (one thread at a time); point-to-point calls may run
+/// concurrently with them, one thread per peer and direction.
+class Comm {
+ public:
+  Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string context, WaitPolicy policy);
+  ~Comm();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const Segment& segment() const { return *segment_; }
+  /// "rank 0/4 group 'world' (shm)".
+  const std::string& context() const { return context_; }
+  uint64_t sequence() const { return seq_; }
+
+  // Collectives. Sizes are in elements of `dtype` unless named *_bytes.
+  void barrier(const Call& call);
+  void allreduce(const Call& call, void* data, int64_t count, c10::ScalarType dtype, RedOp op);
+  void reduce(const Call& call, void* data, int64_t count, c10::ScalarType dtype, RedOp op, int root);
+  void broadcast(const Call& call, void* data, int64_t bytes, c10::ScalarType dtype, int root);
+  /// outs[q] receives out_bytes[q] from rank q; `outs` is null on non-roots of a gather.
+  void allgather(const Call& call, const void* in, int64_t in_bytes, void* const* outs, const int64_t* out_bytes,
+                 c10::ScalarType dtype, int root /* -1: every rank gathers */);
+  /// The root sends ins[q] (in_bytes[q]) to rank q; `ins` is null on non-roots.
+  void scatter(const Call& call, const void* const* ins, const int64_t* in_bytes, void* out, int64_t out_bytes,
+               c10::ScalarType dtype, int root);
+  /// out = reduction over ranks of their ins[rank()] (count elements each).
+  void reduce_scatter(const Call& call, const void* const* ins, void* out, int64_t count, c10::ScalarType dtype,
+                      RedOp op);
+  /// Sends ins[q] (in_bytes[q]) to rank q and receives outs[q] (out_bytes[q]) from it.
+  void alltoall(const Call& call, const void* const* ins, const int64_t* in_bytes, void* const* outs,
+                const int64_t* out_bytes, c10::ScalarType dtype);
+  /// Takes this rank's place in the next collective after its arguments
+  /// were rejected locally, so that the other ranks fail at once with
+  /// `message` instead of waiting out the timeout.
+  void reject(const Call& call, OpKind kind, const std::string& message);
+
+  // Point to point, through the mailbox of each ordered pair.
+  void send(const Call& call, int dst, int tag, const void* data, int64_t bytes, c10::ScalarType dtype);
+  void recv(const Call& call, int src, int tag, void* data, int64_t bytes, c10::ScalarType dtype);
+  /// True when a message of `bytes` fits into the mailbox to `dst` right now.
+  bool send_fits(int dst, int64_t bytes) const;
+  /// True when a whole message of `bytes` from `src` is already waiting.
+  bool recv_ready(int src, int64_t bytes) const;
+
+  /// Marks the segment aborted (first reason wins) and wakes every sleeper.
+  void abort(const std::string& reason);
+  /// Throws the abort reason when the segment was aborted.
+  void check_not_aborted(const char* op) const;
+
+ private:
+  enum class WaitOn { kBarrier, kPeer };
+
+  int next_set() { return static_cast<int>(step_++ % kSets); }
+  OpDescriptor begin(const Call& call, OpKind kind, c10::ScalarType dtype, int32_t reduce, int root, int64_t bytes);
+  void publish(int set, const OpDescriptor& desc);
+  void arrive_and_wait(const Call& call);
+  /// Compares every rank's descriptor in `set`; throws the same error on every rank on a mismatch.
+  void check_agreement(const Call& call, int set, bool same_bytes);
+  [[noreturn]] void fail(const Call& call, const std::string& message) const;
+
+  template <class Ready>
+  void wait(Ready&& ready, Bell& bell, const Call& call, WaitOn on, int peer);
+  void wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& call, WaitOn on, int peer);
+  std::vector<int> pending_ranks(WaitOn on, int peer) const;
+  void check_peers(const Call& call, WaitOn on, int peer);
+  [[noreturn]] void throw_aborted(const char* op) const;
+
+  void allreduce_small(const Call& call, uint8_t* data, int64_t count, c10::ScalarType dtype, RedOp op, int root);
+  void allreduce_pipelined(const Call& call, uint8_t* data, int64_t count, c10::ScalarType dtype, RedOp op,
+                           int root);
+  void stream_write(const Call& call, int dst, const uint8_t* data, int64_t bytes);
+  void stream_read(const Call& call, int src, uint8_t* data, int64_t bytes);
+
+  std::unique_ptr<Segment> segment_;
+  const int rank_;
+  const int size_;
+  const std::string context_;
+  const WaitPolicy policy_;
+  uint64_t seq_ = 0;         // collectives issued
+  uint64_t step_ = 0;        // pipeline steps (buffer sets) used
+  uint64_t generation_ = 1;  // barriers arrived at (the segment's own is the first)
+  std::vector<const void*> srcs_;  // scratch: one source per rank
+};
+
+}  // namespace commgrad::backend::detail

@@ -1,0 +1,174 @@
+#pragma once
+// The shared-memory segment of one shm process group: what lives where in
+// it, how it is created, mapped and unlinked, and the futex words ranks
+// sleep on. Internal to commgrad_backend.
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace c10d {
+class Store;
+}
+
+namespace commgrad::backend::detail {
+
+/// Two cache lines: keeps the adjacent-line prefetcher from coupling
+/// words that different ranks write.
+constexpr size_t kLine = 128;
+/// Buffer sets used round robin by consecutive pipeline steps (see shm_collectives.cpp).
+constexpr int kSets = 3;
+/// Bytes of the validation message a rank leaves for the others.
+constexpr size_t kMessageBytes = 256;
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "the shm backend needs address-free atomics");
+
+/// A 32-bit futex word that counts events, and the number of threads
+/// asleep on it (so that whoever rings it skips the syscall when nobody sleeps).
+struct alignas(kLine) Bell {
+  std::atomic<uint32_t> value;
+  std::atomic<uint32_t> sleepers;
+};
+
+/// What a rank is about to do. Written before the first barrier of a
+/// collective and compared by every rank after it.
+struct OpDescriptor {
+  uint32_t kind;     // OpKind
+  int32_t dtype;     // c10::ScalarType
+  int32_t reduce;    // RedOp, or -1
+  int32_t root;      // root rank, or -1
+  uint64_t seq;      // collective number on this group
+  int64_t bytes;     // op-specific size (see shm_collectives.cpp)
+  char message[kMessageBytes];  // why a rank rejected its arguments (kind == kInvalid)
+};
+
+/// One rank's control block.
+struct alignas(kLine) RankBlock {
+  std::atomic<int32_t> pid;         // 0 until the rank has mapped the segment
+  std::atomic<uint32_t> generation;  // barriers this rank has arrived at (low 32 bits)
+  std::atomic<uint64_t> seq;         // collective it is running or ran last
+  std::atomic<uint32_t> kind;        // ... and its kind
+  OpDescriptor desc[kSets];
+};
+
+/// The start of the segment.
+struct alignas(kLine) Header {
+  uint64_t magic;
+  uint32_t version;
+  int32_t size;
+  uint64_t chunk_bytes;    // per rank and buffer set
+  uint64_t mailbox_bytes;  // ring bytes of each point-to-point mailbox
+  uint64_t total_bytes;
+  Bell arrivals;           // the barrier: every arrival adds one
+  alignas(kLine) std::atomic<uint32_t> abort_state;  // 0 running, 1 being written, 2 aborted
+  int32_t abort_rank;
+  char abort_reason[1024];
+};
+
+/// The control words of the mailbox from one rank to another: a byte ring
+/// with monotonic positions.
+struct alignas(kLine) MailboxHead {
+  alignas(kLine) std::atomic<uint64_t> head;  // bytes written by the sender
+  Bell data;                                  // rung after head moves
+  alignas(kLine) std::atomic<uint64_t> tail;  // bytes consumed by the receiver
+  Bell space;                                 // rung after tail moves
+};
+
+/// Where things are, computed identically by every rank from (size, chunk, mailbox).
+struct Layout {
+  int size = 1;
+  uint64_t chunk_bytes = 0;
+  uint64_t mailbox_bytes = 0;
+  uint64_t ranks_offset = 0;     // RankBlock[size]
+  uint64_t aux_offset = 0;       // int64[kSets][size][2 * size]
+  uint64_t slots_offset = 0;     // uint8[kSets][size][chunk_bytes]
+  uint64_t mailbox_offset = 0;   // (MailboxHead + ring)[size][size]
+  uint64_t mailbox_stride = 0;
+  uint64_t total_bytes = 0;
+
+  static Layout compute(int size, uint64_t chunk_bytes, uint64_t mailbox_bytes);
+};
+
+/// What a Segment needs to know to create or join the mapping.
+struct SegmentConfig {
+  c10::intrusive_ptr<c10d::Store> store;  // prefixed for this group
+  int rank = 0;
+  int size = 1;
+  uint64_t chunk_bytes = 0;
+  uint64_t mailbox_bytes = 0;
+  std::chrono::milliseconds timeout{0};
+  std::string context;  // "rank 0/4 group 'world' (shm)" for error messages
+};
+
+/// One rank's mapping of the group's segment.
+///
+/// Rank 0 creates it under a name with 128 random bits (mode 0600, space
+/// reserved with posix_fallocate so that a full /dev/shm is an error here,
+/// not a SIGBUS later) and publishes the name through the store; every rank
+/// maps it and writes its pid; the last rank to map it unlinks the name, and
+/// the constructor returns only once every rank has mapped it. So after
+/// construction nothing is left in /dev/shm, whatever happens to the job.
+class Segment {
+ public:
+  explicit Segment(const SegmentConfig& config);
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  const Layout& layout() const { return layout_; }
+  const std::string& name() const { return name_; }
+
+  Header& header() const { return *reinterpret_cast<Header*>(base_); }
+  RankBlock& rank_block(int rank) const {
+    return reinterpret_cast<RankBlock*>(base_ + layout_.ranks_offset)[rank];
+  }
+  /// 2 * size int64 values a rank publishes with a descriptor.
+  int64_t* aux(int set, int rank) const {
+    const auto n = static_cast<uint64_t>(layout_.size);
+    return reinterpret_cast<int64_t*>(base_ + layout_.aux_offset) + (set * n + rank) * 2 * n;
+  }
+  /// The chunk_bytes a rank stages in buffer set `set`; the slots of one set are contiguous.
+  uint8_t* slot(int set, int rank) const {
+    return base_ + layout_.slots_offset +
+           (static_cast<uint64_t>(set) * layout_.size + rank) * layout_.chunk_bytes;
+  }
+  MailboxHead& mailbox(int src, int dst) const {
+    return *reinterpret_cast<MailboxHead*>(mailbox_base(src, dst));
+  }
+  uint8_t* mailbox_ring(int src, int dst) const { return mailbox_base(src, dst) + sizeof(MailboxHead); }
+
+ private:
+  uint8_t* mailbox_base(int src, int dst) const {
+    return base_ + layout_.mailbox_offset +
+           (static_cast<uint64_t>(src) * layout_.size + dst) * layout_.mailbox_stride;
+  }
+  void create(const SegmentConfig& config);
+  void open(const SegmentConfig& config);
+  void wait_until_mapped(const SegmentConfig& config);
+
+  Layout layout_;
+  std::string name_;
+  uint8_t* base_ = nullptr;
+};
+
+/// futex(FUTEX_WAIT) on a word that other processes share; returns after a
+/// wake-up, a change of the value, a signal or `timeout`.
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout);
+/// Wakes every thread of any process asleep on `word`.
+void futex_wake_all(std::atomic<uint32_t>* word);
+
+/// Counts one event on `bell` and wakes its sleepers, if any.
+inline void ring(Bell& bell) {
+  bell.value.fetch_add(1, std::memory_order_seq_cst);
+  if (bell.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&bell.value);
+}
+
+/// False when process `pid` is gone (or a zombie).
+bool process_alive(int32_t pid);
+
+}  // namespace commgrad::backend::detail

@@ -1,0 +1,277 @@
+// The shm segment: layout, creation, mapping, unlinking, futexes.
+//
+// Naming and lifetime. Rank 0 draws 128 random bits from the kernel and
+// creates "/commgrad-shm-<32 hex digits>" with O_CREAT|O_EXCL and mode 0600,
+// so no other job (or user) can guess, open or collide with it. It reserves
+// the whole size with posix_fallocate (a too-small /dev/shm fails here with
+// a clear error instead of a SIGBUS in the middle of a collective) and
+// publishes the name under a store key that also carries a per-rank
+// generation number, so that a second group over the same store prefix
+// never reads a stale name. Every rank maps the segment, writes its pid into
+// its control block and arrives at the segment's first barrier; the rank
+// that completes that barrier unlinks the name. No rank leaves the
+// constructor before that barrier, so from then on only the mappings keep
+// the memory alive and a kill -9 of any rank leaves nothing in /dev/shm.
+//
+// Layout (every offset computed the same way by every rank, see Layout::compute):
+//
+//   Header | RankBlock[n] | aux int64[3][n][2n] | slots [3][n][chunk] | mailboxes [n][n]
+//
+// Futexes. The words live in MAP_SHARED memory, so waits and wakes use the
+// shared (not FUTEX_PRIVATE) operations, keyed by the page, and work
+// across processes as well as across threads of one process.
+
+#include "detail/shm_segment.h"
+
+#include "commgrad/detail/torch_compat.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <new>
+#include <thread>
+#include <vector>
+
+namespace commgrad::backend::detail {
+namespace {
+
+constexpr uint64_t kMagic = 0x6873646172676d63ULL;  // "cmgradsh"
+constexpr uint32_t kVersion = 1;
+
+uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+std::string errno_text(int err) { return c10::str(std::strerror(err), " (errno ", err, ")"); }
+
+std::string random_hex(int bytes) {
+  std::vector<unsigned char> buf(bytes);
+  size_t got = 0;
+  while (got < buf.size()) {
+    const ssize_t r = getrandom(buf.data() + got, buf.size() - got, 0);
+    if (r < 0 && errno == EINTR) continue;
+    TORCH_CHECK(r > 0, "[commgrad] shm: getrandom failed: ", errno_text(errno));
+    got += static_cast<size_t>(r);
+  }
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : buf) {
+    out.push_back(digits[c >> 4]);
+    out.push_back(digits[c & 15]);
+  }
+  return out;
+}
+
+std::string mib(uint64_t bytes) { return c10::str(static_cast<double>(bytes) / (1024.0 * 1024.0), " MiB"); }
+
+std::string shm_free_space() {
+  struct statvfs st {};
+  if (statvfs("/dev/shm", &st) != 0) return "unknown";
+  return mib(static_cast<uint64_t>(st.f_bavail) * st.f_frsize);
+}
+
+}  // namespace
+
+Layout Layout::compute(int size, uint64_t chunk_bytes, uint64_t mailbox_bytes) {
+  Layout l;
+  l.size = size;
+  l.chunk_bytes = chunk_bytes;
+  l.mailbox_bytes = size > 1 ? mailbox_bytes : 0;
+  const auto n = static_cast<uint64_t>(size);
+  l.ranks_offset = align_up(sizeof(Header), kLine);
+  l.aux_offset = align_up(l.ranks_offset + n * sizeof(RankBlock), kLine);
+  l.slots_offset = align_up(l.aux_offset + kSets * n * 2 * n * sizeof(int64_t), 4096);
+  l.mailbox_offset = align_up(l.slots_offset + kSets * n * chunk_bytes, 4096);
+  l.mailbox_stride = size > 1 ? align_up(sizeof(MailboxHead) + l.mailbox_bytes, kLine) : 0;
+  l.total_bytes = align_up(l.mailbox_offset + n * n * l.mailbox_stride, 4096);
+  return l;
+}
+
+Segment::Segment(const SegmentConfig& config)
+    : layout_(Layout::compute(config.size, config.chunk_bytes, config.mailbox_bytes)) {
+  // The key carries this rank's count of groups created over the store.
+  const int64_t generation = config.store->add(c10::str("shm/generation/", config.rank), 1);
+  const std::string key = c10::str("shm/", generation, "/segment");
+  if (config.rank == 0) {
+    create(config);
+    const std::string& n = name_;
+    config.store->set(key, std::vector<uint8_t>(n.begin(), n.end()));
+  } else {
+    try {
+      config.store->wait({key}, config.timeout);
+    } catch (const std::exception& e) {
+      commgrad::detail::throw_timeout_error(
+          c10::str("[commgrad] shm ", config.context, ": rank 0 did not publish the shared-memory segment within ",
+                   config.timeout.count() / 1000.0, "s (did rank 0 fail to create it?): ", e.what()));
+    }
+    const auto bytes = config.store->get(key);
+    name_.assign(bytes.begin(), bytes.end());
+    open(config);
+  }
+  rank_block(config.rank).pid.store(static_cast<int32_t>(getpid()), std::memory_order_relaxed);
+  wait_until_mapped(config);
+}
+
+Segment::~Segment() {
+  if (base_ != nullptr) munmap(base_, layout_.total_bytes);
+}
+
+void Segment::create(const SegmentConfig& config) {
+  int fd = -1;
+  for (int attempt = 0; attempt < 4 && fd < 0; ++attempt) {
+    name_ = "/commgrad-shm-" + random_hex(16);
+    fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, S_IRUSR | S_IWUSR);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) {
+    commgrad::detail::throw_dist_error(c10::str("[commgrad] shm ", config.context, ": cannot create segment ",
+                                                name_, " in /dev/shm: ", errno_text(errno)));
+  }
+  auto fail = [&](const std::string& what, int err) {
+    close(fd);
+    shm_unlink(name_.c_str());
+    commgrad::detail::throw_dist_error(c10::str("[commgrad] shm ", config.context, ": ", what, " ", name_, " (",
+                                                mib(layout_.total_bytes), "): ", errno_text(err),
+                                                "; /dev/shm has ", shm_free_space(),
+                                                " free. A smaller COMMGRAD_SHM_CHUNK_BYTES needs less."));
+  };
+  if (ftruncate(fd, static_cast<off_t>(layout_.total_bytes)) != 0) fail("cannot size segment", errno);
+  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(layout_.total_bytes));
+  if (rc != 0) fail("cannot reserve memory for segment", rc);
+  void* p = mmap(nullptr, layout_.total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) fail("cannot map segment", errno);
+  close(fd);
+  base_ = static_cast<uint8_t*>(p);
+
+  // The file is zero-filled: construct the control words in place.
+  auto* h = new (base_) Header{};
+  h->version = kVersion;
+  h->size = config.size;
+  h->chunk_bytes = layout_.chunk_bytes;
+  h->mailbox_bytes = layout_.mailbox_bytes;
+  h->total_bytes = layout_.total_bytes;
+  for (int r = 0; r < config.size; ++r) new (&rank_block(r)) RankBlock{};
+  if (config.size > 1) {
+    for (int s = 0; s < config.size; ++s) {
+      for (int d = 0; d < config.size; ++d) new (&mailbox(s, d)) MailboxHead{};
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = kMagic;
+}
+
+void Segment::open(const SegmentConfig& config) {
+  const int fd = shm_open(name_.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    commgrad::detail::throw_dist_error(c10::str(
+        "[commgrad] shm ", config.context, ": cannot open segment ", name_, " created by rank 0: ", errno_text(errno),
+        errno == ENOENT ? " (it was unlinked: another rank gave up waiting, or this rank is not on rank 0's host)"
+                        : ""));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != layout_.total_bytes) {
+    close(fd);
+    TORCH_CHECK(false, "[commgrad] shm ", config.context, ": segment ", name_, " has ", st.st_size,
+                " bytes, this rank expects ", layout_.total_bytes,
+                "; do all ranks use the same COMMGRAD_SHM_CHUNK_BYTES / chunk_bytes, mailbox_bytes and world size?");
+  }
+  void* p = mmap(nullptr, layout_.total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (p == MAP_FAILED) {
+    commgrad::detail::throw_dist_error(
+        c10::str("[commgrad] shm ", config.context, ": cannot map segment ", name_, ": ", errno_text(err)));
+  }
+  base_ = static_cast<uint8_t*>(p);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const Header& h = header();
+  if (h.magic != kMagic || h.version != kVersion || h.size != config.size ||
+      h.chunk_bytes != layout_.chunk_bytes || h.mailbox_bytes != layout_.mailbox_bytes) {
+    const std::string got = c10::str("size ", h.size, ", chunk_bytes ", h.chunk_bytes, ", mailbox_bytes ",
+                                     h.mailbox_bytes);
+    munmap(base_, layout_.total_bytes);
+    base_ = nullptr;
+    TORCH_CHECK(false, "[commgrad] shm ", config.context, ": rank 0 created segment ", name_, " with ", got,
+                "; this rank expects size ", config.size, ", chunk_bytes ", layout_.chunk_bytes, ", mailbox_bytes ",
+                layout_.mailbox_bytes, " (all ranks must use the same settings)");
+  }
+}
+
+void Segment::wait_until_mapped(const SegmentConfig& config) {
+  Bell& bell = header().arrivals;
+  const auto n = static_cast<uint32_t>(config.size);
+  const uint32_t arrived = bell.value.fetch_add(1, std::memory_order_seq_cst) + 1;
+  if (arrived == n) {
+    // Everyone has it mapped: the name is no longer needed.
+    shm_unlink(name_.c_str());
+    if (bell.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&bell.value);
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + config.timeout;
+  while (true) {
+    const uint32_t v = bell.value.load(std::memory_order_acquire);
+    if (v >= n) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) break;
+    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (bell.value.load(std::memory_order_seq_cst) == v) {
+      futex_wait(&bell.value, v, std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(50)));
+    }
+    bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+  std::vector<int> missing;
+  for (int r = 0; r < config.size; ++r) {
+    if (rank_block(r).pid.load(std::memory_order_relaxed) == 0) missing.push_back(r);
+  }
+  shm_unlink(name_.c_str());  // nobody else may join now; ENOENT is fine
+  munmap(base_, layout_.total_bytes);
+  base_ = nullptr;
+  commgrad::detail::throw_timeout_error(c10::str("[commgrad] shm ", config.context, ": ranks ", missing,
+                                                 " did not map the shared-memory segment within ",
+                                                 config.timeout.count() / 1000.0, "s"));
+}
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
+  if (timeout.count() <= 0) return;
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+bool process_alive(int32_t pid) {
+  if (pid <= 0 || pid == getpid()) return true;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  // A killed process stays a zombie until its parent reaps it.
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno != ENOENT;
+  char buf[512];
+  const ssize_t len = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (len <= 0) return true;
+  buf[len] = '\0';
+  const char* paren = std::strrchr(buf, ')');
+  if (paren == nullptr || paren[1] == '\0' || paren[2] == '\0') return true;
+  const char state = paren[2];
+  return state != 'Z' && state != 'X';
+}
+
+}  // namespace commgrad::backend::detail

@@ -1,0 +1,392 @@
+// Every shm op against a reference computed locally in the backend's fixed
+// rank order (bit for bit, which also proves every rank got the same bits)
+// and, where Gloo has the op and dtype, against Gloo over the same store.
+// Sizes 0, 1, odd, unaligned and larger than the segment (chunk_bytes is
+// 1 KiB here, so anything above it is pipelined); 1, 2, 3, 4 and 8 ranks
+// (8 threads on a 2-core machine: oversubscribed).
+
+#include "backend/shm_harness.h"
+
+#include <numeric>
+#include <thread>
+
+namespace {
+
+using namespace shm_test;
+
+const std::vector<int64_t> kSizes = {0, 1, 7, 33, 1000, 5003};
+
+RunOptions chunked(bool gloo) {
+  RunOptions o;
+  o.shm.chunk_bytes(1024).mailbox_bytes(4096);
+  o.gloo = gloo;
+  return o;
+}
+
+bool shm_reduces(at::ScalarType t, RedOpType op) {
+  const bool bitwise = op == RedOpType::BAND || op == RedOpType::BOR || op == RedOpType::BXOR;
+  if (t == at::kComplexFloat || t == at::kComplexDouble) return op == RedOpType::SUM || op == RedOpType::AVG;
+  if (t == at::kBool) return op != RedOpType::AVG;
+  if (at::isFloatingType(t)) return !bitwise;
+  return true;
+}
+
+bool gloo_reduces(at::ScalarType t, RedOpType op) {
+  const bool type_ok = t == at::kFloat || t == at::kDouble || t == at::kInt || t == at::kLong || t == at::kChar ||
+                       t == at::kByte;
+  return type_ok && (op == RedOpType::SUM || op == RedOpType::PRODUCT || op == RedOpType::MIN || op == RedOpType::MAX);
+}
+
+void expect_close_to_gloo(const at::Tensor& shm, const at::Tensor& gloo, const std::string& what) {
+  if (at::isFloatingType(shm.scalar_type())) {
+    EXPECT_TRUE(at::allclose(shm, gloo, 1e-5, 1e-5)) << what << ": shm and Gloo differ beyond reordering";
+  } else {
+    EXPECT_TRUE(at::equal(shm, gloo)) << what << ": shm and Gloo differ";
+  }
+}
+
+c10d::AllreduceOptions allreduce_op(RedOpType op) {
+  c10d::AllreduceOptions o;
+  o.reduceOp = op;
+  return o;
+}
+
+class ShmOps : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmOps, AllreduceEveryDtypeAndOp) {
+  run_ranks(GetParam(), chunked(true), [](Rank& r) {
+    uint64_t salt = 0;
+    for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kComplexFloat, at::kChar, at::kShort,
+                       at::kInt, at::kLong, at::kByte, at::kBool}) {
+      for (auto op : {RedOpType::SUM, RedOpType::AVG, RedOpType::PRODUCT, RedOpType::MIN, RedOpType::MAX,
+                      RedOpType::BAND, RedOpType::BOR, RedOpType::BXOR}) {
+        if (!shm_reduces(dtype, op)) continue;
+        for (int64_t numel : kSizes) {
+          ++salt;
+          std::vector<at::Tensor> all;
+          for (int q = 0; q < r.size; ++q) all.push_back(make_input(numel, dtype, q, salt, op == RedOpType::PRODUCT));
+          const at::Tensor expected = reference_reduce(all, op);
+          std::vector<at::Tensor> t{all[r.rank].clone()};
+          r.shm->allreduce(t, allreduce_op(op))->wait();
+          const std::string what = c10::str("allreduce ", dtype, " ", op_name(op), " numel ", numel);
+          EXPECT_TRUE(same_bits(t[0], expected)) << what;
+          if (gloo_reduces(dtype, op) && numel > 0 && numel != 7 && numel != 33) {
+            std::vector<at::Tensor> g{all[r.rank].clone()};
+            r.gloo->allreduce(g, allreduce_op(op))->wait();
+            expect_close_to_gloo(t[0], g[0], what);
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(ShmOps, AllreduceUnalignedAndNonContiguous) {
+  run_ranks(GetParam(), chunked(false), [](Rank& r) {
+    for (int64_t numel : kSizes) {
+      // A view one element into its storage: contiguous, but not 64-byte aligned.
+      std::vector<at::Tensor> all;
+      for (int q = 0; q < r.size; ++q) all.push_back(make_input(numel, at::kFloat, q, 100 + numel));
+      const at::Tensor expected = reference_reduce(all, RedOpType::SUM);
+      at::Tensor base = at::full({numel + 2}, 42.0f);
+      base.narrow(0, 1, numel).copy_(all[r.rank]);
+      std::vector<at::Tensor> t{base.narrow(0, 1, numel)};
+      r.shm->allreduce(t)->wait();
+      EXPECT_TRUE(same_bits(t[0], expected)) << "unaligned numel " << numel;
+      EXPECT_EQ(base[0].item<float>(), 42.0f);
+      EXPECT_EQ(base[numel + 1].item<float>(), 42.0f);
+      // A transposed view: staged through a contiguous copy and copied back.
+      at::Tensor m = all[r.rank].repeat({3}).reshape({3, numel}).t();
+      std::vector<at::Tensor> v{m};
+      r.shm->allreduce(v)->wait();
+      EXPECT_TRUE(same_bits(m.t().contiguous()[1], expected)) << "transposed numel " << numel;
+    }
+  });
+}
+
+TEST_P(ShmOps, AllreduceDefaultChunkAcrossThresholds) {
+  RunOptions o;
+  run_ranks(GetParam(), o, [](Rank& r) {
+    // Around the small-message threshold (32 KiB) and above one chunk (256 KiB).
+    for (int64_t numel : {8191, 8192, 8193, 20000, 70001, 200000}) {
+      std::vector<at::Tensor> all;
+      for (int q = 0; q < r.size; ++q) all.push_back(make_input(numel, at::kFloat, q, 300 + numel));
+      std::vector<at::Tensor> t{all[r.rank].clone()};
+      r.shm->allreduce(t)->wait();
+      EXPECT_TRUE(same_bits(t[0], reference_reduce(all, RedOpType::SUM))) << "numel " << numel;
+    }
+  });
+}
+
+TEST_P(ShmOps, ReduceToEveryRoot) {
+  run_ranks(GetParam(), chunked(true), [](Rank& r) {
+    uint64_t salt = 1000;
+    for (int root = 0; root < r.size; ++root) {
+      for (auto dtype : {at::kFloat, at::kHalf, at::kInt}) {
+        for (auto op : {RedOpType::SUM, RedOpType::AVG, RedOpType::MAX}) {
+          for (int64_t numel : kSizes) {
+            ++salt;
+            std::vector<at::Tensor> all;
+            for (int q = 0; q < r.size; ++q) all.push_back(make_input(numel, dtype, q, salt));
+            std::vector<at::Tensor> t{all[r.rank].clone()};
+            c10d::ReduceOptions o;
+            o.reduceOp = op;
+            o.rootRank = root;
+            r.shm->reduce(t, o)->wait();
+            const std::string what = c10::str("reduce root ", root, " ", dtype, " ", op_name(op), " numel ", numel);
+            if (r.rank == root) {
+              EXPECT_TRUE(same_bits(t[0], reference_reduce(all, op))) << what;
+            } else {
+              EXPECT_TRUE(same_bits(t[0], all[r.rank])) << what << ": a non-root input changed";
+            }
+            if (dtype == at::kFloat && op == RedOpType::SUM && numel == 1000) {
+              std::vector<at::Tensor> g{all[r.rank].clone()};
+              r.gloo->reduce(g, o)->wait();
+              if (r.rank == root) expect_close_to_gloo(t[0], g[0], what);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(ShmOps, BroadcastFromEveryRoot) {
+  run_ranks(GetParam(), chunked(true), [](Rank& r) {
+    uint64_t salt = 2000;
+    for (int root = 0; root < r.size; ++root) {
+      for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong, at::kBool}) {
+        for (int64_t numel : kSizes) {
+          ++salt;
+          const at::Tensor src = make_input(numel, dtype, root, salt);
+          std::vector<at::Tensor> t{r.rank == root ? src.clone() : make_input(numel, dtype, r.rank, salt + 7)};
+          c10d::BroadcastOptions o;
+          o.rootRank = root;
+          r.shm->broadcast(t, o)->wait();
+          EXPECT_TRUE(same_bits(t[0], src)) << "broadcast root " << root << " " << dtype << " numel " << numel;
+          if (dtype == at::kFloat && numel == 5003) {
+            std::vector<at::Tensor> g{r.rank == root ? src.clone() : at::zeros_like(src)};
+            r.gloo->broadcast(g, o)->wait();
+            EXPECT_TRUE(at::equal(g[0], t[0]));
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(ShmOps, AllgatherListFlatAndUneven) {
+  run_ranks(GetParam(), chunked(true), [](Rank& r) {
+    uint64_t salt = 3000;
+    for (auto dtype : {at::kFloat, at::kBFloat16, at::kByte}) {
+      for (int64_t numel : kSizes) {
+        ++salt;
+        std::vector<at::Tensor> all;
+        for (int q = 0; q < r.size; ++q) all.push_back(make_input(numel, dtype, q, salt));
+        std::vector<at::Tensor> in{all[r.rank]};
+        std::vector<std::vector<at::Tensor>> out(1);
+        for (int q = 0; q < r.size; ++q) out[0].push_back(at::empty({numel}, at::TensorOptions().dtype(dtype)));
+        r.shm->allgather(out, in)->wait();
+        for (int q = 0; q < r.size; ++q) EXPECT_TRUE(same_bits(out[0][q], all[q])) << "allgather piece " << q;
+        // Flat output (Gloo has no _allgather_base).
+        at::Tensor flat = at::empty({numel * r.size}, at::TensorOptions().dtype(dtype));
+        r.shm->_allgather_base(flat, in[0])->wait();
+        EXPECT_TRUE(same_bits(flat, at::cat(all))) << "_allgather_base numel " << numel;
+        // Different sizes per rank (Gloo cannot).
+        std::vector<at::Tensor> uneven;
+        for (int q = 0; q < r.size; ++q) uneven.push_back(make_input(numel + 3 * q, dtype, q, salt + 99));
+        std::vector<at::Tensor> uin{uneven[r.rank]};
+        std::vector<std::vector<at::Tensor>> uout(1);
+        for (int q = 0; q < r.size; ++q) uout[0].push_back(at::empty({numel + 3 * q}, at::TensorOptions().dtype(dtype)));
+        r.shm->allgather(uout, uin)->wait();
+        for (int q = 0; q < r.size; ++q) EXPECT_TRUE(same_bits(uout[0][q], uneven[q])) << "uneven piece " << q;
+        if (dtype == at::kFloat && numel == 1000) {
+          std::vector<std::vector<at::Tensor>> g(1);
+          for (int q = 0; q < r.size; ++q) g[0].push_back(at::empty({numel}));
+          r.gloo->allgather(g, in)->wait();
+          for (int q = 0; q < r.size; ++q) EXPECT_TRUE(at::equal(g[0][q], out[0][q]));
+        }
+      }
+    }
+  });
+}
+
+TEST_P(ShmOps, GatherAndScatterEveryRoot) {
+  run_ranks(GetParam(), chunked(true), [](Rank& r) {
+    uint64_t salt = 4000;
+    for (int root = 0; root < r.size; ++root) {
+      for (int64_t numel : kSizes) {
+        ++salt;
+        std::vector<at::Tensor> all;
+        for (int q = 0; q < r.size; ++q) all.push_back(make_input(numel, at::kFloat, q, salt));
+        std::vector<at::Tensor> in{all[r.rank]};
+        std::vector<std::vector<at::Tensor>> out;
+        if (r.rank == root) {
+          out.resize(1);
+          for (int q = 0; q < r.size; ++q) out[0].push_back(at::empty({numel}));
+        }
+        c10d::GatherOptions go;
+        go.rootRank = root;
+        r.shm->gather(out, in, go)->wait();
+        if (r.rank == root) {
+          for (int q = 0; q < r.size; ++q) EXPECT_TRUE(same_bits(out[0][q], all[q])) << "gather piece " << q;
+        }
+        if (numel == 1000) {
+          std::vector<std::vector<at::Tensor>> g;
+          if (r.rank == root) g = {std::vector<at::Tensor>(r.size)};
+          if (r.rank == root) {
+            for (auto& t : g[0]) t = at::empty({numel});
+          }
+          r.gloo->gather(g, in, go)->wait();
+          if (r.rank == root) {
+            for (int q = 0; q < r.size; ++q) EXPECT_TRUE(at::equal(g[0][q], out[0][q]));
+          }
+        }
+        // Scatter: the root's piece q (numel + q elements) goes to rank q.
+        std::vector<std::vector<at::Tensor>> pieces;
+        if (r.rank == root) {
+          pieces.resize(1);
+          for (int q = 0; q < r.size; ++q) pieces[0].push_back(make_input(numel + q, at::kInt, q, salt + 5));
+        }
+        std::vector<at::Tensor> mine{at::empty({numel + r.rank}, at::kInt)};
+        c10d::ScatterOptions so;
+        so.rootRank = root;
+        r.shm->scatter(mine, pieces, so)->wait();
+        EXPECT_TRUE(same_bits(mine[0], make_input(numel + r.rank, at::kInt, r.rank, salt + 5)))
+            << "scatter root " << root << " numel " << numel;
+      }
+    }
+  });
+}
+
+TEST_P(ShmOps, ReduceScatterListAndFlat) {
+  run_ranks(GetParam(), chunked(false), [](Rank& r) {
+    uint64_t salt = 5000;
+    for (auto dtype : {at::kFloat, at::kBFloat16, at::kInt}) {
+      for (auto op : {RedOpType::SUM, RedOpType::AVG, RedOpType::MAX}) {
+        for (int64_t numel : kSizes) {
+          ++salt;
+          // Rank x's piece for rank q: input(x, salt * 64 + q).
+          auto piece = [&](int x, int q) { return make_input(numel, dtype, x, salt * 64 + q); };
+          std::vector<at::Tensor> mine_for_me;
+          for (int x = 0; x < r.size; ++x) mine_for_me.push_back(piece(x, r.rank));
+          const at::Tensor expected = reference_reduce(mine_for_me, op);
+          std::vector<std::vector<at::Tensor>> in(1);
+          for (int q = 0; q < r.size; ++q) in[0].push_back(piece(r.rank, q));
+          std::vector<at::Tensor> out{at::empty({numel}, at::TensorOptions().dtype(dtype))};
+          c10d::ReduceScatterOptions o;
+          o.reduceOp = op;
+          r.shm->reduce_scatter(out, in, o)->wait();
+          const std::string what = c10::str("reduce_scatter ", dtype, " ", op_name(op), " numel ", numel);
+          EXPECT_TRUE(same_bits(out[0], expected)) << what;
+          at::Tensor flat_in = at::cat(in[0]);
+          at::Tensor flat_out = at::empty({numel}, at::TensorOptions().dtype(dtype));
+          r.shm->_reduce_scatter_base(flat_out, flat_in, o)->wait();
+          EXPECT_TRUE(same_bits(flat_out, expected)) << "_" << what << "_base";
+        }
+      }
+    }
+  });
+}
+
+TEST_P(ShmOps, AlltoallEqualUnevenAndList) {
+  run_ranks(GetParam(), chunked(true), [](Rank& r) {
+    const int n = r.size;
+    uint64_t salt = 6000;
+    for (int64_t rows : {0, 1, 5, 300}) {
+      ++salt;
+      // Equal splits: rank x's input holds n pieces of `rows` rows of 3.
+      auto input_of = [&](int x) { return make_input(n * rows * 3, at::kFloat, x, salt).reshape({n * rows, 3}); };
+      at::Tensor in = input_of(r.rank);
+      at::Tensor out = at::empty({n * rows, 3});
+      std::vector<int64_t> none;
+      r.shm->alltoall_base(out, in, none, none)->wait();
+      std::vector<at::Tensor> expected;
+      for (int q = 0; q < n; ++q) expected.push_back(input_of(q).narrow(0, r.rank * rows, rows));
+      EXPECT_TRUE(same_bits(out, at::cat(expected))) << "alltoall_base equal rows " << rows;
+      if (rows == 300) {
+        at::Tensor g = at::empty_like(out);
+        r.gloo->alltoall_base(g, in, none, none)->wait();
+        EXPECT_TRUE(at::equal(g, out));
+      }
+      // Uneven: rank x sends (x + 2q) % 4 * rows rows to rank q.
+      auto rows_from_to = [&](int x, int q) { return (x + 2 * q) % 4 * rows + (x == q ? 1 : 0); };
+      auto uneven_input = [&](int x) {
+        int64_t total = 0;
+        for (int q = 0; q < n; ++q) total += rows_from_to(x, q);
+        return make_input(total * 2, at::kDouble, x, salt + 1).reshape({total, 2});
+      };
+      std::vector<int64_t> in_splits, out_splits;
+      for (int q = 0; q < n; ++q) {
+        in_splits.push_back(rows_from_to(r.rank, q));
+        out_splits.push_back(rows_from_to(q, r.rank));
+      }
+      at::Tensor uin = uneven_input(r.rank);
+      const int64_t out_rows = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
+      at::Tensor uout = at::empty({out_rows, 2}, at::kDouble);
+      r.shm->alltoall_base(uout, uin, out_splits, in_splits)->wait();
+      std::vector<at::Tensor> uexp;
+      for (int q = 0; q < n; ++q) {
+        int64_t start = 0;
+        for (int p = 0; p < r.rank; ++p) start += rows_from_to(q, p);
+        uexp.push_back(uneven_input(q).narrow(0, start, rows_from_to(q, r.rank)));
+      }
+      EXPECT_TRUE(same_bits(uout, at::cat(uexp))) << "alltoall_base uneven rows " << rows;
+      if (rows == 5) {
+        at::Tensor g = at::empty_like(uout);
+        r.gloo->alltoall_base(g, uin, out_splits, in_splits)->wait();
+        EXPECT_TRUE(at::equal(g, uout));
+      }
+      // List form with a different size for every pair.
+      std::vector<at::Tensor> lin, lout;
+      for (int q = 0; q < n; ++q) {
+        lin.push_back(make_input(rows * (r.rank + 1) + q, at::kShort, r.rank, salt * 100 + q));
+        lout.push_back(at::empty({rows * (q + 1) + r.rank}, at::kShort));
+      }
+      r.shm->alltoall(lout, lin)->wait();
+      for (int q = 0; q < n; ++q) {
+        EXPECT_TRUE(same_bits(lout[q], make_input(rows * (q + 1) + r.rank, at::kShort, q, salt * 100 + r.rank)))
+            << "alltoall list from " << q << " rows " << rows;
+      }
+    }
+  });
+}
+
+TEST_P(ShmOps, SendRecvRingAndLargerThanMailbox) {
+  if (GetParam() == 1) GTEST_SKIP() << "point to point needs two ranks";
+  run_ranks(GetParam(), chunked(false), [](Rank& r) {
+    const int next = (r.rank + 1) % r.size;
+    const int prev = (r.rank + r.size - 1) % r.size;
+    for (int64_t numel : kSizes) {
+      for (int tag : {0, 7}) {
+        // The mailbox holds 4 KiB: 5003 floats go through it in pieces.
+        std::vector<at::Tensor> out{make_input(numel, at::kFloat, r.rank, 7000 + numel + tag)};
+        std::vector<at::Tensor> in{at::empty({numel})};
+        auto recv = r.shm->recv(in, prev, tag);
+        auto send = r.shm->send(out, next, tag);
+        send->wait();
+        recv->wait();
+        EXPECT_TRUE(same_bits(in[0], make_input(numel, at::kFloat, prev, 7000 + numel + tag)))
+            << "recv from " << prev << " numel " << numel << " tag " << tag;
+      }
+    }
+  });
+}
+
+TEST_P(ShmOps, BarrierWaitsForTheSlowestRank) {
+  run_ranks(GetParam(), chunked(false), [](Rank& r) {
+    for (int i = 0; i < 50; ++i) r.shm->barrier()->wait();
+    if (r.rank == r.size - 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto start = std::chrono::steady_clock::now();
+    r.shm->barrier()->wait();
+    const auto waited = std::chrono::steady_clock::now() - start;
+    if (r.rank != r.size - 1) {
+      EXPECT_GE(waited, std::chrono::milliseconds(80)) << "barrier did not wait";
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ShmOps, ::testing::Values(1, 2, 3, 4, 8),
+                         [](const ::testing::TestParamInfo<int>& info) { return "n" + std::to_string(info.param); });
+
+}  // namespace
