@@ -1,0 +1,509 @@
+// The raw collectives: checks, then one transport call, then a local step.
+//
+// Every op runs in the same order: local checks (nothing reaches the
+// transport before they pass, because a failed Gloo call can leave the group
+// unusable), the sequence number, the debug fingerprint, the single-rank
+// short cut, then the transport. Buffers are made contiguous with exactly one
+// copy where the transport needs it and none where the input already is and
+// the transport only reads it.
+//
+// What Gloo (LibTorch 1.13) lacks, and how it is built here (costs in
+// docs/benchmarks.md):
+//   - AVG: SUM, then a local division by the group size.
+//   - reduce_scatter (even and uneven): one alltoall_base that delivers to
+//     each rank its part from every rank, then a local sum over the n parts.
+//     Each rank sends and receives (n-1)/n of its input, the volume of a ring
+//     reduce-scatter; an all_reduce followed by a slice would move twice that.
+//   - all_gather with different sizes per rank: pad to the largest size,
+//     all-gather, trim (volume n * max instead of the sum of the sizes).
+//   - float16/bfloat16 reductions: reduced in float32 and cast back (Gloo has
+//     no bfloat16; float32 also keeps the sum accurate). Data-movement ops
+//     carry any dtype Gloo lacks as raw bytes, at no cost.
+// Ops along a dim other than 0 move that dim to the front first, so every
+// rank's part is one contiguous block (one copy in, one copy out).
+
+#include "detail/common.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <numeric>
+
+namespace commgrad::ops::raw {
+namespace {
+
+using commgrad::detail::WorkPtr;
+using detail::Call;
+using detail::check_dim;
+using detail::check_fingerprint;
+using detail::check_peer;
+using detail::check_sizes;
+using detail::check_tensor;
+using detail::CrossCheck;
+using detail::describe_tensor;
+using detail::wire;
+using detail::wire_scale;
+
+// x with `dim` moved to the front, contiguous (a view when dim == 0 and x is contiguous).
+at::Tensor front(const at::Tensor& x, int64_t dim) { return (dim == 0 ? x : x.movedim(dim, 0)).contiguous(); }
+
+// Inverse of front(): a contiguous result with the front dim moved back to `dim`.
+at::Tensor unfront(const at::Tensor& t, int64_t dim) { return dim == 0 ? t : t.movedim(0, dim).contiguous(); }
+
+// Sizes of front(x) with the first dim replaced by `first`.
+std::vector<int64_t> front_sizes(const at::Tensor& x, int64_t dim, int64_t first) {
+  std::vector<int64_t> s{first};
+  for (int64_t i = 0; i < x.dim(); ++i) {
+    if (i != dim) s.push_back(x.size(i));
+  }
+  return s;
+}
+
+// Number of elements per index of dim `dim` (product of the other sizes).
+int64_t inner_size(const at::Tensor& x, int64_t dim) {
+  int64_t inner = 1;
+  for (int64_t i = 0; i < x.dim(); ++i) {
+    if (i != dim) inner *= x.size(i);
+  }
+  return inner;
+}
+
+// Sizes of x with dim `dim` replaced by `size`.
+std::vector<int64_t> with_dim(const at::Tensor& x, int64_t dim, int64_t size) {
+  auto s = x.sizes().vec();
+  s[dim] = size;
+  return s;
+}
+
+std::vector<int64_t> equal_parts(int n, int64_t total) { return std::vector<int64_t>(n, total / n); }
+
+std::vector<int64_t> scaled(const std::vector<int64_t>& v, int64_t factor) {
+  std::vector<int64_t> out(v.size());
+  std::transform(v.begin(), v.end(), out.begin(), [&](int64_t s) { return s * factor; });
+  return out;
+}
+
+// A contiguous copy of x in dtype `dtype` (one pass: copy and cast).
+at::Tensor copy_as(const at::Tensor& x, at::ScalarType dtype) {
+  auto out = at::empty(x.sizes(), x.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
+  out.copy_(x);
+  return out;
+}
+
+// The tensor the transport reduces: complex travels as pairs of reals.
+at::Tensor reduce_wire(const at::Tensor& buffer) {
+  return at::isComplexType(buffer.scalar_type()) ? at::view_as_real(buffer).view({-1}) : buffer.view({-1});
+}
+
+// Divisibility of dim `dim` of x by the group size.
+void check_divisible(const Call& call, const at::Tensor& x, int64_t dim) {
+  COMMGRAD_CHECK(x.size(dim) % call.size == 0, call.op, call.group, "dim ", dim, " of ", describe_tensor(x),
+                 " has size ", x.size(dim), ", which is not divisible by the group size ", call.size);
+}
+
+// Gloo's all_gather into `flat` ([n, per] in wire elements) of `in` (flat wire view).
+WorkPtr gather_all(const Call& call, const at::Tensor& flat_wire, const at::Tensor& in_wire) {
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < call.size; ++r) outputs[0].push_back(flat_wire[r]);
+  std::vector<at::Tensor> inputs{in_wire};
+  return call.group.transport().allgather(outputs, inputs);
+}
+
+// alltoall_base of flat wire buffers with counts in elements of the original dtype.
+WorkPtr exchange(const Call& call, at::Tensor out_wire, at::Tensor in_wire, std::vector<int64_t> out_counts,
+                 std::vector<int64_t> in_counts) {
+  return call.group.transport().alltoall_base(out_wire, in_wire, out_counts, in_counts);
+}
+
+}  // namespace
+
+// ~~~ all_reduce ~~~
+
+Pending all_reduce(const at::Tensor& x, const AllReduceOptions& options, const Group& group) {
+  at::NoGradGuard no_grad;  // raw ops build no autograd graph
+  Call call("all_reduce", group);
+  check_tensor(call, x);
+  const auto dtype = detail::reduce_dtype(call, x.scalar_type(), options.op());
+  call.start();
+  check_fingerprint(call, c10::str("all_reduce(", describe_tensor(x), ", op=", options.op(), ")"));
+  auto buffer = copy_as(x, dtype);
+  const auto out_dtype = x.scalar_type();
+  const int n = call.size;
+  const bool avg = options.op() == ReduceOp::kAvg;
+  auto finish = [buffer, out_dtype, n, avg]() mutable {
+    if (avg && n > 1) buffer.div_(n);
+    return buffer.scalar_type() == out_dtype ? buffer : buffer.to(out_dtype);
+  };
+  if (call.size == 1 || x.numel() == 0) return call.ready(finish());
+  std::vector<at::Tensor> tensors{reduce_wire(buffer)};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = detail::to_c10d(options.op());
+  return call.pending({call.group.transport().allreduce(tensors, opts)}, finish);
+}
+
+Pending all_reduce_(at::Tensor& x, const AllReduceOptions& options, const Group& group) {
+  at::NoGradGuard no_grad;  // raw ops build no autograd graph
+  Call call("all_reduce_", group);
+  check_tensor(call, x);
+  const auto dtype = detail::reduce_dtype(call, x.scalar_type(), options.op());
+  COMMGRAD_CHECK(x.is_contiguous(), call.op, call.group, "the in-place form needs a contiguous tensor, got ",
+                 describe_tensor(x), " with strides ", x.strides());
+  COMMGRAD_CHECK(dtype == x.scalar_type(), call.op, call.group, "the in-place form cannot reduce ",
+                 describe_tensor(x), " (it is reduced in float32); use ops::raw::all_reduce");
+  call.start();
+  check_fingerprint(call, c10::str("all_reduce(", describe_tensor(x), ", op=", options.op(), ")"));
+  at::Tensor target = x;
+  const int n = call.size;
+  const bool avg = options.op() == ReduceOp::kAvg;
+  auto finish = [target, n, avg]() mutable {
+    if (avg && n > 1) target.div_(n);
+    return target;
+  };
+  if (call.size == 1 || x.numel() == 0) return call.ready(finish());
+  std::vector<at::Tensor> tensors{reduce_wire(target)};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = detail::to_c10d(options.op());
+  return call.pending({call.group.transport().allreduce(tensors, opts)}, finish);
+}
+
+// ~~~ all_gather ~~~
+
+Pending all_gather(const at::Tensor& x, const AllGatherOptions& options, const Group& group) {
+  at::NoGradGuard no_grad;  // raw ops build no autograd graph
+  Call call("all_gather", group);
+  check_tensor(call, x);
+  const int64_t dim = check_dim(call, x, options.dim());
+  const int n = call.size;
+  std::vector<int64_t> sizes = options.sizes();
+  const bool uneven = !sizes.empty();
+  if (uneven) {
+    check_sizes(call, "sizes", sizes, -1, x, dim);
+    COMMGRAD_CHECK(sizes[call.rank] == x.size(dim), call.op, call.group, "sizes ", sizes, " say this rank brings ",
+                   sizes[call.rank], " along dim ", dim, ", but its tensor is ", describe_tensor(x));
+  } else {
+    sizes.assign(n, x.size(dim));
+  }
+  call.start();
+  check_fingerprint(call,
+                    c10::str("all_gather(", describe_tensor(x, uneven ? dim : -1), ", dim=", dim,
+                             uneven ? ", sizes)" : ")"),
+                    uneven ? sizes : std::vector<int64_t>{}, {}, uneven ? CrossCheck::kEqualLists : CrossCheck::kNone);
+  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  const int64_t largest = *std::max_element(sizes.begin(), sizes.end());
+  const bool equal = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == largest; });
+  if (n == 1) return call.ready(x.clone(at::MemoryFormat::Contiguous));
+  const int64_t inner = inner_size(x, dim);
+  if (total * inner == 0) return call.ready(at::empty(with_dim(x, dim, total), x.options()));
+
+  at::Tensor src = front(x, dim);
+  if (!equal && x.size(dim) != largest) {  // pad to the largest part
+    auto padded = at::zeros(front_sizes(x, dim, largest), x.options());
+    padded.narrow(0, 0, x.size(dim)).copy_(src);
+    src = padded;
+  }
+  auto flat = at::empty({n * src.numel()}, x.options());
+  auto flat_wire = wire(flat).view({n, -1});
+  auto work = gather_all(call, flat_wire, wire(src));
+  auto fsizes = front_sizes(x, dim, largest);
+  fsizes.insert(fsizes.begin(), n);  // [n, largest, rest...]
+  return call.pending({work}, [flat, fsizes, sizes, equal, dim, n, total, x]() {
+    auto parts = flat.view(fsizes);
+    at::Tensor joined;
+    if (equal) {
+      auto merged = fsizes;
+      merged.erase(merged.begin());
+      merged[0] = total;
+      joined = parts.view(merged);
+    } else {
+      std::vector<at::Tensor> pieces;
+      for (int r = 0; r < n; ++r) pieces.push_back(parts[r].narrow(0, 0, sizes[r]));
+      joined = at::cat(pieces, 0);
+    }
+    return unfront(joined, dim);
+  });
+}
+
+// ~~~ reduce_scatter ~~~
+
+Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options, const Group& group) {
+  at::NoGradGuard no_grad;  // raw ops build no autograd graph
+  Call call("reduce_scatter", group);
+  check_tensor(call, x);
+  const int64_t dim = check_dim(call, x, options.dim());
+  detail::reduce_dtype(call, x.scalar_type(), options.op());
+  const int n = call.size;
+  std::vector<int64_t> sizes = options.sizes();
+  const bool uneven = !sizes.empty();
+  if (uneven) {
+    check_sizes(call, "sizes", sizes, x.size(dim), x, dim);
+  } else {
+    check_divisible(call, x, dim);
+    sizes = equal_parts(n, x.size(dim));
+  }
+  call.start();
+  check_fingerprint(call,
+                    c10::str("reduce_scatter(", describe_tensor(x), ", dim=", dim, ", op=", options.op(),
+                             uneven ? ", sizes)" : ")"),
+                    uneven ? sizes : std::vector<int64_t>{}, {}, uneven ? CrossCheck::kEqualLists : CrossCheck::kNone);
+  const int64_t mine = sizes[call.rank];
+  if (n == 1) return call.ready(x.clone(at::MemoryFormat::Contiguous));
+  if (x.numel() == 0) return call.ready(at::zeros(with_dim(x, dim, mine), x.options()));
+
+  const int64_t inner = inner_size(x, dim);
+  const int64_t scale = wire_scale(x.scalar_type()) * inner;
+  at::Tensor src = front(x, dim);
+  auto fsizes = front_sizes(x, dim, mine);
+  fsizes.insert(fsizes.begin(), n);  // [n sources, mine, rest...]
+  auto received = at::empty(fsizes, x.options());
+  const bool even = !uneven;
+  auto work = exchange(call, wire(received), wire(src), even ? std::vector<int64_t>{} : scaled(std::vector<int64_t>(n, mine), scale),
+                       even ? std::vector<int64_t>{} : scaled(sizes, scale));
+  const ReduceOp op = options.op();
+  return call.pending({work}, [received, op, dim, n]() {
+    at::Tensor r;
+    switch (op) {
+      case ReduceOp::kSum: r = received.sum(0); break;
+      case ReduceOp::kAvg: r = received.sum(0).div_(n); break;
+      case ReduceOp::kMax: r = std::get<0>(received.max(0)); break;
+      case ReduceOp::kMin: r = std::get<0>(received.min(0)); break;
+      case ReduceOp::kProduct: r = received.prod(0); break;
+    }
+    return unfront(r, dim);
+  });
+}
+
+// ~~~ broadcast, reduce ~~~
+
+Pending broadcast(const at::Tensor& x, const BroadcastOptions& options, const Group& group) {
+  at::NoGradGuard no_grad;  // raw ops build no autograd graph
+  Call call("broadcast", group);
+  check_tensor(call, x);
+  check_peer(call, "src", options.src());
+  call.start();
+  check_fingerprint(call, c10::str("broadcast(", describe_tensor(x), ", src=", options.src(), ")"));
+  const bool root = call.rank == options.src();
+  auto buffer = root ? x.clone(at::MemoryFormat::Contiguous) : at::empty(x.sizes(), x.options());
+  if (call.size == 1 || x.numel() == 0) return call.ready(buffer);
+  std::vector<at::Tensor> tensors{wire(buffer)};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = options.src();
+  return call.pending({call.group.transport().broadcast(tensors, opts)}, [buffer] { return buffer; });
+}
+
+Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& group) {
+  at::NoGradGuard no_grad;  // raw ops build no autograd graph
+  Call call("reduce", group);
+  check_tensor(call, x);
+  check_peer(call, "dst", options.dst());
+  const auto dtype = detail::reduce_dtype(call, x.scalar_type(), options.op());
+  call.start();
+  check_fingerprint(call, c10::str("reduce(", describe_tensor(x), ", dst=", options.dst(), ", op=", options.op(), ")"));
+  auto buffer = copy_as(x, dtype);
+  const bool root = call.rank == options.dst();
+  const bool avg = options.op() == ReduceOp::kAvg;
+  const auto out_dtype = x.scalar_type();
+  const int n = call.size;
+  auto finish = [buffer, root, avg, out_dtype, n]() mutable {
+    if (!root) return at::zeros(buffer.sizes(), buffer.options().dtype(out_dtype));
+    if (avg && n > 1) buffer.div_(n);
+    return buffer.scalar_type() == out_dtype ? buffer : buffer.to(out_dtype);
+  };
+  if (call.size == 1 || x.numel() == 0) return call.ready(finish());
+  std::vector<at::Tensor> tensors{reduce_wire(buffer)};
+  c10d::ReduceOptions opts;
+  opts.reduceOp = detail::to_c10d(options.op());
+  opts.rootRank = options.dst();
+  return call.pending({call.group.transport().reduce(tensors, opts)}, finish);
+}
+
+// ~~~ scatter, gather ~~~
+
+Pending scatter(const at::Tensor& x, const ScatterOptions& options, const Group& group) {
+  at::NoGradGuard no_grad;  // raw ops build no autograd graph
+  Call call("scatter", group);
+  check_tensor(call, x);
+  check_peer(call, "src", options.src());
+  const int64_t dim = check_dim(call, x, options.dim());
+  check_divisible(call, x, dim);
+  call.start();
+  check_fingerprint(call, c10::str("scatter(", describe_tensor(x), ", src=", options.src(), ", dim=", dim, ")"));
+  const int n = call.size;
+  const int64_t part = x.size(dim) / n;
+  if (n == 1) return call.ready(x.clone(at::MemoryFormat::Contiguous));
+  auto out = at::empty(front_sizes(x, dim, part), x.options());
+  if (x.numel() == 0) return call.ready(unfront(out, dim));
+  std::vector<at::Tensor> outputs{wire(out)};
+  std::vector<std::vector<at::Tensor>> inputs;
+  if (call.rank == options.src()) {
+    auto src = front(x, dim);
+    inputs.emplace_back();
+    for (int r = 0; r < n; ++r) inputs[0].push_back(wire(src.narrow(0, r * part, part)));
+  }
+  c10d::ScatterOptions opts;
+  opts.rootRank = options.src();
+  auto work = call.group.transport().scatter(outputs, inputs, opts);
+  return call.pending({work}, [out, dim, inputs]() { return unfront(out, dim); });
+}
+
+Pending gather(const at::Tensor& x, const GatherOptions& options, const Group& group) {
+  at::NoGradGuard no_grad;  // raw ops build no autograd graph
+  Call call("gather", group);
+  check_tensor(call, x);
+  check_peer(call, "dst", options.dst());
+  const int64_t dim = check_dim(call, x, options.dim());
+  call.start();
+  check_fingerprint(call, c10::str("gather(", describe_tensor(x), ", dst=", options.dst(), ", dim=", dim, ")"));
+  const int n = call.size;
+  const bool root = call.rank == options.dst();
+  if (n == 1) return call.ready(x.clone(at::MemoryFormat::Contiguous));
+  const auto full = with_dim(x, dim, x.size(dim) * n);
+  if (x.numel() == 0) return call.ready(at::zeros(full, x.options()));
+  auto src = front(x, dim);
+  std::vector<at::Tensor> inputs{wire(src)};
+  std::vector<std::vector<at::Tensor>> outputs;
+  at::Tensor flat;
+  if (root) {
+    flat = at::empty({n * src.numel()}, x.options());
+    auto flat_wire = wire(flat).view({n, -1});
+    outputs.emplace_back();
+    for (int r = 0; r < n; ++r) outputs[0].push_back(flat_wire[r]);
+  }
+  c10d::GatherOptions opts;
+  opts.rootRank = options.dst();
+  auto work = call.group.transport().gather(outputs, inputs, opts);
+  auto fsizes = front_sizes(x, dim, x.size(dim) * n);
+  return call.pending({work}, [flat, fsizes, full, root, dim, x, src]() {
+    if (!root) return at::zeros(full, x.options());
+    return unfront(flat.view(fsizes), dim);
+  });
+}
+
+// ~~~ all_to_all ~~~
+
+Pending all_to_all(const at::Tensor& x, const AllToAllOptions& options, const Group& group) {
+  at::NoGradGuard no_grad;  // raw ops build no autograd graph
+  Call call("all_to_all", group);
+  check_tensor(call, x);
+  const int64_t dim = check_dim(call, x, options.dim());
+  const int n = call.size;
+  std::vector<int64_t> in_splits = options.input_splits();
+  std::vector<int64_t> out_splits = options.output_splits();
+  const bool even = in_splits.empty();
+  COMMGRAD_CHECK(!(even && !out_splits.empty()), call.op, call.group, "output_splits ", out_splits,
+                 " were given without input_splits; give both, only input_splits, or neither");
+  if (even) {
+    check_divisible(call, x, dim);
+    in_splits = out_splits = equal_parts(n, x.size(dim));
+  } else {
+    check_sizes(call, "input_splits", in_splits, x.size(dim), x, dim);
+    if (!out_splits.empty()) check_sizes(call, "output_splits", out_splits, -1, x, dim);
+  }
+  if (!even && out_splits.empty()) {  // learn what the others send: one small all_to_all of the counts
+    auto counts = at::tensor(in_splits, at::kLong);
+    auto received = all_to_all(counts, {}, call.group).wait();
+    out_splits.assign(received.data_ptr<int64_t>(), received.data_ptr<int64_t>() + n);
+  }
+  call.start();
+  check_fingerprint(call, c10::str("all_to_all(", describe_tensor(x, even ? -1 : dim), ", dim=", dim,
+                                   even ? ")" : ", splits)"),
+                    even ? std::vector<int64_t>{} : in_splits, even ? std::vector<int64_t>{} : out_splits,
+                    even ? CrossCheck::kNone : CrossCheck::kTransposed);
+  const int64_t total_out = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
+  if (n == 1) {
+    COMMGRAD_CHECK(out_splits[0] == in_splits[0], call.op, call.group, "output_splits ", out_splits,
+                   " do not match input_splits ", in_splits, " on a group of one rank");
+    return call.ready(x.clone(at::MemoryFormat::Contiguous));
+  }
+  auto out = at::empty(front_sizes(x, dim, total_out), x.options());
+  if (x.numel() == 0 && even) return call.ready(unfront(out, dim));
+  const int64_t per_row = inner_size(x, dim);
+  if (per_row == 0) return call.ready(unfront(out, dim));  // nothing to move on any rank
+  const int64_t scale = wire_scale(x.scalar_type()) * per_row;
+  auto src = front(x, dim);
+  auto work = exchange(call, wire(out), wire(src), even ? std::vector<int64_t>{} : scaled(out_splits, scale),
+                       even ? std::vector<int64_t>{} : scaled(in_splits, scale));
+  return call.pending({work}, [out, dim, src]() { return unfront(out, dim); });
+}
+
+// ~~~ send, recv, barrier ~~~
+
+namespace {
+
+// send/recv with the tag that goes on the wire (user tags, or the gradient
+// tag space used by the differentiable pair's backward).
+Pending send_tagged(const at::Tensor& x, const SendOptions& options, const Group& group, int wire_tag) {
+  at::NoGradGuard no_grad;
+  Call call("send", group);
+  check_tensor(call, x);
+  check_peer(call, "dst", options.dst());
+  COMMGRAD_CHECK(options.dst() != call.rank, call.op, call.group, "dst ", options.dst(), " is this rank itself");
+  detail::check_p2p_header(call, options.dst(), wire_tag, true, x.sizes(), x.scalar_type(), x.requires_grad());
+  if (x.numel() == 0) return call.ready(at::Tensor());
+  auto buffer = x.contiguous();
+  std::vector<at::Tensor> tensors{wire(buffer)};
+  auto work = call.group.transport().send(tensors, options.dst(), wire_tag);
+  return call.pending({work}, [buffer]() { return at::Tensor(); });
+}
+
+Pending recv_tagged(at::IntArrayRef sizes, const RecvOptions& options, const Group& group, int wire_tag) {
+  at::NoGradGuard no_grad;
+  Call call("recv", group);
+  check_peer(call, "src", options.src());
+  COMMGRAD_CHECK(options.src() != call.rank, call.op, call.group, "src ", options.src(), " is this rank itself");
+  for (int64_t s : sizes) COMMGRAD_CHECK(s >= 0, call.op, call.group, "sizes ", sizes, " has a negative entry");
+  COMMGRAD_CHECK(!options.requires_grad() || at::isFloatingType(options.dtype()) ||
+                     at::isComplexType(options.dtype()),
+                 call.op, call.group, "requires_grad(true) needs a floating-point dtype, got ",
+                 c10::toString(options.dtype()), " (integer tensors cannot have gradients)");
+  detail::check_p2p_header(call, options.src(), wire_tag, false, sizes, options.dtype(), options.requires_grad());
+  auto buffer = at::empty(sizes, at::TensorOptions().dtype(options.dtype()));
+  if (buffer.numel() == 0) return call.ready(buffer);
+  std::vector<at::Tensor> tensors{wire(buffer)};
+  auto work = call.group.transport().recv(tensors, options.src(), wire_tag);
+  return call.pending({work}, [buffer]() { return buffer; });
+}
+
+void check_user_tag(const char* op, const Group& group, int tag) {
+  COMMGRAD_CHECK(tag >= 0 && tag < detail::kMaxUserTag, op, raw::resolve_group(group), "tag ", tag,
+                 " is outside 0..", detail::kMaxUserTag - 1);
+}
+
+}  // namespace
+
+Pending send(const at::Tensor& x, const SendOptions& options, const Group& group) {
+  check_user_tag("send", group, options.tag());
+  return send_tagged(x, options, group, options.tag());
+}
+
+Pending recv(at::IntArrayRef sizes, const RecvOptions& options, const Group& group) {
+  check_user_tag("recv", group, options.tag());
+  return recv_tagged(sizes, options, group, options.tag());
+}
+
+}  // namespace commgrad::ops::raw
+
+namespace commgrad::ops::detail {
+
+raw::Pending send_gradient(const at::Tensor& grad, int dst, int tag, const Group& group) {
+  return raw::send_tagged(grad, SendOptions(dst), group, kGradTagBase + tag);
+}
+
+raw::Pending recv_gradient(at::IntArrayRef sizes, at::ScalarType dtype, int src, int tag, const Group& group) {
+  return raw::recv_tagged(sizes, RecvOptions(src).dtype(dtype), group, kGradTagBase + tag);
+}
+
+}  // namespace commgrad::ops::detail
+
+namespace commgrad::ops::raw {
+
+Pending barrier(const Group& group) {
+  at::NoGradGuard no_grad;  // raw ops build no autograd graph
+  Call call("barrier", group);
+  call.start();
+  check_fingerprint(call, "barrier()");
+  if (call.size == 1) return call.ready(at::Tensor());
+  return call.pending({call.group.transport().barrier()}, nullptr);
+}
+
+}  // namespace commgrad::ops::raw
