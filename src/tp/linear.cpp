@@ -1,0 +1,314 @@
+// ColumnParallelLinear, RowParallelLinear and ParallelMLP.
+//
+// Column-parallel (weight rows split): forward is a local matmul on a
+// replicated input, so the only communication is in backward, where the
+// input gradient dL/dX = sum_r dY_r A_r must be summed over the ranks (the
+// backward of Megatron's "f", copy_to_tp_region). Instead of composing "f"
+// with a matmul, the layer uses one autograd Function (Megatron's
+// LinearWithGradAccumulationAndAsyncCommunication) whose backward
+//   1. computes dX = dY A_r and STARTS its all-reduce (ops::raw, async),
+//   2. computes dA_r = dY^T X while the all-reduce runs on the transport's
+//      threads,
+//   3. waits for the all-reduce.
+// Under sequence parallelism the input is a sequence chunk: forward
+// all-gathers it along dim 0; backward re-gathers it (only the chunk is saved,
+// as in Megatron) while dX is computed, then reduce-scatters dX along the
+// sequence while dA_r is computed.
+//
+// Row-parallel (weight columns split): the local matmul of the input's
+// feature slice gives partial sums, reduced with "g" (reduce_from_tp_region)
+// or, under sequence parallelism, reduce-scattered along the sequence. The
+// replicated bias is added once, after the reduction; under sequence
+// parallelism its gradient is partial per rank and marked so
+// (ShardSpec::sequence_parallel()).
+
+#include "commgrad/tp/linear.h"
+
+#include "detail/common.h"
+
+#include "commgrad/ops/raw.h"
+#include "commgrad/tp/mappings.h"
+#include "commgrad/tp/mlp.h"
+#include "commgrad/tp/parallel_state.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+namespace commgrad::tp {
+
+LinearWeights init_linear(int64_t in_features, int64_t out_features, bool bias, uint64_t seed) {
+  TORCH_CHECK(in_features >= 1 && out_features >= 1, "[commgrad] init_linear: in_features (", in_features,
+              ") and out_features (", out_features, ") must be positive");
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+  LinearWeights w;
+  w.weight = at::empty({out_features, in_features}, at::kFloat).uniform_(-bound, bound, gen);
+  if (bias) w.bias = at::empty({out_features}, at::kFloat).uniform_(-bound, bound, gen);
+  return w;
+}
+
+namespace detail {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct ColumnParallelMatmul : torch::autograd::Function<ColumnParallelMatmul> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                            bool sequence_parallel, const Group& group) {
+    ctx->save_for_backward({input, weight});
+    ctx->saved_data["sp"] = sequence_parallel;
+    save_group(ctx, group);
+    const at::Tensor total =
+        sequence_parallel ? ops::raw::all_gather(input, ops::AllGatherOptions().dim(0), group).wait() : input;
+    return at::matmul(total, weight.t());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& weight = saved[1];
+    const bool sp = ctx->saved_data["sp"].toBool();
+    const Group group = saved_group(ctx);
+    const at::Tensor& grad_out = grads[0];
+    const bool need_input = ctx->needs_input_grad(0);
+    const bool need_weight = ctx->needs_input_grad(1);
+
+    // Under SP the weight gradient needs the full sequence: re-gather it
+    // while the input gradient is computed.
+    ops::raw::Pending gathering;
+    if (sp && need_weight) gathering = ops::raw::all_gather(input, ops::AllGatherOptions().dim(0), group);
+
+    at::Tensor grad_input;
+    ops::raw::Pending reducing;
+    if (need_input) {
+      grad_input = at::matmul(grad_out, weight);
+      reducing = sp ? ops::raw::reduce_scatter(grad_input, ops::ReduceScatterOptions().dim(0), group)
+                    : ops::raw::all_reduce(grad_input, {}, group);
+    }
+
+    at::Tensor grad_weight;
+    if (need_weight) {
+      const at::Tensor total = sp ? gathering.wait() : input;
+      // Overlapped with the input-gradient reduction started above.
+      grad_weight = at::matmul(grad_out.reshape({-1, grad_out.size(-1)}).t(), total.reshape({-1, total.size(-1)}));
+    }
+    if (reducing.defined()) grad_input = reducing.wait();
+    return {grad_input, grad_weight, {}, {}};
+  }
+};
+
+void check_input(const char* op, const Group& g, const at::Tensor& input, int64_t features, const at::Tensor& weight,
+                 const char* what) {
+  COMMGRAD_CHECK(input.defined(), op, g, "got an undefined input");
+  COMMGRAD_CHECK(input.dim() >= 1 && input.size(-1) == features, op, g, "expected an input of shape [..., ",
+                 features, "] (", what, "), got ", describe(input));
+  COMMGRAD_CHECK(input.scalar_type() == weight.scalar_type(), op, g, "input ", describe(input),
+                 " does not have the dtype of the weight ", describe(weight));
+}
+
+void check_sequence(const char* op, const Group& g, const at::Tensor& x, const char* what) {
+  COMMGRAD_CHECK(x.dim() >= 2, op, g, "with sequence_parallel the ", what,
+                 " must be [sequence, ..., features], got ", describe(x));
+}
+
+}  // namespace
+
+at::Tensor column_parallel_matmul(const at::Tensor& input, const at::Tensor& weight, bool sequence_parallel,
+                                  const Group& group) {
+  return ColumnParallelMatmul::apply(input, weight, sequence_parallel, group);
+}
+
+}  // namespace detail
+
+// ~~~ ColumnParallelLinear ~~~
+
+ColumnParallelLinearOptions::ColumnParallelLinearOptions(int64_t in_features, int64_t out_features, Group group)
+    : in_features_(in_features), out_features_(out_features), group_(std::move(group)) {}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions options_)
+    : options(std::move(options_)) {
+  reset();
+}
+
+void ColumnParallelLinearImpl::reset() {
+  const char* op = "ColumnParallelLinear";
+  options.group(resolve_tp_group(options.group(), op));
+  const Group& g = options.group();
+  const int64_t n = g.size();
+  COMMGRAD_CHECK(options.in_features() >= 1 && options.out_features() >= 1, op, g, "in_features (",
+                 options.in_features(), ") and out_features (", options.out_features(), ") must be positive");
+  COMMGRAD_CHECK(options.stride() >= 1, op, g, "stride must be at least 1, got ", options.stride());
+  COMMGRAD_CHECK(options.out_features() % (n * options.stride()) == 0, op, g, "out_features (",
+                 options.out_features(), ") is not divisible by the tensor-parallel size (", n, ")",
+                 options.stride() > 1 ? c10::str(" x stride (", options.stride(), ")") : std::string());
+  COMMGRAD_CHECK(!(options.sequence_parallel() && options.gather_output()), op, g,
+                 "sequence_parallel and gather_output cannot both be set (the output of a sequence-parallel "
+                 "column layer stays split; gather it after the following row-parallel layer)");
+  COMMGRAD_CHECK(!(options.gather_output() && options.stride() > 1), op, g,
+                 "gather_output with stride ", options.stride(), " would interleave the output blocks");
+  const int64_t local_out = options.out_features() / n;
+  weight = register_parameter("weight", at::empty({local_out, options.in_features()}));
+  const auto spec = ShardSpec::partitioned(0, options.stride());
+  set_shard_spec("weight", spec, g);
+  if (options.bias()) {
+    bias = register_parameter("bias", at::empty({local_out}));
+    set_shard_spec("bias", spec, g);
+  }
+  reset_parameters();
+}
+
+void ColumnParallelLinearImpl::reset_parameters() {
+  const Group& g = options.group();
+  auto full = init_linear(options.in_features(), options.out_features(), options.bias(), options.seed());
+  const auto spec = ShardSpec::partitioned(0, options.stride());
+  at::NoGradGuard no_grad;
+  weight.copy_(shard_tensor(full.weight, spec, g.rank(), g.size()));
+  if (bias.defined()) bias.copy_(shard_tensor(full.bias, spec, g.rank(), g.size()));
+}
+
+void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << std::boolalpha << "commgrad::tp::ColumnParallelLinear(in=" << options.in_features()
+         << ", out=" << options.out_features() << ", tp=" << options.group().size()
+         << ", gather_output=" << options.gather_output();
+  if (!options.bias()) stream << ", bias=false";
+  if (options.skip_bias_add()) stream << ", skip_bias_add=true";
+  if (options.sequence_parallel()) stream << ", sequence_parallel=true";
+  if (options.stride() > 1) stream << ", stride=" << options.stride();
+  stream << ")";
+}
+
+LinearOutput ColumnParallelLinearImpl::forward_with_bias(const at::Tensor& input) {
+  const char* op = "ColumnParallelLinear";
+  const Group& g = options.group();
+  detail::check_input(op, g, input, options.in_features(), weight, "in_features");
+  if (options.sequence_parallel()) detail::check_sequence(op, g, input, "input");
+  at::Tensor out = detail::column_parallel_matmul(input, weight, options.sequence_parallel(), g);
+  LinearOutput result;
+  if (bias.defined()) {
+    if (options.skip_bias_add()) {
+      result.bias = bias;
+    } else {
+      out = out + bias;
+    }
+  }
+  result.output = options.gather_output() ? gather_from_tp_region(out, g) : out;
+  return result;
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) { return forward_with_bias(input).output; }
+
+// ~~~ RowParallelLinear ~~~
+
+RowParallelLinearOptions::RowParallelLinearOptions(int64_t in_features, int64_t out_features, Group group)
+    : in_features_(in_features), out_features_(out_features), group_(std::move(group)) {}
+
+RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options_) : options(std::move(options_)) {
+  reset();
+}
+
+void RowParallelLinearImpl::reset() {
+  const char* op = "RowParallelLinear";
+  options.group(resolve_tp_group(options.group(), op));
+  const Group& g = options.group();
+  const int64_t n = g.size();
+  COMMGRAD_CHECK(options.in_features() >= 1 && options.out_features() >= 1, op, g, "in_features (",
+                 options.in_features(), ") and out_features (", options.out_features(), ") must be positive");
+  COMMGRAD_CHECK(options.in_features() % n == 0, op, g, "in_features (", options.in_features(),
+                 ") is not divisible by the tensor-parallel size (", n, ")");
+  COMMGRAD_CHECK(!options.sequence_parallel() || options.input_is_parallel(), op, g,
+                 "sequence_parallel needs input_is_parallel (the input of a sequence-parallel row layer is the "
+                 "split output of a column layer)");
+  weight = register_parameter("weight", at::empty({options.out_features(), options.in_features() / n}));
+  set_shard_spec("weight", ShardSpec::partitioned(1), g);
+  if (options.bias()) {
+    bias = register_parameter("bias", at::empty({options.out_features()}));
+    set_shard_spec("bias", options.sequence_parallel() ? ShardSpec::sequence_parallel() : ShardSpec::replicated(),
+                   g);
+  }
+  reset_parameters();
+}
+
+void RowParallelLinearImpl::reset_parameters() {
+  const Group& g = options.group();
+  auto full = init_linear(options.in_features(), options.out_features(), options.bias(), options.seed());
+  at::NoGradGuard no_grad;
+  weight.copy_(shard_tensor(full.weight, ShardSpec::partitioned(1), g.rank(), g.size()));
+  if (bias.defined()) bias.copy_(full.bias);
+}
+
+void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << std::boolalpha << "commgrad::tp::RowParallelLinear(in=" << options.in_features()
+         << ", out=" << options.out_features() << ", tp=" << options.group().size()
+         << ", input_is_parallel=" << options.input_is_parallel();
+  if (!options.bias()) stream << ", bias=false";
+  if (options.skip_bias_add()) stream << ", skip_bias_add=true";
+  if (options.sequence_parallel()) stream << ", sequence_parallel=true";
+  stream << ")";
+}
+
+LinearOutput RowParallelLinearImpl::forward_with_bias(const at::Tensor& input) {
+  const char* op = "RowParallelLinear";
+  const Group& g = options.group();
+  const int64_t n = g.size();
+  detail::check_input(op, g, input, options.input_is_parallel() ? options.in_features() / n : options.in_features(),
+                      weight, options.input_is_parallel() ? "in_features / tp: input_is_parallel" : "in_features");
+  if (options.sequence_parallel()) {
+    detail::check_sequence(op, g, input, "input");
+    COMMGRAD_CHECK(input.size(0) % n == 0, op, g, "with sequence_parallel the sequence length (dim 0 of ",
+                   detail::describe(input), ") must be divisible by the tensor-parallel size ", n);
+  }
+  const at::Tensor x = options.input_is_parallel() ? input : scatter_to_tp_region(input, g);
+  const at::Tensor partial = at::matmul(x, weight.t());
+  at::Tensor out = options.sequence_parallel() ? reduce_scatter_to_sequence_parallel_region(partial, g)
+                                               : reduce_from_tp_region(partial, g);
+  LinearOutput result;
+  if (bias.defined()) {
+    if (options.skip_bias_add()) {
+      result.bias = bias;
+    } else {
+      out = out + bias;
+    }
+  }
+  result.output = out;
+  return result;
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) { return forward_with_bias(input).output; }
+
+// ~~~ ParallelMLP ~~~
+
+ParallelMLPOptions::ParallelMLPOptions(int64_t hidden_size, int64_t ffn_hidden_size, Group group)
+    : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size), group_(std::move(group)) {}
+
+ParallelMLPImpl::ParallelMLPImpl(ParallelMLPOptions options_) : options(std::move(options_)) { reset(); }
+
+void ParallelMLPImpl::reset() {
+  options.group(resolve_tp_group(options.group(), "ParallelMLP"));
+  const Group& g = options.group();
+  fc1 = register_module("fc1", ColumnParallelLinear(ColumnParallelLinearOptions(options.hidden_size(),
+                                                                                options.ffn_hidden_size(), g)
+                                                        .bias(options.bias())
+                                                        .sequence_parallel(options.sequence_parallel())
+                                                        .seed(options.seed())));
+  fc2 = register_module("fc2", RowParallelLinear(RowParallelLinearOptions(options.ffn_hidden_size(),
+                                                                          options.hidden_size(), g)
+                                                     .bias(options.bias())
+                                                     .input_is_parallel(true)
+                                                     .sequence_parallel(options.sequence_parallel())
+                                                     .seed(options.seed() + 1)));
+}
+
+void ParallelMLPImpl::pretty_print(std::ostream& stream) const {
+  stream << "commgrad::tp::ParallelMLP(hidden=" << options.hidden_size() << ", ffn=" << options.ffn_hidden_size()
+         << ", tp=" << options.group().size();
+  if (!options.bias()) stream << ", bias=false";
+  if (options.sequence_parallel()) stream << ", sequence_parallel=true";
+  stream << ")";
+}
+
+at::Tensor ParallelMLPImpl::forward(const at::Tensor& input) { return fc2->forward(at::gelu(fc1->forward(input))); }
+
+}  // namespace commgrad::tp

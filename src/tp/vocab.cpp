@@ -1,0 +1,224 @@
+// The vocabulary-parallel pair: VocabParallelEmbedding (input side) and
+// vocab_parallel_cross_entropy (output side).
+//
+// Both split the vocabulary V into n contiguous ranges, rank r owning
+// [r V/n, (r+1) V/n).
+//
+// Embedding: every rank looks up every id in its own rows; ids it does not
+// own read row 0 and are zeroed, and the sum over the group ("g",
+// reduce_from_tp_region; reduce-scatter along the sequence under sequence
+// parallelism) leaves each id with its owner's row.
+//
+// Cross entropy, for one token with logits x (split) and target t:
+//   m    = max_j x_j                      all_reduce MAX
+//   z_j  = x_j - m                        (stability; a new tensor)
+//   z_t  = the target's logit (owner)     -+
+//   Z    = sum_j z_j (label smoothing)     +- one all_reduce SUM of [z_t, (Z,) S]
+//   S    = sum_j exp(z_j)                 -+
+//   loss = (1 - eps) (log S - z_t) + eps (log S - Z / V)
+// with V the GLOBAL vocabulary, as torch's cross_entropy defines label
+// smoothing. The gradient, softmax_j - (1 - eps) [j == t] - eps / V, needs
+// only this rank's slice of the softmax (saved in forward): backward does no
+// communication. Ignored tokens (target == ignore_index) get loss 0 and no
+// gradient, and the mean divides by the number of tokens not ignored.
+
+#include "commgrad/tp/cross_entropy.h"
+#include "commgrad/tp/embedding.h"
+
+#include "detail/common.h"
+
+#include "commgrad/ops/raw.h"
+#include "commgrad/tp/mappings.h"
+#include "commgrad/tp/parallel_state.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+namespace commgrad::tp {
+
+// ~~~ VocabParallelEmbedding ~~~
+
+at::Tensor init_embedding(int64_t num_embeddings, int64_t embedding_dim, uint64_t seed) {
+  TORCH_CHECK(num_embeddings >= 1 && embedding_dim >= 1, "[commgrad] init_embedding: sizes must be positive, got ",
+              num_embeddings, " x ", embedding_dim);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::empty({num_embeddings, embedding_dim}, at::kFloat).normal_(0.0, 1.0, gen);
+}
+
+VocabParallelEmbeddingOptions::VocabParallelEmbeddingOptions(int64_t num_embeddings, int64_t embedding_dim,
+                                                             Group group)
+    : num_embeddings_(num_embeddings), embedding_dim_(embedding_dim), group_(std::move(group)) {}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions options_)
+    : options(std::move(options_)) {
+  reset();
+}
+
+void VocabParallelEmbeddingImpl::reset() {
+  const char* op = "VocabParallelEmbedding";
+  options.group(resolve_tp_group(options.group(), op));
+  const Group& g = options.group();
+  COMMGRAD_CHECK(options.num_embeddings() >= 1 && options.embedding_dim() >= 1, op, g, "num_embeddings (",
+                 options.num_embeddings(), ") and embedding_dim (", options.embedding_dim(), ") must be positive");
+  COMMGRAD_CHECK(options.num_embeddings() % g.size() == 0, op, g, "num_embeddings (", options.num_embeddings(),
+                 ") is not divisible by the tensor-parallel size (", g.size(), "); pad the vocabulary");
+  const int64_t local = options.num_embeddings() / g.size();
+  vocab_start_ = g.rank() * local;
+  vocab_end_ = vocab_start_ + local;
+  weight = register_parameter("weight", at::empty({local, options.embedding_dim()}));
+  set_shard_spec("weight", ShardSpec::partitioned(0), g);
+  reset_parameters();
+}
+
+void VocabParallelEmbeddingImpl::reset_parameters() {
+  const Group& g = options.group();
+  auto full = init_embedding(options.num_embeddings(), options.embedding_dim(), options.seed());
+  at::NoGradGuard no_grad;
+  weight.copy_(shard_tensor(full, ShardSpec::partitioned(0), g.rank(), g.size()));
+}
+
+void VocabParallelEmbeddingImpl::pretty_print(std::ostream& stream) const {
+  stream << "commgrad::tp::VocabParallelEmbedding(num_embeddings=" << options.num_embeddings()
+         << ", embedding_dim=" << options.embedding_dim() << ", tp=" << options.group().size();
+  if (options.sequence_parallel()) stream << ", sequence_parallel=true";
+  stream << ")";
+}
+
+at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
+  const char* op = "VocabParallelEmbedding";
+  const Group& g = options.group();
+  const int64_t V = options.num_embeddings();
+  COMMGRAD_CHECK(ids.defined(), op, g, "got undefined ids");
+  COMMGRAD_CHECK(at::isIntegralType(ids.scalar_type(), /*includeBool=*/false), op, g,
+                 "ids must be an integer tensor, got ", detail::describe(ids));
+  if (ids.numel() > 0) {
+    const int64_t lo = ids.min().item<int64_t>();
+    const int64_t hi = ids.max().item<int64_t>();
+    COMMGRAD_CHECK(lo >= 0 && hi < V, op, g, "ids must be in [0, ", V, "), got values in [", lo, ", ", hi, "]");
+  }
+  if (options.sequence_parallel()) {
+    COMMGRAD_CHECK(ids.dim() >= 1 && ids.size(0) % g.size() == 0, op, g,
+                   "with sequence_parallel dim 0 (the sequence) of ids ", detail::describe(ids),
+                   " must be divisible by the tensor-parallel size ", g.size());
+  }
+  const at::Tensor long_ids = ids.to(at::kLong);
+  at::Tensor out;
+  if (g.size() == 1) {
+    out = at::embedding(weight, long_ids);
+  } else {
+    const at::Tensor foreign = long_ids.lt(vocab_start_).logical_or_(long_ids.ge(vocab_end_));
+    const at::Tensor local = (long_ids - vocab_start_).masked_fill_(foreign, 0);
+    out = at::embedding(weight, local).masked_fill(foreign.unsqueeze(-1), 0);
+  }
+  return options.sequence_parallel() ? reduce_scatter_to_sequence_parallel_region(out, g)
+                                     : reduce_from_tp_region(out, g);
+}
+
+// ~~~ vocab_parallel_cross_entropy ~~~
+
+namespace {
+
+using detail::saved_group;
+using detail::save_group;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target,
+                            int64_t ignore_index, double eps, const Group& group) {
+    const at::ScalarType compute = logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kHalf
+                                       ? at::kFloat
+                                       : logits.scalar_type();
+    const at::Tensor x = logits.detach().to(compute);
+    const int64_t local_v = x.size(-1);
+    const int64_t V = local_v * group.size();
+    const int64_t start = group.rank() * local_v;
+
+    // Row maximum over the whole vocabulary.
+    at::Tensor m = std::get<0>(x.max(-1));
+    m = ops::raw::all_reduce(m, ops::AllReduceOptions().op(ReduceOp::kMax), group).wait();
+    at::Tensor z = x - m.unsqueeze(-1);  // a new tensor: the caller's logits stay as they are
+
+    const at::Tensor ignored = target.eq(ignore_index);
+    const at::Tensor foreign = target.lt(start).logical_or_(target.ge(start + local_v));
+    const at::Tensor local_t = (target - start).masked_fill_(foreign, 0);
+    const at::Tensor z_t = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill_(foreign, 0);
+    std::vector<at::Tensor> parts{z_t};
+    if (eps > 0) parts.push_back(z.sum(-1));
+    at::Tensor e = z.exp_();  // z is not needed any more
+    parts.push_back(e.sum(-1));
+    const at::Tensor stats = ops::raw::all_reduce(at::stack(parts), {}, group).wait();
+
+    const at::Tensor sum_exp = stats[parts.size() - 1];
+    const at::Tensor log_s = sum_exp.log();
+    at::Tensor loss = log_s - stats[0];
+    if (eps > 0) loss = (1.0 - eps) * loss + eps * (log_s - stats[1] / static_cast<double>(V));
+    loss.masked_fill_(ignored, 0);
+
+    e.div_(sum_exp.unsqueeze(-1));  // this rank's slice of the softmax
+    ctx->save_for_backward({e, local_t, foreign, ignored});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["V"] = V;
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return loss.to(logits.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& softmax = saved[0];
+    const at::Tensor& local_t = saved[1];
+    const at::Tensor& foreign = saved[2];
+    const at::Tensor& ignored = saved[3];
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const auto V = ctx->saved_data["V"].toInt();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+
+    at::Tensor g = eps > 0 ? softmax - eps / static_cast<double>(V) : softmax.clone();
+    const at::Tensor hit = foreign.logical_not().to(g.scalar_type()).mul_(-(1.0 - eps));
+    g.scatter_add_(-1, local_t.unsqueeze(-1), hit.unsqueeze(-1));
+    const at::Tensor scale = grads[0].to(g.scalar_type()).masked_fill(ignored, 0);
+    g.mul_(scale.unsqueeze(-1));
+    return {g.to(dtype), {}, {}, {}, {}};
+  }
+};
+
+}  // namespace
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                        const CrossEntropyOptions& options) {
+  const char* op = "vocab_parallel_cross_entropy";
+  const Group g = resolve_tp_group(options.group(), op);
+  COMMGRAD_CHECK(logits.defined() && target.defined(), op, g, "got an undefined tensor");
+  COMMGRAD_CHECK(at::isFloatingType(logits.scalar_type()), op, g, "logits must be floating point, got ",
+                 detail::describe(logits));
+  COMMGRAD_CHECK(logits.dim() >= 1 && logits.size(-1) >= 1, op, g,
+                 "logits must be [..., vocab / tp] with a non-empty vocabulary dim, got ", detail::describe(logits));
+  COMMGRAD_CHECK(target.scalar_type() == at::kLong, op, g, "target must be int64 (global token ids), got ",
+                 detail::describe(target));
+  COMMGRAD_CHECK(target.sizes() == logits.sizes().slice(0, logits.dim() - 1), op, g, "target ",
+                 detail::describe(target), " must have the shape of logits ", detail::describe(logits),
+                 " without its last (vocabulary) dim");
+  COMMGRAD_CHECK(options.label_smoothing() >= 0.0 && options.label_smoothing() <= 1.0, op, g,
+                 "label_smoothing must be in [0, 1], got ", options.label_smoothing());
+  const int64_t V = logits.size(-1) * g.size();
+  const at::Tensor valid = target.ge(0).logical_and_(target.lt(V)).logical_or_(target.eq(options.ignore_index()));
+  if (!valid.all().item<bool>()) {
+    const int64_t bad = target.masked_select(valid.logical_not()).view({-1})[0].item<int64_t>();
+    COMMGRAD_CHECK(false, op, g, "target ", bad, " is outside the vocabulary [0, ", V, ") (", logits.size(-1),
+                   " logits per rank x tp ", g.size(), ") and is not ignore_index (", options.ignore_index(), ")");
+  }
+
+  const at::Tensor loss =
+      VocabParallelCrossEntropy::apply(logits, target, options.ignore_index(), options.label_smoothing(), g);
+  switch (options.reduction()) {
+    case Reduction::kNone:
+      return loss;
+    case Reduction::kSum:
+      return loss.sum();
+    case Reduction::kMean:
+      return loss.sum() / target.ne(options.ignore_index()).sum().to(loss.scalar_type());
+  }
+  return loss;
+}
+
+}  // namespace commgrad::tp
