@@ -1,0 +1,129 @@
+#pragma once
+// Megatron's tensor-parallel self-attention, and its unsplit reference.
+//
+// Activations are [seq, batch, hidden] (Megatron's layout, so that sequence
+// parallelism splits dim 0). The attention heads are split across the
+// tensor-parallel group: with n ranks and H heads, rank r computes heads
+// [r H/n, (r+1) H/n) end to end, with no communication between the QKV
+// projection and the output projection:
+//
+//   qkv   ColumnParallelLinear(h -> 3h, stride 3): rank r holds the rows of
+//         Q, K and V that belong to its heads ([Q_r; K_r; V_r]), so the
+//         shard of each head is exactly that head's rows of the unsplit
+//         layer's [Q; K; V] weight, whatever n is.
+//   core  per head: softmax(Q K^T / sqrt(d) + causal mask) V, with attention
+//         dropout drawn from the tensor-parallel RNG stream (tp/random.h).
+//   dense RowParallelLinear(h -> h, input_is_parallel): sums the heads'
+//         contributions across the group ("g"; a reduce-scatter along the
+//         sequence under sequence parallelism).
+
+#include "commgrad/dist/group.h"
+#include "commgrad/tp/linear.h"
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+
+namespace commgrad::tp {
+
+/// Options of ParallelSelfAttention (and of its reference, SelfAttentionReference,
+/// which ignores the group and sequence_parallel).
+///
+/// Example:
+///   tp::ParallelSelfAttentionOptions(1024, 16, tp_group).attention_dropout(0.1).seed(3)
+struct ParallelSelfAttentionOptions {
+  ParallelSelfAttentionOptions(int64_t hidden_size, int64_t num_heads, Group group = Group());
+  /// Model width h (divisible by num_heads; head size d = h / num_heads).
+  TORCH_ARG(int64_t, hidden_size);
+  /// Number of attention heads (divisible by the TP size).
+  TORCH_ARG(int64_t, num_heads);
+  /// Tensor-parallel group; empty: the current parallel state's.
+  TORCH_ARG(Group, group);
+  /// Biases in the QKV and output projections.
+  TORCH_ARG(bool, bias) = true;
+  /// Mask out attention to later positions (decoder self-attention).
+  TORCH_ARG(bool, causal) = true;
+  /// Dropout on the attention probabilities (tensor-parallel RNG stream).
+  TORCH_ARG(double, attention_dropout) = 0.0;
+  /// Input and output are this rank's chunk of the sequence (dim 0).
+  TORCH_ARG(bool, sequence_parallel) = false;
+  /// qkv is initialised from `seed`, dense from `seed + 1` (see init_linear()).
+  TORCH_ARG(uint64_t, seed) = 0;
+};
+
+/// Multi-head self-attention with the heads split across the TP group.
+///
+/// forward(x): x is [s, b, h], replicated on every TP rank, or this rank's
+/// chunk [s/n, b, h] under sequence parallelism; the result has the same
+/// shape and distribution. Errors (at construction) when num_heads is not
+/// divisible by the TP size or hidden_size by num_heads.
+///
+/// Example:
+///   tp::ParallelSelfAttention attn(tp::ParallelSelfAttentionOptions(1024, 16, tp_group).seed(3));
+///   auto y = attn(x);   // [s, b, 1024]; rank r computed heads 16r/n .. 16(r+1)/n - 1
+class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttentionImpl> {
+ public:
+  ParallelSelfAttentionImpl(int64_t hidden_size, int64_t num_heads)
+      : ParallelSelfAttentionImpl(ParallelSelfAttentionOptions(hidden_size, num_heads)) {}
+  explicit ParallelSelfAttentionImpl(ParallelSelfAttentionOptions options);
+
+  void reset() override;
+  /// "commgrad::tp::ParallelSelfAttention(hidden=1024, heads=16, tp=4, causal=true)".
+  void pretty_print(std::ostream& stream) const override;
+
+  at::Tensor forward(const at::Tensor& input);
+
+  /// Heads computed on this rank (num_heads / tp).
+  int64_t num_local_heads() const;
+  /// Size of one head (hidden_size / num_heads).
+  int64_t head_dim() const;
+
+  /// The options, with the group resolved.
+  ParallelSelfAttentionOptions options;
+  /// Fused Q, K, V projection of this rank's heads (h -> 3h/n).
+  ColumnParallelLinear qkv{nullptr};
+  /// Output projection (h/n -> h), reduced across the group.
+  RowParallelLinear dense{nullptr};
+};
+TORCH_MODULE(ParallelSelfAttention);
+
+/// The unsplit, single-rank reference of ParallelSelfAttention: plain
+/// torch::nn::Linear layers `qkv` (h -> 3h, output [Q | K | V]) and `dense`
+/// loaded with init_linear(h, 3h, bias, seed) and init_linear(h, h, bias,
+/// seed + 1), and the textbook attention math. Its parameter names match the
+/// parallel module's, so the gradient checker pairs them by name. Attention
+/// dropout draws from the current stream of rng_tracker().
+///
+/// Example:
+///   tp::SelfAttentionReference ref(tp::ParallelSelfAttentionOptions(1024, 16).seed(3));
+///   auto y = ref(x);   // what ParallelSelfAttention computes at any TP size
+class SelfAttentionReferenceImpl : public torch::nn::Cloneable<SelfAttentionReferenceImpl> {
+ public:
+  explicit SelfAttentionReferenceImpl(ParallelSelfAttentionOptions options);
+
+  void reset() override;
+  /// "commgrad::tp::SelfAttentionReference(hidden=1024, heads=16, causal=true)".
+  void pretty_print(std::ostream& stream) const override;
+
+  /// x: [s, b, h] -> [s, b, h].
+  at::Tensor forward(const at::Tensor& input);
+
+  ParallelSelfAttentionOptions options;
+  torch::nn::Linear qkv{nullptr};
+  torch::nn::Linear dense{nullptr};
+};
+TORCH_MODULE(SelfAttentionReference);
+
+/// Overwrites the parameters of `linear` with init_linear(in, out, bias,
+/// seed): the unsplit counterpart of a parallel linear layer built from
+/// `seed` (the building block of the references).
+///
+/// Example:
+///   torch::nn::Linear fc1(64, 256);
+///   tp::init_reference_linear(fc1, 7);   // == the full ColumnParallelLinear(64, 256).seed(7)
+void init_reference_linear(torch::nn::Linear& linear, uint64_t seed);
+
+}  // namespace commgrad::tp

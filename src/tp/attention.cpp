@@ -1,0 +1,189 @@
+// ParallelSelfAttention (Megatron's ParallelAttention + CoreAttention) and
+// its unsplit reference.
+//
+// Heads are independent, so splitting them across the tensor-parallel group
+// needs communication only where the head outputs are mixed again, in the
+// output projection. The layer is therefore a column-parallel QKV projection,
+// a local attention core over this rank's heads, and a row-parallel output
+// projection:
+//
+//   x [s, b, h] --qkv (column, stride 3)--> [s, b, 3h/n] = [Q_r | K_r | V_r]
+//     Q_r, K_r, V_r -> [b, H/n, s, d]
+//     P = softmax(Q K^T / sqrt(d) + M)        M: -inf above the diagonal (causal)
+//     P = dropout(P)                          tensor-parallel RNG stream
+//     C = P V -> [s, b, h/n]                  heads of rank r, in head order
+//   --dense (row, input_is_parallel)--> [s, b, h]   sum over ranks ("g")
+//
+// Weight layout. The unsplit layer's fused projection produces [Q | K | V],
+// each h wide with heads in order. Splitting that output dim into n
+// contiguous slices would give rank 0 all of Q and part of K; instead the
+// column layer uses stride 3 (sharding.h): rank r holds rows r, r + n and
+// r + 2n of the 3n blocks, i.e. [Q_r; K_r; V_r], the rows of its own heads.
+// The shard of a head is then bit-for-bit that head's rows of the unsplit
+// weight built from the same seed, at every TP size. The output projection
+// takes its input features (the concatenated head outputs, in head order)
+// split into n contiguous slices, which is exactly rank r's heads again.
+//
+// Sequence parallelism changes only the two projections: qkv all-gathers the
+// sequence chunks before its matmul, dense reduce-scatters along the
+// sequence instead of all-reducing. The core always sees the full sequence,
+// so the causal mask is over global positions.
+//
+// The reference (SelfAttentionReference) is written independently, with
+// einsum over [s, b, heads, d] views and an additive mask, so that a layout
+// mistake in the parallel path cannot be copied into it.
+
+#include "commgrad/tp/attention.h"
+
+#include "detail/common.h"
+
+#include "commgrad/tp/parallel_state.h"
+#include "commgrad/tp/random.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+
+namespace commgrad::tp {
+
+namespace {
+
+void check_attention_input(const char* op, const Group& group, const at::Tensor& input, int64_t hidden_size) {
+  COMMGRAD_CHECK(input.defined() && input.dim() == 3, op, group, "expected input [seq, batch, hidden=", hidden_size,
+                 "], got ", input.defined() ? detail::describe(input) : std::string("an undefined tensor"));
+  COMMGRAD_CHECK(input.size(2) == hidden_size, op, group, "expected input [seq, batch, hidden=", hidden_size,
+                 "], got ", detail::describe(input));
+  COMMGRAD_CHECK(input.is_floating_point(), op, group, "expected a floating-point input, got ",
+                 detail::describe(input));
+}
+
+}  // namespace
+
+void init_reference_linear(torch::nn::Linear& linear, uint64_t seed) {
+  const auto& o = linear->options;
+  const LinearWeights full = init_linear(o.in_features(), o.out_features(), o.bias(), seed);
+  at::NoGradGuard no_grad;
+  linear->weight.copy_(full.weight);
+  if (o.bias()) linear->bias.copy_(full.bias);
+}
+
+// ~~~ ParallelSelfAttention ~~~
+
+ParallelSelfAttentionOptions::ParallelSelfAttentionOptions(int64_t hidden_size, int64_t num_heads, Group group)
+    : hidden_size_(hidden_size), num_heads_(num_heads), group_(std::move(group)) {}
+
+ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(ParallelSelfAttentionOptions options_)
+    : options(std::move(options_)) {
+  reset();
+}
+
+void ParallelSelfAttentionImpl::reset() {
+  const char* op = "ParallelSelfAttention";
+  options.group(resolve_tp_group(options.group(), op));
+  const Group& g = options.group();
+  const int64_t h = options.hidden_size(), heads = options.num_heads();
+  COMMGRAD_CHECK(h >= 1 && heads >= 1, op, g, "hidden_size (", h, ") and num_heads (", heads,
+                 ") must be positive");
+  COMMGRAD_CHECK(h % heads == 0, op, g, "hidden_size (", h, ") is not divisible by num_heads (", heads, ")");
+  COMMGRAD_CHECK(heads % g.size() == 0, op, g, "num_heads (", heads, ") is not divisible by the tensor-parallel size (",
+                 g.size(), "): the heads are split across the ranks");
+  COMMGRAD_CHECK(options.attention_dropout() >= 0.0 && options.attention_dropout() <= 1.0, op, g,
+                 "attention_dropout must be in [0, 1], got ", options.attention_dropout());
+  qkv = register_module("qkv", ColumnParallelLinear(ColumnParallelLinearOptions(h, 3 * h, g)
+                                                        .bias(options.bias())
+                                                        .sequence_parallel(options.sequence_parallel())
+                                                        .stride(3)
+                                                        .seed(options.seed())));
+  dense = register_module("dense", RowParallelLinear(RowParallelLinearOptions(h, h, g)
+                                                         .bias(options.bias())
+                                                         .input_is_parallel(true)
+                                                         .sequence_parallel(options.sequence_parallel())
+                                                         .seed(options.seed() + 1)));
+}
+
+void ParallelSelfAttentionImpl::pretty_print(std::ostream& stream) const {
+  stream << std::boolalpha << "commgrad::tp::ParallelSelfAttention(hidden=" << options.hidden_size()
+         << ", heads=" << options.num_heads() << ", tp=" << options.group().size()
+         << ", causal=" << options.causal();
+  if (options.attention_dropout() > 0) stream << ", attention_dropout=" << options.attention_dropout();
+  if (options.sequence_parallel()) stream << ", sequence_parallel=true";
+  if (!options.bias()) stream << ", bias=false";
+  stream << ")";
+}
+
+int64_t ParallelSelfAttentionImpl::num_local_heads() const { return options.num_heads() / options.group().size(); }
+
+int64_t ParallelSelfAttentionImpl::head_dim() const { return options.hidden_size() / options.num_heads(); }
+
+at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& input) {
+  const Group& g = options.group();
+  check_attention_input("ParallelSelfAttention", g, input, options.hidden_size());
+  // [s, b, 3h/n]; under sequence parallelism qkv has gathered the sequence.
+  const at::Tensor mixed = qkv(input);
+  const int64_t s = mixed.size(0), b = mixed.size(1), nh = num_local_heads(), d = head_dim();
+  const auto parts = mixed.chunk(3, -1);  // Q_r, K_r, V_r: [s, b, nh * d] each
+  auto to_heads = [&](const at::Tensor& t) { return t.reshape({s, b, nh, d}).permute({1, 2, 0, 3}); };
+  const at::Tensor q = to_heads(parts[0]), k = to_heads(parts[1]), v = to_heads(parts[2]);  // [b, nh, s, d]
+
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).mul(1.0 / std::sqrt(static_cast<double>(d)));
+  if (options.causal()) {
+    const at::Tensor future = at::ones({s, s}, mixed.options().dtype(at::kBool)).triu(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  }
+  at::Tensor probs = at::softmax(scores, -1);
+  if (is_training() && options.attention_dropout() > 0) {
+    // Each rank drops entries of its own heads: the tensor-parallel stream.
+    const RngTracker tracker = rng_tracker();
+    auto guard = tracker.fork(kModelParallelRng);
+    probs = tp::dropout(probs, options.attention_dropout(), true, tracker);
+  }
+  const at::Tensor context = at::matmul(probs, v).permute({2, 0, 1, 3}).reshape({s, b, nh * d});
+  return dense(context);
+}
+
+// ~~~ SelfAttentionReference ~~~
+
+SelfAttentionReferenceImpl::SelfAttentionReferenceImpl(ParallelSelfAttentionOptions options_)
+    : options(std::move(options_)) {
+  reset();
+}
+
+void SelfAttentionReferenceImpl::reset() {
+  const int64_t h = options.hidden_size(), heads = options.num_heads();
+  TORCH_CHECK(h >= 1 && heads >= 1 && h % heads == 0, "[commgrad] SelfAttentionReference: hidden_size (", h,
+              ") must be a positive multiple of num_heads (", heads, ")");
+  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(h, 3 * h).bias(options.bias())));
+  dense = register_module("dense", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(options.bias())));
+  init_reference_linear(qkv, options.seed());
+  init_reference_linear(dense, options.seed() + 1);
+}
+
+void SelfAttentionReferenceImpl::pretty_print(std::ostream& stream) const {
+  stream << std::boolalpha << "commgrad::tp::SelfAttentionReference(hidden=" << options.hidden_size()
+         << ", heads=" << options.num_heads() << ", causal=" << options.causal() << ")";
+}
+
+at::Tensor SelfAttentionReferenceImpl::forward(const at::Tensor& input) {
+  TORCH_CHECK(input.dim() == 3 && input.size(2) == options.hidden_size(),
+              "[commgrad] SelfAttentionReference: expected input [seq, batch, hidden=", options.hidden_size(),
+              "], got ", input.sizes());
+  const int64_t s = input.size(0), b = input.size(1), h = options.hidden_size(), heads = options.num_heads();
+  const int64_t d = h / heads;
+  const at::Tensor mixed = qkv->forward(input);  // [s, b, 3h] = [Q | K | V]
+  const at::Tensor q = mixed.narrow(-1, 0, h).reshape({s, b, heads, d});
+  const at::Tensor k = mixed.narrow(-1, h, h).reshape({s, b, heads, d});
+  const at::Tensor v = mixed.narrow(-1, 2 * h, h).reshape({s, b, heads, d});
+  at::Tensor scores = at::einsum("ibhd,jbhd->bhij", {q, k}) / std::sqrt(static_cast<double>(d));
+  if (options.causal()) {
+    scores = scores + at::full({s, s}, -std::numeric_limits<double>::infinity(), scores.options()).triu(1);
+  }
+  at::Tensor probs = at::softmax(scores, -1);
+  if (is_training() && options.attention_dropout() > 0) {
+    probs = tp::dropout(probs, options.attention_dropout(), true, rng_tracker());
+  }
+  const at::Tensor context = at::einsum("bhij,jbhd->ibhd", {probs, v}).reshape({s, b, h});
+  return dense->forward(context);
+}
+
+}  // namespace commgrad::tp
