@@ -470,14 +470,16 @@ void Comm::wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& ca
       std::string where;
       for (int q : pending) {
         const RankBlock& b = segment_->rank_block(q);
-        where += c10::str(where.empty() ? "" : "; ", "rank ", q, " is in ",
-                          op_kind_name(static_cast<OpKind>(b.kind.load(std::memory_order_relaxed))), " #",
-                          b.seq.load(std::memory_order_relaxed));
+        const auto kind = static_cast<OpKind>(b.kind.load(std::memory_order_relaxed));
+        where += where.empty() ? "" : "; ";
+        where += kind == OpKind::kNone ? c10::str("rank ", q, " has not entered any collective")
+                                       : c10::str("rank ", q, " last entered ", op_kind_name(kind), " #",
+                                                  b.seq.load(std::memory_order_relaxed));
       }
       const std::string what =
           on == WaitOn::kBarrier
-              ? c10::str("timed out after ", seconds(call.timeout), " in collective #", seq_ - 1,
-                         " waiting for rank(s) ", pending, " (", where, ")")
+              ? c10::str("timed out after ", seconds(call.timeout), " in collective #", seq_ - 1, " waiting for ",
+                         describe_ranks(pending), " (", where, ")")
               : c10::str("timed out after ", seconds(call.timeout), " waiting for rank ", peer, " (", where, ")");
       if (on == WaitOn::kBarrier) abort(c10::str("rank ", rank_, " ", what));
       commgrad::detail::throw_timeout_error(c10::str("[commgrad] ", call.op, " ", context_, ": ", what));

@@ -185,7 +185,7 @@ void Segment::open(const SegmentConfig& config) {
     close(fd);
     TORCH_CHECK(false, "[commgrad] shm ", config.context, ": segment ", name_, " has ", st.st_size,
                 " bytes, this rank expects ", layout_.total_bytes,
-                "; do all ranks use the same COMMGRAD_SHM_CHUNK_BYTES / chunk_bytes, mailbox_bytes and world size?");
+                " (all ranks must use the same chunk_bytes / COMMGRAD_SHM_CHUNK_BYTES, mailbox_bytes and group size)");
   }
   void* p = mmap(nullptr, layout_.total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
@@ -238,7 +238,7 @@ void Segment::wait_until_mapped(const SegmentConfig& config) {
   shm_unlink(name_.c_str());  // nobody else may join now; ENOENT is fine
   munmap(base_, layout_.total_bytes);
   base_ = nullptr;
-  commgrad::detail::throw_timeout_error(c10::str("[commgrad] shm ", config.context, ": ranks ", missing,
+  commgrad::detail::throw_timeout_error(c10::str("[commgrad] shm ", config.context, ": ", describe_ranks(missing),
                                                  " did not map the shared-memory segment within ",
                                                  config.timeout.count() / 1000.0, "s"));
 }
@@ -253,6 +253,12 @@ void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nan
 
 void futex_wake_all(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+std::string describe_ranks(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += c10::str(i == 0 ? "" : ", ", ranks[i]);
+  return out;
 }
 
 bool process_alive(int32_t pid) {

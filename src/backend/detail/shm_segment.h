@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace c10d {
 class Store;
@@ -167,6 +168,9 @@ inline void ring(Bell& bell) {
   bell.value.fetch_add(1, std::memory_order_seq_cst);
   if (bell.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&bell.value);
 }
+
+/// "rank 2" or "ranks 1, 3".
+std::string describe_ranks(const std::vector<int>& ranks);
 
 /// False when process `pid` is gone (or a zombie).
 bool process_alive(int32_t pid);

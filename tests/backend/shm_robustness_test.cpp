@@ -1,0 +1,342 @@
+// The shm backend when things go wrong, and under load: ranks that call
+// different collectives or reject their arguments, stuck ranks and
+// timeouts, point-to-point mismatches, asynchronous work, several groups
+// used at once, segment hygiene, and a seed-reproducible soak of thousands
+// of random collectives, every result checked.
+
+#include "backend/shm_harness.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <random>
+#include <thread>
+
+namespace {
+
+using namespace shm_test;
+using Clock = std::chrono::steady_clock;
+
+RunOptions quick(std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  RunOptions o;
+  o.shm.chunk_bytes(2048).mailbox_bytes(4096).timeout(timeout);
+  return o;
+}
+
+/// A reusable barrier between the test's rank threads (not through shm).
+class ThreadBarrier {
+ public:
+  explicit ThreadBarrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const int gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return gen != gen_; });
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int n_, count_ = 0, gen_ = 0;
+};
+
+void expect_group_usable(Rank& r) {
+  std::vector<at::Tensor> t{at::full({5}, static_cast<float>(r.rank + 1))};
+  r.shm->allreduce(t)->wait();
+  EXPECT_TRUE(at::equal(t[0], at::full({5}, r.size * (r.size + 1) / 2.0f))) << "the group is not usable afterwards";
+}
+
+TEST(ShmErrors, RanksCallingDifferentCollectivesAllFailAndTheGroupStaysUsable) {
+  run_ranks(3, quick(), [](Rank& r) {
+    std::vector<at::Tensor> t{at::ones({r.rank == 1 ? 12 : 10})};
+    std::string message;
+    if (r.rank == 2) {
+      message = error_of([&] { r.shm->broadcast(t)->wait(); });
+    } else {
+      message = error_of([&] { r.shm->allreduce(t)->wait(); });
+    }
+    EXPECT_NE(message.find("called different collectives"), std::string::npos) << message;
+    EXPECT_NE(message.find("rank 1: allreduce #0 (Float, 48 bytes, SUM)"), std::string::npos) << message;
+    EXPECT_NE(message.find("rank 2: broadcast #0"), std::string::npos) << message;
+    EXPECT_NE(message.find("rank " + std::to_string(r.rank) + "/3 group 'shm' (shm)"), std::string::npos) << message;
+    expect_group_usable(r);
+  });
+}
+
+TEST(ShmErrors, ARankThatRejectsItsArgumentsFailsThePeersAtOnce) {
+  run_ranks(3, quick(), [](Rank& r) {
+    std::vector<at::Tensor> t{at::ones({4})};
+    c10d::BroadcastOptions o;
+    o.rootRank = r.rank == 1 ? 5 : 0;
+    const auto start = Clock::now();
+    const std::string message = error_of([&] { r.shm->broadcast(t, o)->wait(); });
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << "peers waited for a timeout";
+    if (r.rank == 1) {
+      EXPECT_NE(message.find("root rank 5 is outside [0, 3)"), std::string::npos) << message;
+    } else {
+      EXPECT_NE(message.find("rank 1 rejected its arguments"), std::string::npos) << message;
+      EXPECT_NE(message.find("root rank 5 is outside"), std::string::npos) << message;
+    }
+    expect_group_usable(r);
+  });
+}
+
+TEST(ShmErrors, UnsupportedArgumentsAreClearErrors) {
+  run_ranks(2, quick(), [](Rank& r) {
+    auto reduce_with = [&](at::Tensor x, RedOpType op) {
+      std::vector<at::Tensor> t{x};
+      c10d::AllreduceOptions o;
+      o.reduceOp = op;
+      return error_of([&] { r.shm->allreduce(t, o)->wait(); });
+    };
+    EXPECT_NE(reduce_with(at::ones({3}, at::kBool), RedOpType::AVG).find("AVG is not defined for bool"),
+              std::string::npos);
+    EXPECT_NE(reduce_with(at::ones({3}), RedOpType::BAND).find("BAND needs an integer or bool tensor"),
+              std::string::npos);
+    EXPECT_NE(reduce_with(at::ones({3}, at::kComplexFloat), RedOpType::MAX).find("not defined for complex"),
+              std::string::npos);
+    EXPECT_NE(reduce_with(at::ones({3}).to_sparse(), RedOpType::SUM).find("strided layout"), std::string::npos);
+    std::vector<at::Tensor> two{at::ones({3}), at::ones({3})};
+    EXPECT_NE(error_of([&] { r.shm->allreduce(two)->wait(); }).find("exactly one tensor per call, got 2"),
+              std::string::npos);
+    at::Tensor flat = at::empty({7});
+    at::Tensor in = at::ones({3});
+    EXPECT_NE(error_of([&] { r.shm->_allgather_base(flat, in)->wait(); }).find("expected world size x input = 2 x 3"),
+              std::string::npos);
+    at::Tensor odd = at::ones({3, 2});
+    at::Tensor out = at::empty({3, 2});
+    std::vector<int64_t> none;
+    EXPECT_NE(error_of([&] { r.shm->alltoall_base(out, odd, none, none)->wait(); }).find("not divisible"),
+              std::string::npos);
+    std::vector<int64_t> bad_splits{1, 1};
+    EXPECT_NE(error_of([&] { r.shm->alltoall_base(out, odd, none, bad_splits)->wait(); }).find("add up to 2"),
+              std::string::npos);
+    std::vector<at::Tensor> one{at::ones({2})};
+    EXPECT_NE(error_of([&] { r.shm->send(one, r.rank, 0)->wait(); }).find("must be another rank"), std::string::npos);
+    expect_group_usable(r);
+  });
+}
+
+TEST(ShmErrors, SizeMismatchesNameBothRanks) {
+  run_ranks(3, quick(), [](Rank& r) {
+    // Rank 1 thinks rank 0 contributes 5 elements; rank 0 sends 4.
+    std::vector<at::Tensor> in{at::ones({4})};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int q = 0; q < 3; ++q) out[0].push_back(at::empty({r.rank == 1 && q == 0 ? 5 : 4}));
+    const std::string message = error_of([&] { r.shm->allgather(out, in)->wait(); });
+    EXPECT_NE(message.find("rank 1 expects 20 bytes from rank 0, which sends 16 bytes"), std::string::npos) << message;
+    // alltoall: rank 2 expects 2 rows from rank 0, which sends 1.
+    at::Tensor a = at::ones({3});
+    at::Tensor b = at::empty({r.rank == 2 ? 4 : 3});
+    std::vector<int64_t> in_splits{1, 1, 1};
+    std::vector<int64_t> out_splits = r.rank == 2 ? std::vector<int64_t>{2, 1, 1} : in_splits;
+    const std::string m2 = error_of([&] { r.shm->alltoall_base(b, a, out_splits, in_splits)->wait(); });
+    EXPECT_NE(m2.find("rank 0 sends 4 bytes to rank 2, which expects 8 bytes"), std::string::npos) << m2;
+    expect_group_usable(r);
+  });
+}
+
+TEST(ShmErrors, AStuckRankIsNamedWithinTheTimeoutAndTheGroupIsAborted) {
+  ThreadBarrier sync(3);
+  run_ranks(3, quick(std::chrono::milliseconds(400)), [&](Rank& r) {
+    std::vector<at::Tensor> t{at::ones({8})};
+    std::string message;
+    if (r.rank != 2) {
+      const auto start = Clock::now();
+      message = error_of([&] { r.shm->allreduce(t)->wait(); });
+      const auto took = Clock::now() - start;
+      EXPECT_GE(took, std::chrono::milliseconds(300));
+      EXPECT_LT(took, std::chrono::seconds(5));
+      // Whoever timed out first names rank 2; the other may see that rank's abort.
+      EXPECT_NE(message.find("waiting for rank 2 (rank 2 has not entered any collective)"), std::string::npos) << message;
+    }
+    sync.wait();
+    // The group is aborted: every later call fails at once, with the reason.
+    message = error_of([&] { r.shm->allreduce(t)->wait(); });
+    EXPECT_NE(message.find("aborted"), std::string::npos) << message;
+    EXPECT_NE(message.find("timed out"), std::string::npos) << message;
+  });
+}
+
+TEST(ShmErrors, PointToPointMismatchIsAnErrorAndLaterMessagesStillArrive) {
+  run_ranks(2, quick(), [](Rank& r) {
+    std::vector<at::Tensor> t{at::full({3}, 5.0f)};
+    if (r.rank == 0) {
+      r.shm->send(t, 1, /*tag=*/1)->wait();
+      r.shm->send(t, 1, /*tag=*/2)->wait();
+    } else {
+      std::vector<at::Tensor> in{at::empty({3})};
+      const std::string message = error_of([&] { r.shm->recv(in, 0, /*tag=*/9)->wait(); });
+      EXPECT_NE(message.find("has tag 1, 12 bytes of Float; this recv expects tag 9"), std::string::npos) << message;
+      r.shm->recv(in, 0, /*tag=*/2)->wait();
+      EXPECT_TRUE(at::equal(in[0], t[0]));
+    }
+    expect_group_usable(r);
+  });
+}
+
+TEST(ShmErrors, DifferentSegmentSettingsFailConstructionAndLeaveNothingBehind) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      errors[r] = error_of([&] {
+        ShmProcessGroup pg(store, r, 2, ShmOptions().chunk_bytes(r == 0 ? 1024 : 2048).timeout(std::chrono::milliseconds(500)));
+      });
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_NE(errors[0].find("rank 1 did not map the shared-memory segment"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("all ranks must use the same"), std::string::npos) << errors[1];
+  const auto key = store->get("shm/1/segment");
+  const std::string name(key.begin(), key.end());
+  EXPECT_NE(access(("/dev/shm" + name).c_str(), F_OK), 0) << name << " was left in /dev/shm";
+}
+
+TEST(ShmSegment, TheNameIsRandomAndUnlinkedOnceEveryRankHasMappedIt) {
+  std::vector<std::string> names(2);
+  run_ranks(2, quick(), [&](Rank& r) {
+    names[r.rank] = r.shm->segment_name();
+    EXPECT_EQ(names[r.rank].rfind("/commgrad-shm-", 0), 0u) << names[r.rank];
+    EXPECT_EQ(names[r.rank].size(), std::string("/commgrad-shm-").size() + 32);
+    EXPECT_NE(access(("/dev/shm" + names[r.rank]).c_str(), F_OK), 0) << "still in /dev/shm";
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    bool mapped = false;
+    while (std::getline(maps, line)) {
+      if (line.find(names[r.rank].substr(1)) != std::string::npos && line.find("(deleted)") != std::string::npos) {
+        mapped = true;
+      }
+    }
+    EXPECT_TRUE(mapped) << "the segment is not mapped as a deleted file";
+  });
+  EXPECT_EQ(names[0], names[1]);
+}
+
+TEST(ShmAsync, WorkHandlesAndFuturesCompleteInIssueOrder) {
+  RunOptions o = quick();
+  o.shm.async_bytes(0);  // every collective on the worker thread
+  run_ranks(3, o, [](Rank& r) {
+    std::vector<std::vector<at::Tensor>> tensors;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int i = 0; i < 20; ++i) tensors.push_back({at::full({100 + i}, static_cast<float>(i + r.rank))});
+    for (int i = 0; i < 20; ++i) works.push_back(r.shm->allreduce(tensors[i]));
+    for (int i = 19; i >= 0; --i) {
+      works[i]->wait();
+      EXPECT_TRUE(works[i]->isCompleted());
+      EXPECT_TRUE(at::equal(tensors[i][0], at::full({100 + i}, static_cast<float>(3 * i + 3))));
+    }
+    std::vector<at::Tensor> t{at::ones({4})};
+    auto future = r.shm->allreduce(t)->getFuture();
+    future->wait();
+    EXPECT_TRUE(at::equal(future->value().toTensorList().get(0), at::full({4}, 3.0f)));
+    // Destroying the group drains what is still queued.
+    for (int i = 0; i < 5; ++i) works[i] = r.shm->allreduce(tensors[i]);
+    r.shm.reset();
+    for (int i = 0; i < 5; ++i) EXPECT_TRUE(works[i]->isCompleted());
+  });
+}
+
+TEST(ShmAsync, SeveralGroupsUsedFromSeveralThreadsAtOnce) {
+  run_ranks(3, quick(), [](Rank& r) {
+    auto second = c10::make_intrusive<ShmProcessGroup>(c10::make_intrusive<c10d::PrefixStore>("second", r.store), r.rank,
+                                                       r.size, ShmOptions().chunk_bytes(1024).group_name("second"));
+    auto hammer = [&](ShmProcessGroup& pg, float scale) {
+      for (int i = 0; i < 200; ++i) {
+        std::vector<at::Tensor> t{at::full({1 + i * 13}, scale * (r.rank + 1))};
+        pg.allreduce(t)->wait();
+        EXPECT_TRUE(at::equal(t[0], at::full({1 + i * 13}, scale * 6))) << pg.describe() << " iteration " << i;
+      }
+    };
+    std::thread other([&] { hammer(*second, 2.0f); });
+    hammer(*r.shm, 1.0f);
+    other.join();
+  });
+}
+
+// ~~~ soak ~~~
+
+uint64_t soak_seed() {
+  const char* v = std::getenv("COMMGRAD_SHM_SOAK_SEED");
+  return v != nullptr ? std::strtoull(v, nullptr, 10) : 20240601;
+}
+
+void soak(int n, int collectives, bool async = false) {
+  const uint64_t seed = soak_seed();
+  ::testing::Test::RecordProperty("seed", std::to_string(seed));
+  std::cout << "soak: " << n << " ranks, " << collectives << " collectives, COMMGRAD_SHM_SOAK_SEED=" << seed
+            << std::endl;
+  const auto start = Clock::now();
+  RunOptions options = quick();
+  if (async) options.shm.async_bytes(0);  // every collective through the worker thread
+  run_ranks(n, options, [&](Rank& r) {
+    std::mt19937_64 rng(seed);  // the same sequence on every rank
+    const std::vector<at::ScalarType> dtypes{at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kInt, at::kByte};
+    int failures = 0;
+    for (int i = 0; i < collectives && failures < 5; ++i) {
+      const uint64_t salt = seed * 31 + i;
+      const int kind = static_cast<int>(rng() % 7);
+      const auto dtype = dtypes[rng() % dtypes.size()];
+      const int64_t numel = rng() % 4 == 0 ? static_cast<int64_t>(rng() % 3000) : static_cast<int64_t>(rng() % 40);
+      const int root = static_cast<int>(rng() % n);
+      std::vector<at::Tensor> all;
+      for (int q = 0; q < n; ++q) all.push_back(make_input(numel, dtype, q, salt));
+      bool ok = true;
+      const std::string what = c10::str("soak #", i, " kind ", kind, " ", dtype, " numel ", numel, " root ", root);
+      if (kind == 0 || kind == 1) {  // allreduce SUM / MAX
+        const RedOpType op = kind == 0 ? RedOpType::SUM : RedOpType::MAX;
+        std::vector<at::Tensor> t{all[r.rank].clone()};
+        c10d::AllreduceOptions o;
+        o.reduceOp = op;
+        r.shm->allreduce(t, o)->wait();
+        ok = same_bits(t[0], reference_reduce(all, op));
+      } else if (kind == 2) {
+        std::vector<at::Tensor> t{all[r.rank].clone()};
+        c10d::BroadcastOptions o;
+        o.rootRank = root;
+        r.shm->broadcast(t, o)->wait();
+        ok = same_bits(t[0], all[root]);
+      } else if (kind == 3) {
+        at::Tensor flat = at::empty({numel * n}, at::TensorOptions().dtype(dtype));
+        r.shm->_allgather_base(flat, all[r.rank])->wait();
+        ok = same_bits(flat, at::cat(all));
+      } else if (kind == 4) {
+        // Rank x's input is all[x] repeated n times; everyone gets the sum of one piece.
+        at::Tensor in = all[r.rank].repeat({n});
+        at::Tensor out = at::empty({numel}, at::TensorOptions().dtype(dtype));
+        r.shm->_reduce_scatter_base(out, in)->wait();
+        ok = same_bits(out, reference_reduce(all, RedOpType::SUM));
+      } else if (kind == 5) {
+        std::vector<at::Tensor> t{all[r.rank].clone()};
+        c10d::ReduceOptions o;
+        o.rootRank = root;
+        r.shm->reduce(t, o)->wait();
+        ok = r.rank != root || same_bits(t[0], reference_reduce(all, RedOpType::SUM));
+      } else {
+        at::Tensor in = all[r.rank].repeat({n});
+        at::Tensor out = at::empty({numel * n}, at::TensorOptions().dtype(dtype));
+        std::vector<int64_t> none;
+        r.shm->alltoall_base(out, in, none, none)->wait();
+        ok = same_bits(out, at::cat(all));
+      }
+      if (!ok) {
+        ++failures;
+        ADD_FAILURE() << "rank " << r.rank << ": " << what;
+      }
+    }
+  });
+  std::cout << "soak: done in " << std::chrono::duration<double>(Clock::now() - start).count() << "s" << std::endl;
+}
+
+TEST(ShmSoak, ThreeRanksThousandsOfRandomCollectives) { soak(3, 5000); }
+TEST(ShmSoak, FourRanksThroughTheWorkerThread) { soak(4, 2000, /*async=*/true); }
+TEST(ShmSoak, EightRanksOnTwoCoresDoNotCrawl) { soak(8, 1500); }
+
+}  // namespace
