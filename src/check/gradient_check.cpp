@@ -51,6 +51,16 @@ std::string shape_str(at::IntArrayRef s) {
   return out + "]";
 }
 
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return c10::toString(t);
+  }
+}
+
 void default_tolerance(at::ScalarType dtype, double& atol, double& rtol) {
   switch (dtype) {
     case at::kDouble:
@@ -128,7 +138,7 @@ std::string GradCheckResult::table() const {
     layout_w = std::max(layout_w, t.layout.size());
   }
   std::ostringstream os;
-  os << "commgrad::check " << (title.empty() ? "" : title + " ") << "tp=" << tp_size << " " << c10::toString(dtype)
+  os << "commgrad::check " << (title.empty() ? "" : title + " ") << "tp=" << tp_size << " " << dtype_name(dtype)
      << " (pass: max|p-r| <= atol + rtol*max|r|)\n";
   auto row = [&](const std::string& a, const std::string& b, const std::string& c, const std::string& d,
                  const std::string& e, const std::string& f, const std::string& g) {
@@ -212,8 +222,11 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
     const at::Tensor x =
         ops::raw::broadcast(inputs[i].detach(), ops::BroadcastOptions().src(0), g).wait().view(inputs[i].sizes());
     const bool grad = x.is_floating_point();
-    ref_in.push_back(x.clone().requires_grad_(grad));
-    par_leaves.push_back(x.clone().requires_grad_(grad));
+    // Leaves keep the caller's memory layout: a transposed input reaches
+    // both modules transposed.
+    auto leaf = [&] { return inputs[i].detach().clone(at::MemoryFormat::Preserve).copy_(x).requires_grad_(grad); };
+    ref_in.push_back(leaf());
+    par_leaves.push_back(leaf());
     const Layout layout = input_layout(i);
     par_in.push_back(layout.is_partitioned() ? tp::detail::split_along(par_leaves.back(), layout.dim, g, kOp)
                                              : par_leaves.back());

@@ -144,8 +144,9 @@ struct GradCheckResult {
 std::ostream& operator<<(std::ostream& out, const GradCheckResult& result);
 
 /// Compares `parallel` (on options.group()) with `reference` (on each rank),
-/// from the full `inputs` (taken from group rank 0, so every rank uses the
-/// same values; floating-point inputs get gradients). Collective over the
+/// from the full `inputs` (values taken from group rank 0, so every rank uses
+/// the same; memory layout kept, so a transposed input reaches both sides
+/// transposed; floating-point inputs get gradients). Collective over the
 /// group. Errors, before running anything, when a parallel parameter has no
 /// reference counterpart (or the reverse) or the layouts do not fit.
 ///
