@@ -242,14 +242,15 @@ void check_peer(const Call& call, const char* what, int peer) {
 
 void check_sizes(const Call& call, const char* what, const std::vector<int64_t>& sizes, int64_t total,
                  const at::Tensor& x, int64_t dim) {
-  COMMGRAD_CHECK(static_cast<int>(sizes.size()) == call.size, call.op, call.group, what, " ", sizes, " has ",
+  const at::IntArrayRef shown(sizes);
+  COMMGRAD_CHECK(static_cast<int>(sizes.size()) == call.size, call.op, call.group, what, " ", shown, " has ",
                  sizes.size(), " entries; expected one per rank (", call.size, ")");
   int64_t sum = 0;
   for (int64_t s : sizes) {
-    COMMGRAD_CHECK(s >= 0, call.op, call.group, what, " ", sizes, " has a negative entry");
+    COMMGRAD_CHECK(s >= 0, call.op, call.group, what, " ", shown, " has a negative entry");
     sum += s;
   }
-  COMMGRAD_CHECK(total < 0 || sum == total, call.op, call.group, what, " ", sizes, " add up to ", sum,
+  COMMGRAD_CHECK(total < 0 || sum == total, call.op, call.group, what, " ", shown, " add up to ", sum,
                  ", but dim ", dim, " of ", describe_tensor(x), " has size ", total);
 }
 
@@ -323,8 +324,8 @@ void wait_or_throw(const Call& call, const commgrad::detail::WorkPtr& work, cons
 
 std::string show(const Record& r) {
   std::string s = c10::str("#", r.sequence, " ", r.text);
-  if (!r.a.empty()) s += c10::str(" ", r.a);
-  if (!r.b.empty()) s += c10::str(" -> ", r.b);
+  if (!r.a.empty()) s += c10::str(" ", at::IntArrayRef(r.a));
+  if (!r.b.empty()) s += c10::str(" -> ", at::IntArrayRef(r.b));
   return s;
 }
 
@@ -375,8 +376,9 @@ void check_fingerprint(const Call& call, const std::string& signature, const std
         const int64_t sent = records[r].a.size() == static_cast<size_t>(n) ? records[r].a[s] : -1;
         const int64_t expected = records[s].b.size() == static_cast<size_t>(n) ? records[s].b[r] : -1;
         COMMGRAD_CHECK(sent == expected, call.op, call.group, "ranks disagree on collective #", me.sequence, kHint,
-                       ": rank ", r, " sends ", sent, " to rank ", s, " (input_splits ", records[r].a, "), but rank ",
-                       s, " expects ", expected, " from rank ", r, " (output_splits ", records[s].b,
+                       ": rank ", r, " sends ", sent, " to rank ", s, " (input_splits ", at::IntArrayRef(records[r].a),
+                       "), but rank ", s, " expects ", expected, " from rank ", r, " (output_splits ",
+                       at::IntArrayRef(records[s].b),
                        "); this rank (", call.rank, ") calls ", show(me));
       }
     }

@@ -179,7 +179,7 @@ Pending all_gather(const at::Tensor& x, const AllGatherOptions& options, const G
   const bool uneven = !sizes.empty();
   if (uneven) {
     check_sizes(call, "sizes", sizes, -1, x, dim);
-    COMMGRAD_CHECK(sizes[call.rank] == x.size(dim), call.op, call.group, "sizes ", sizes, " say this rank brings ",
+    COMMGRAD_CHECK(sizes[call.rank] == x.size(dim), call.op, call.group, "sizes ", at::IntArrayRef(sizes), " say this rank brings ",
                    sizes[call.rank], " along dim ", dim, ", but its tensor is ", describe_tensor(x));
   } else {
     sizes.assign(n, x.size(dim));
@@ -390,7 +390,7 @@ Pending all_to_all(const at::Tensor& x, const AllToAllOptions& options, const Gr
   std::vector<int64_t> in_splits = options.input_splits();
   std::vector<int64_t> out_splits = options.output_splits();
   const bool even = in_splits.empty();
-  COMMGRAD_CHECK(!(even && !out_splits.empty()), call.op, call.group, "output_splits ", out_splits,
+  COMMGRAD_CHECK(!(even && !out_splits.empty()), call.op, call.group, "output_splits ", at::IntArrayRef(out_splits),
                  " were given without input_splits; give both, only input_splits, or neither");
   if (even) {
     check_divisible(call, x, dim);
@@ -411,8 +411,8 @@ Pending all_to_all(const at::Tensor& x, const AllToAllOptions& options, const Gr
                     even ? CrossCheck::kNone : CrossCheck::kTransposed);
   const int64_t total_out = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
   if (n == 1) {
-    COMMGRAD_CHECK(out_splits[0] == in_splits[0], call.op, call.group, "output_splits ", out_splits,
-                   " do not match input_splits ", in_splits, " on a group of one rank");
+    COMMGRAD_CHECK(out_splits[0] == in_splits[0], call.op, call.group, "output_splits ", at::IntArrayRef(out_splits),
+                   " do not match input_splits ", at::IntArrayRef(in_splits), " on a group of one rank");
     return call.ready(x.clone(at::MemoryFormat::Contiguous));
   }
   auto out = at::empty(front_sizes(x, dim, total_out), x.options());
