@@ -72,6 +72,7 @@ struct Variant {
   std::unique_ptr<torch::optim::SGD> opt;
   std::unique_ptr<commgrad::DistributedDataParallel> ddp;
   std::vector<double> times;
+  std::vector<double> waits;  // DDP: end-of-backward wait for the reductions
 };
 
 Variant make_variant(const std::string& name, const Config& c, double bucket_cap_mb) {
@@ -147,7 +148,10 @@ int main(int argc, char** argv) {
     for (int round = 0; round < c.warmup + c.steps; ++round) {
       for (auto& v : variants) {
         const double t = step(v, x, y);
-        if (round >= c.warmup) v.times.push_back(t);
+        if (round >= c.warmup) {
+          v.times.push_back(t);
+          v.waits.push_back(v.ddp ? v.ddp->last_step().wait_ms : 0.0);
+        }
       }
       barrier();
       const double start = now_ms();
@@ -164,14 +168,15 @@ int main(int argc, char** argv) {
       std::printf("overlap: %zu buckets (first %.1f MiB, then %.1f MiB); %lld of them launched during backward\n",
                   overlap_ddp.buckets().size(), std::min(1.0, c.bucket_cap_mb), c.bucket_cap_mb,
                   static_cast<long long>(overlap_ddp.last_step().launched_in_backward));
-      std::printf("| variant | step p50 (ms) | p10 | p90 |\n|---|---:|---:|---:|\n");
+      std::printf("| variant | step p50 (ms) | p10 | p90 | end-of-backward wait p50 (ms) |\n"
+                  "|---|---:|---:|---:|---:|\n");
       std::map<std::string, double> p50;
       for (const auto& v : variants) {
         p50[v.name] = percentile(v.times, 0.5);
-        std::printf("| %s | %.2f | %.2f | %.2f |\n", v.name.c_str(), p50[v.name], percentile(v.times, 0.1),
-                    percentile(v.times, 0.9));
+        std::printf("| %s | %.2f | %.2f | %.2f | %.2f |\n", v.name.c_str(), p50[v.name], percentile(v.times, 0.1),
+                    percentile(v.times, 0.9), percentile(v.waits, 0.5));
       }
-      std::printf("| bare all-reduce of %.1f MiB (raw Gloo) | %.2f | %.2f | %.2f |\n", mb,
+      std::printf("| bare all-reduce of %.1f MiB (raw Gloo) | %.2f | %.2f | %.2f | |\n", mb,
                   percentile(allreduce_times, 0.5), percentile(allreduce_times, 0.1),
                   percentile(allreduce_times, 0.9));
       const double local = p50[variants[0].name];
