@@ -176,7 +176,8 @@ int main(int argc, char** argv) {
         std::printf("| %s | %.2f | %.2f | %.2f | %.2f |\n", v.name.c_str(), p50[v.name], percentile(v.times, 0.1),
                     percentile(v.times, 0.9), percentile(v.waits, 0.5));
       }
-      std::printf("| bare all-reduce of %.1f MiB (raw Gloo) | %.2f | %.2f | %.2f | |\n", mb,
+      std::printf("| bare all-reduce of %.1f MiB (raw %s transport) | %.2f | %.2f | %.2f | |\n", mb,
+                  commgrad::world().backend_name().c_str(),
                   percentile(allreduce_times, 0.5), percentile(allreduce_times, 0.1),
                   percentile(allreduce_times, 0.9));
       const double local = p50[variants[0].name];

@@ -23,7 +23,10 @@
 namespace commgrad {
 namespace {
 
-bool transport_sums_bfloat16(const Group& group) { return group.backend_name() == "nccl"; }
+// NCCL and commgrad's shm backend reduce bfloat16; Gloo (1.13) does not.
+bool transport_sums_bfloat16(const Group& group) {
+  return group.backend_name() == "nccl" || group.backend_name() == "shm";
+}
 
 detail::WorkPtr all_reduce_sum(const at::Tensor& flat, const Group& group) {
   std::vector<at::Tensor> tensors{flat};

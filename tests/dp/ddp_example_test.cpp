@@ -13,25 +13,36 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class DdpTrainExample : public ::testing::TestWithParam<int> {};
+// (ranks, COMMGRAD_BACKEND; empty: the default transport)
+class DdpTrainExample : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
 
 TEST_P(DdpTrainExample, MatchesSingleProcessUnderCommgradRun) {
-  const int n = GetParam();
+  const int n = std::get<0>(GetParam());
+  const auto backend = std::get<1>(GetParam());
   // Launcher variables of an enclosing job must not leak into the ranks.
   const std::map<std::string, std::string> env = {{"RANK", ""}, {"WORLD_SIZE", ""}, {"MASTER_ADDR", ""},
-                                                  {"MASTER_PORT", ""}, {"COMMGRAD_BACKEND", ""}};
+                                                  {"MASTER_PORT", ""}, {"COMMGRAD_BACKEND", backend}};
   auto r = run_process({launcher_path(), "-n", std::to_string(n), "--timeout", "90", build_path("bin/ddp_train"),
                         "--epochs", "3", "--bucket-cap-mb", "0.01"},
                        env, std::chrono::seconds(120));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-  EXPECT_THAT(r.out, HasSubstr("[0] world: " + std::to_string(n) + " ranks, backend gloo"));
+  EXPECT_THAT(r.out, HasSubstr("[0] world: " + std::to_string(n) + " ranks, backend " +
+                               (backend.empty() ? "" : backend + ";")));
   EXPECT_THAT(r.out, HasSubstr("[0] epoch 1/3: loss "));
   EXPECT_THAT(r.out, HasSubstr("[0] epoch 3/3: loss "));
   EXPECT_THAT(r.out, HasSubstr(": ok\n"));
   EXPECT_TRUE(lines_with_prefix(r.out, "[1] ").empty()) << r.out;
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, DdpTrainExample, ::testing::Values(1, 2, 4));
+INSTANTIATE_TEST_SUITE_P(WorldSizes, DdpTrainExample,
+                         ::testing::Values(std::make_tuple(1, std::string()), std::make_tuple(2, std::string()),
+                                           std::make_tuple(4, std::string()), std::make_tuple(2, std::string("gloo")),
+                                           std::make_tuple(4, std::string("gloo"))),
+                         [](const auto& info) {
+                           const auto& backend = std::get<1>(info.param);
+                           return (backend.empty() ? std::string("default") : backend) + "_" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
 
 }  // namespace
 }  // namespace commgrad::testing

@@ -139,10 +139,18 @@ std::string message_of(const std::function<void()>& fn) {
 // ---------------------------------------------------------------------------
 // K steps of DDP == K steps of one process on the full batch.
 
-class DdpMatchesSingleProcess : public ::testing::TestWithParam<int> {};
+bool have_backend(const std::string& backend) {
+  const auto all = available_backends();
+  return std::find(all.begin(), all.end(), backend) != all.end();
+}
+
+// (ranks, transport)
+class DdpMatchesSingleProcess : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
 
 TEST_P(DdpMatchesSingleProcess, SgdMomentumAndAdamForMlpAndBufferedModel) {
-  const int n = GetParam();
+  const int n = std::get<0>(GetParam());
+  const auto backend = std::get<1>(GetParam());
+  if (!have_backend(backend)) GTEST_SKIP() << "backend " << backend << " is not in this build";
   const auto data = make_data(/*steps=*/4, /*seed=*/7);
   for (auto model : {Model::kMlp, Model::kBuffered}) {
     for (auto optim : {Optim::kSgd, Optim::kAdam}) {
@@ -169,12 +177,16 @@ TEST_P(DdpMatchesSingleProcess, SgdMomentumAndAdamForMlpAndBufferedModel) {
         train(*net, *opt, data, group.rank(), group.size(), !views);
         expect_same_state(*net, *reference);
         EXPECT_EQ(ddp.last_step().buckets, static_cast<int64_t>(ddp.buckets().size()));
-      });
+      }, SpawnOptions().backend(backend));
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, DdpMatchesSingleProcess, ::testing::Values(1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(Ranks, DdpMatchesSingleProcess,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Values("gloo", "shm")),
+                         [](const auto& info) {
+                           return std::get<1>(info.param) + "_" + std::to_string(std::get<0>(info.param));
+                         });
 
 TEST(DdpTest, SumReductionGivesNTimesTheAverage) {
   const auto data = make_data(1, 3);
@@ -455,7 +467,11 @@ TEST(DdpTest, ParameterUsedOnlyUnderNoSyncIsNotAnError) {
 // ---------------------------------------------------------------------------
 // Communication hooks.
 
-TEST(DdpTest, CompressionHooksMatchThePlainAllReduce) {
+class DdpHooks : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DdpHooks, CompressionHooksMatchThePlainAllReduce) {
+  const auto backend = GetParam();
+  if (!have_backend(backend)) GTEST_SKIP() << "backend " << backend << " is not in this build";
   const auto data = make_data(1, 17, torch::kFloat);
   for (int hook = 0; hook < 2; ++hook) {
     std::vector<std::shared_ptr<Net>> plain_nets, nets;
@@ -482,9 +498,11 @@ TEST(DdpTest, CompressionHooksMatchThePlainAllReduce) {
         EXPECT_LE((g - w).abs().max().item<double>(), tol * w.abs().max().item<double>())
             << (hook == 0 ? "fp16 " : "bf16 ") << p.key();
       }
-    });
+    }, SpawnOptions().backend(backend));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, DdpHooks, ::testing::Values("gloo", "shm"));
 
 TEST(DdpTest, Bfloat16SumOnGlooIsExactForSmallIntegers) {
   for (int n : {2, 3}) {

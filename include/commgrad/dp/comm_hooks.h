@@ -96,7 +96,7 @@ CommHook allreduce_hook();
 CommHook fp16_compress_hook();
 
 /// Compresses the bucket to bfloat16 for the wire (fp32's range, 8 bits of
-/// mantissa). Where the transport all-reduces bf16 (NCCL) that is one
+/// mantissa). Where the transport all-reduces bf16 (NCCL, shm) that is one
 /// all-reduce; on Gloo, which cannot, it is a reduce-scatter built from
 /// all-to-all (each rank sums its chunk in fp32) followed by an all-gather:
 /// the same bytes per rank as a ring all-reduce of bf16.
