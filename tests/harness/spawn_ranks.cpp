@@ -17,26 +17,39 @@ void spawn_ranks(int world_size, const std::function<void(Group&)>& body, const 
   std::mutex mutex;
   std::condition_variable done_cv;
   std::vector<bool> done(world_size, false);
+  std::vector<bool> body_done(world_size, false);
+  int bodies_done = 0;
   std::vector<std::string> errors(world_size);
   std::vector<std::thread> threads;
   for (int r = 0; r < world_size; ++r) {
     threads.emplace_back([&, r] {
       SCOPED_TRACE(::testing::Message() << "rank " << r << "/" << world_size);
+      Group world;
       try {
-        Group world = make_world_group(InitOptions()
-                                           .store(store)
-                                           .rank(r)
-                                           .world_size(world_size)
-                                           .backend(options.backend())
-                                           .timeout(options.timeout())
-                                           .intra_op_threads(0));
+        world = make_world_group(InitOptions()
+                                     .store(store)
+                                     .rank(r)
+                                     .world_size(world_size)
+                                     .backend(options.backend())
+                                     .timeout(options.timeout())
+                                     .intra_op_threads(0));
         ScopedWorld scope(world);
         body(world);
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> lock(mutex);
         errors[r] = e.what();
       }
-      std::lock_guard<std::mutex> lock(mutex);
+      // Keep this rank's transport until every rank is done (Gloo's test
+      // harness does the same): a rank that tears its group down early makes
+      // a peer still connecting fail with "Connection closed by peer" or hang.
+      std::unique_lock<std::mutex> lock(mutex);
+      body_done[r] = true;
+      ++bodies_done;
+      done_cv.notify_all();
+      done_cv.wait(lock, [&] { return bodies_done == world_size; });
+      lock.unlock();
+      world = Group();
+      lock.lock();
       done[r] = true;
       done_cv.notify_all();
     });
@@ -55,7 +68,7 @@ void spawn_ranks(int world_size, const std::function<void(Group&)>& body, const 
     if (!finished) {
       std::cerr << "spawn_ranks: ranks did not finish in time:";
       for (int r = 0; r < world_size; ++r) {
-        if (!done[r]) std::cerr << " " << r;
+        if (!body_done[r]) std::cerr << " " << r;
       }
       std::cerr << std::endl;
       std::abort();
