@@ -142,9 +142,14 @@ std::string GradCheckResult::table() const {
      << " (pass: max|p-r| <= atol + rtol*max|r|)\n";
   auto row = [&](const std::string& a, const std::string& b, const std::string& c, const std::string& d,
                  const std::string& e, const std::string& f, const std::string& g) {
-    os << "  " << std::left << std::setw(static_cast<int>(name_w)) << a << "  " << std::setw(static_cast<int>(shape_w))
-       << b << "  " << std::setw(static_cast<int>(layout_w)) << c << "  " << std::right << std::setw(10) << d << "  "
-       << std::setw(10) << e << "  " << std::setw(13) << f << "  " << g << "\n";
+    std::ostringstream line;
+    line << "  " << std::left << std::setw(static_cast<int>(name_w)) << a << "  "
+         << std::setw(static_cast<int>(shape_w)) << b << "  " << std::setw(static_cast<int>(layout_w)) << c << "  "
+         << std::right << std::setw(10) << d << "  " << std::setw(10) << e << "  " << std::setw(13) << f << "  "
+         << g;
+    std::string text = line.str();
+    text.erase(text.find_last_not_of(' ') + 1);
+    os << text << "\n";
   };
   auto sci = [](double v, int digits = 2) {
     std::ostringstream s;
@@ -214,6 +219,11 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
   for (const auto& r : ref_params) {
     COMMGRAD_CHECK(used.count(r.key()) == 1, kOp, g, "reference parameter '", r.key(),
                    "' has no parallel counterpart");
+  }
+
+  // Gradients left from earlier backward passes would be added to this one.
+  for (auto* params : {&par_params, &ref_params}) {
+    for (auto& p : *params) p.value().mutable_grad() = at::Tensor();
   }
 
   // 2. Inputs from group rank 0, then one set of leaves per side.

@@ -31,7 +31,16 @@ namespace commgrad::tp {
 namespace detail {
 
 std::string describe(const at::Tensor& x) {
-  std::string s = c10::str(x.scalar_type(), "[");
+  if (!x.defined()) return "undefined";
+  const at::ScalarType t = x.scalar_type();
+  const char* name = t == at::kFloat    ? "float32"
+                     : t == at::kDouble ? "float64"
+                     : t == at::kHalf   ? "float16"
+                     : t == at::kBFloat16 ? "bfloat16"
+                     : t == at::kLong   ? "int64"
+                     : t == at::kInt    ? "int32"
+                                        : c10::toString(t);
+  std::string s = c10::str(name, "[");
   for (int64_t i = 0; i < x.dim(); ++i) s += (i > 0 ? ", " : "") + std::to_string(x.size(i));
   return s + "]";
 }

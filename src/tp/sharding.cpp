@@ -135,12 +135,13 @@ void load_full_state_dict(torch::nn::Module& module, const torch::OrderedDict<st
     const at::Tensor* value = full.find(p.key());
     TORCH_CHECK(value != nullptr, "[commgrad] load_full_state_dict: the state dict has no entry '", p.key(), "'");
     const ParameterShard& s = specs[p.key()];
-    const at::Tensor mine =
-        s.spec.is_partitioned() ? shard_tensor(*value, s.spec, s.group.rank(), s.group.size()) : *value;
-    TORCH_CHECK(mine.sizes() == p.value().sizes(), "[commgrad] load_full_state_dict: '", p.key(), "' is ",
-                detail::describe(*value), " (", s.spec.describe(), "), which gives this rank ", detail::describe(mine),
-                ", but the parameter is ", detail::describe(p.value()));
-    p.value().copy_(mine);
+    const int n = s.spec.is_partitioned() ? s.group.size() : 1;
+    auto expected = p.value().sizes().vec();
+    if (s.spec.is_partitioned()) expected[wrap_dim(p.value(), s.spec, "load_full_state_dict")] *= n;
+    TORCH_CHECK(value->sizes() == at::IntArrayRef(expected), "[commgrad] load_full_state_dict: '", p.key(), "' is ",
+                detail::describe(*value), ", but the parameter (", s.spec.describe(), " over ", n, " rank",
+                n > 1 ? "s" : "", ") is ", c10::IntArrayRef(expected), " in full");
+    p.value().copy_(s.spec.is_partitioned() ? shard_tensor(*value, s.spec, s.group.rank(), n) : *value);
   }
   for (auto& b : module.named_buffers()) {
     const at::Tensor* value = full.find(b.key());

@@ -147,8 +147,10 @@ std::ostream& operator<<(std::ostream& out, const GradCheckResult& result);
 /// from the full `inputs` (values taken from group rank 0, so every rank uses
 /// the same; memory layout kept, so a transposed input reaches both sides
 /// transposed; floating-point inputs get gradients). Collective over the
-/// group. Errors, before running anything, when a parallel parameter has no
-/// reference counterpart (or the reverse) or the layouts do not fit.
+/// group. Parameter gradients of both modules are reset first (and hold
+/// this run's gradients afterwards). Errors, before running anything, when a
+/// parallel parameter has no reference counterpart (or the reverse) or the
+/// layouts do not fit.
 ///
 /// Example:
 ///   auto r = check::check_gradients(check::subject(par), check::subject(ref), {x},
