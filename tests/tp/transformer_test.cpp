@@ -240,6 +240,16 @@ TEST(TpTransformer, UsesTheParallelStateGroup) {
     EXPECT_EQ(layer->options.group(), tp);
     check_against_reference(Kind::kTransformer, tp, /*sp=*/true, at::kDouble, false);
   });
+  // The same through initialize_model_parallel() on each rank's (per-thread) world.
+  spawn_ranks(4, [](Group& world) {
+    const ParallelState state = initialize_model_parallel(2);
+    ParallelSelfAttention attention(ParallelSelfAttentionOptions(30, 6));
+    EXPECT_EQ(attention->options.group(), state.tensor_parallel_group());
+    EXPECT_EQ(attention->num_local_heads(), 3);
+    destroy_model_parallel();
+    EXPECT_FALSE(model_parallel_is_initialized());
+    (void)world;
+  });
 }
 
 // The same agreement through the public gradient checker (commgrad::check):
