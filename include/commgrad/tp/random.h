@@ -161,7 +161,8 @@ void model_parallel_manual_seed(uint64_t seed, const Group& tp_group, RngTracker
 /// replicated stream normally, the forked one inside tracker.fork(). Returns
 /// `x` itself when not training or p == 0; p == 1 gives zeros. The mask is
 /// drawn in row-major order of x's shape, so strides do not change it.
-/// Differentiable in x.
+/// Differentiable in x. Call it qualified (tp::dropout): unqualified, argument-
+/// dependent lookup also finds at::dropout and the call is ambiguous.
 ///
 /// Example:
 ///   auto guard = tp::rng_tracker().fork();
