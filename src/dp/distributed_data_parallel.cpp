@@ -236,11 +236,19 @@ DistributedDataParallel& DistributedDataParallel::operator=(DistributedDataParal
   return *this;
 }
 
-const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return module_; }
-const Group& DistributedDataParallel::group() const { return reducer_->group(); }
-const DistributedDataParallelOptions& DistributedDataParallel::options() const { return reducer_->options(); }
+detail::DdpReducer& DistributedDataParallel::reducer() const {
+  TORCH_CHECK(reducer_ != nullptr, "[commgrad] DistributedDataParallel: used after it was moved from");
+  return *reducer_;
+}
 
-DistributedDataParallel::NoSync DistributedDataParallel::no_sync() { return NoSync(reducer_); }
+const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return module_; }
+const Group& DistributedDataParallel::group() const { return reducer().group(); }
+const DistributedDataParallelOptions& DistributedDataParallel::options() const { return reducer().options(); }
+
+DistributedDataParallel::NoSync DistributedDataParallel::no_sync() {
+  reducer();
+  return NoSync(reducer_);
+}
 
 DistributedDataParallel::NoSync::NoSync(std::shared_ptr<detail::DdpReducer> reducer) : reducer_(std::move(reducer)) {
   previous_ = reducer_->sync_enabled();
@@ -256,9 +264,9 @@ DistributedDataParallel::NoSync::~NoSync() {
   if (reducer_) reducer_->set_sync_enabled(previous_);
 }
 
-void DistributedDataParallel::register_comm_hook(CommHook hook) { reducer_->set_comm_hook(std::move(hook)); }
-void DistributedDataParallel::sync_buffers() { reducer_->sync_buffers(); }
-std::vector<DdpBucketInfo> DistributedDataParallel::buckets() const { return reducer_->bucket_info(); }
-DdpStepStats DistributedDataParallel::last_step() const { return reducer_->last_step(); }
+void DistributedDataParallel::register_comm_hook(CommHook hook) { reducer().set_comm_hook(std::move(hook)); }
+void DistributedDataParallel::sync_buffers() { reducer().sync_buffers(); }
+std::vector<DdpBucketInfo> DistributedDataParallel::buckets() const { return reducer().bucket_info(); }
+DdpStepStats DistributedDataParallel::last_step() const { return reducer().last_step(); }
 
 }  // namespace commgrad

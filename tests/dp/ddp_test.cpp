@@ -253,6 +253,9 @@ TEST(DdpTest, BadOptionsAreErrors) {
                 HasSubstr("bucket sizes must be positive"));
     DistributedDataParallel ddp(net, group);
     EXPECT_THAT(message_of([&] { ddp.register_comm_hook(CommHook()); }), HasSubstr("the hook is empty"));
+    DistributedDataParallel moved(std::move(ddp));
+    EXPECT_THAT(message_of([&] { ddp.buckets(); }), HasSubstr("used after it was moved from"));
+    EXPECT_EQ(moved.buckets().size(), 1u);
   });
 }
 
@@ -414,6 +417,25 @@ TEST(DdpTest, UnusedParameterIsAnErrorNamingItAndRanksStayInStep) {
     net->zero_grad();
     net->forward_heads(torch::ones({2, 4}), true).sum().backward();
     EXPECT_TRUE(net->head2->weight.grad().defined());
+  });
+}
+
+TEST(DdpTest, ParameterUnusedOnOneRankIsAnErrorThereAndNoHangAnywhere) {
+  spawn_ranks(2, [&](Group& group) {
+    torch::manual_seed(3);
+    auto net = std::make_shared<TwoHeads>();
+    DistributedDataParallel ddp(net, group);
+    const bool use_head2 = group.rank() == 1;
+    const auto message = message_of([&] { net->forward_heads(torch::ones({2, 4}), use_head2).sum().backward(); });
+    if (use_head2) {
+      EXPECT_EQ(message, "(no exception)");
+    } else {
+      EXPECT_THAT(message, HasSubstr("parameter 'head2.bias' received no gradient in this backward"));
+    }
+    // Both ranks completed the same collectives: the next step works.
+    net->zero_grad();
+    net->forward_heads(torch::ones({2, 4}), true).sum().backward();
+    EXPECT_TRUE(torch::equal(net->head2->bias.grad(), torch::full({2}, 2.0f)));
   });
 }
 

@@ -172,6 +172,7 @@ class DistributedDataParallel {
   DdpStepStats last_step() const;
 
  private:
+  detail::DdpReducer& reducer() const;
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<detail::DdpReducer> reducer_;
 };
