@@ -2,6 +2,7 @@
 
 #include "commgrad/dist/transport.h"
 
+#include "commgrad/backend/shm_process_group.h"
 #include "commgrad/config.h"
 
 #include <c10/util/Exception.h>
@@ -14,7 +15,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 namespace commgrad {
@@ -38,6 +41,10 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
+bool all_same(const std::vector<std::string>& v) {
+  return std::all_of(v.begin(), v.end(), [&](const std::string& s) { return s == v.front(); });
+}
+
 detail::TransportPtr create_gloo(const detail::TransportConfig& c) {
   auto options = c10d::ProcessGroupGloo::Options::create(c.timeout);
   // GLOO_SOCKET_IFNAME picks interfaces as in PyTorch; a single-host group
@@ -58,16 +65,22 @@ detail::TransportPtr create_gloo(const detail::TransportConfig& c) {
 }  // namespace
 
 std::vector<std::string> available_backends() {
-  std::vector<std::string> out{"gloo"};
+  std::vector<std::string> out{"gloo", "shm"};
   if (COMMGRAD_HAVE_NCCL) out.push_back("nccl");
   return out;
 }
 
-std::string resolve_backend(const std::string& requested, const std::vector<std::string>& /*hosts*/) {
-  if (requested == "auto") return nccl_usable() ? "nccl" : "gloo";
+std::string resolve_backend(const std::string& requested, const std::vector<std::string>& hosts) {
+  if (requested == "auto") {
+    if (nccl_usable()) return "nccl";
+    return all_same(hosts) ? "shm" : "gloo";
+  }
   const auto all = available_backends();
   TORCH_CHECK(std::find(all.begin(), all.end(), requested) != all.end(), "commgrad: backend '", requested,
               "' is not available in this build; available: auto, ", c10::Join(", ", all));
+  TORCH_CHECK(requested != "shm" || all_same(hosts),
+              "commgrad: backend 'shm' needs every rank of the group on one host, but its ranks run on ",
+              std::set<std::string>(hosts.begin(), hosts.end()).size(), " hosts; use 'gloo' (or 'auto')");
   return requested;
 }
 
@@ -85,6 +98,10 @@ namespace detail {
 TransportPtr create_transport(const TransportConfig& c) {
   try {
     if (c.backend == "gloo") return create_gloo(c);
+    if (c.backend == "shm") {
+      return c10::make_intrusive<backend::ShmProcessGroup>(
+          c.store, c.rank, c.size, backend::ShmOptions().timeout(c.timeout).group_name(c.group_name));
+    }
 #if COMMGRAD_HAVE_NCCL
     if (c.backend == "nccl") {
       auto options = c10d::ProcessGroupNCCL::Options::create();

@@ -1,4 +1,5 @@
-// The founding example as real processes over real Gloo: under commgrad-run
+// The founding example as real processes over the default transport ("auto":
+// shm, since every rank is on this host): under commgrad-run
 // at world sizes 1-4, alone, and under hand-set torchrun, mpirun and Slurm
 // environments; plus the rendezvous and environment errors a user meets
 // first. The example checks y, x.grad, x and the caller's gradient on every
@@ -58,7 +59,7 @@ void expect_founding_output(const ProcessResult& r, int n, const std::string& pr
                                ", grad_fn=<AllReduceBackward>)\n"));
   EXPECT_THAT(r.out, HasSubstr(prefix + "x = tensor([1., 1., 1., 1.])\n"));
   EXPECT_THAT(r.out, HasSubstr(prefix + "after y.backward(g): g = tensor([1., 1., 1., 1.])\n"));
-  EXPECT_THAT(r.out, HasSubstr(prefix + "world: " + std::to_string(n) + " ranks, backend gloo, BLAS: OpenBLAS"));
+  EXPECT_THAT(r.out, HasSubstr(prefix + "world: " + std::to_string(n) + " ranks, backend shm, BLAS: OpenBLAS"));
 }
 
 class FoundingExample : public ::testing::TestWithParam<int> {};

@@ -19,7 +19,7 @@ constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(5);
 
 /// Options of init_process_group().
 struct InitOptions {
-  /// "auto" (NCCL for CUDA builds, else Gloo), "gloo", "nccl" or "shm".
+  /// "auto" (NCCL for CUDA builds, else shm on one host, else Gloo), "gloo", "nccl" or "shm".
   /// With "auto", the environment variable COMMGRAD_BACKEND decides when set.
   TORCH_ARG(std::string, backend) = "auto";
   /// Rendezvous and collective timeout; 0 means COMMGRAD_TIMEOUT or kDefaultTimeout.

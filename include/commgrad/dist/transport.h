@@ -9,13 +9,15 @@
 
 namespace commgrad {
 
-/// The backends this build can create: always "gloo"; "nccl" when LibTorch
-/// has CUDA and NCCL; "shm" when the shared-memory backend is built.
+/// The backends this build can create: always "gloo" and "shm" (the
+/// shared-memory backend, for groups on one host); "nccl" when LibTorch has
+/// CUDA and NCCL.
 std::vector<std::string> available_backends();
 
 /// Resolves "auto" for a group whose members run on `hosts` (one identity per
-/// member): NCCL when this build and machine have it, else Gloo.
-/// Any other name is checked and returned as is.
+/// member): NCCL when this build and machine have it, else shm when every
+/// member is on one host, else Gloo. Any other name is checked (shm needs
+/// one host) and returned as is.
 std::string resolve_backend(const std::string& requested, const std::vector<std::string>& hosts);
 
 /// This host's identity for locality decisions: hostname and boot id.

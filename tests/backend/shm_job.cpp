@@ -1,0 +1,121 @@
+// A small commgrad program for the multi-process shm tests, started by
+// commgrad-run:
+//
+//   shm_job ops [backend]  every rank checks a few collectives and point-to-point
+//                          messages on the world group (backend: "shm", "auto", ...)
+//                          and prints "rank r ok (<backend>)"
+//   shm_job kill           rank 1 is SIGKILLed in the middle of a stream of
+//                          all-reduces; the other ranks print the error they get
+//                          and exit with 3 (they ignore SIGTERM, so the launcher's
+//                          teardown cannot hide whether they noticed)
+//
+// Rank 0 prints "segment <name>" for the shm backend, so that the test can
+// check that /dev/shm holds nothing of the job afterwards.
+
+#include <commgrad/backend.h>
+#include <commgrad/dist/process_group.h>
+
+#include <ATen/ATen.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <iostream>
+#include <string>
+#include <thread>
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const std::string& what) {
+  if (!ok) {
+    std::cerr << "rank " << commgrad::rank() << ": " << what << " is wrong\n";
+    ++failures;
+  }
+}
+
+void print_segment(const commgrad::Group& world) {
+  if (world.rank() != 0) return;
+  if (auto* shm = dynamic_cast<commgrad::backend::ShmProcessGroup*>(&world.transport())) {
+    std::cout << "segment " << shm->segment_name() << std::endl;
+  }
+}
+
+int run_ops(const std::string& backend) {
+  commgrad::Group world = commgrad::init_process_group(commgrad::InitOptions().backend(backend));
+  print_segment(world);
+  auto& pg = world.transport();
+  const int n = world.size();
+  const int r = world.rank();
+  for (int64_t numel : {1, 1000, 300000}) {
+    std::vector<at::Tensor> t{at::full({numel}, static_cast<float>(r + 1))};
+    pg.allreduce(t)->wait();
+    check(at::equal(t[0], at::full({numel}, n * (n + 1) / 2.0f)), "allreduce of " + std::to_string(numel));
+    std::vector<at::Tensor> b{at::full({numel}, static_cast<double>(r))};
+    c10d::BroadcastOptions o;
+    o.rootRank = n - 1;
+    pg.broadcast(b, o)->wait();
+    check(at::equal(b[0], at::full({numel}, static_cast<double>(n - 1), at::kDouble)), "broadcast");
+    at::Tensor in = at::full({numel}, static_cast<float>(r));
+    at::Tensor out = at::empty({numel * n});
+    pg._allgather_base(out, in)->wait();
+    for (int q = 0; q < n; ++q) check(at::equal(out.narrow(0, q * numel, numel), at::full({numel}, float(q))), "allgather");
+  }
+  if (n > 1) {
+    std::vector<at::Tensor> send{at::arange(5000, at::kLong) + r};
+    std::vector<at::Tensor> recv{at::empty({5000}, at::kLong)};
+    auto w = pg.recv(recv, (r + n - 1) % n, 3);
+    pg.send(send, (r + 1) % n, 3)->wait();
+    w->wait();
+    check(at::equal(recv[0], at::arange(5000, at::kLong) + (r + n - 1) % n), "send/recv");
+  }
+  pg.barrier()->wait();
+  std::cout << "rank " << r << " ok (" << world.backend_name() << ")" << std::endl;
+  commgrad::destroy_process_group();
+  return failures == 0 ? 0 : 1;
+}
+
+int run_kill() {
+  signal(SIGTERM, SIG_IGN);
+  commgrad::Group world = commgrad::init_process_group(commgrad::InitOptions().backend("shm"));
+  print_segment(world);
+  auto& pg = world.transport();
+  if (world.rank() == 1) {
+    std::thread([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      kill(getpid(), SIGKILL);
+    }).detach();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    std::vector<at::Tensor> t{at::ones({1 << 20})};
+    for (int i = 0; std::chrono::steady_clock::now() - start < std::chrono::seconds(60); ++i) {
+      pg.allreduce(t)->wait();
+    }
+  } catch (const std::exception& e) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::string message = e.what();
+    message = message.substr(0, message.find('\n'));
+    std::cerr << "rank " << world.rank() << " failed after " << s << "s: " << message << std::endl;
+    _exit(3);
+  }
+  std::cerr << "rank " << world.rank() << ": no error within 60 s" << std::endl;
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "ops";
+  try {
+    if (mode == "ops") return run_ops(argc > 2 ? argv[2] : "shm");
+    if (mode == "kill") return run_kill();
+  } catch (const std::exception& e) {
+    std::cerr << "shm_job: " << e.what() << std::endl;
+    return 1;
+  }
+  std::cerr << "usage: shm_job ops [backend] | shm_job kill\n";
+  return 2;
+}

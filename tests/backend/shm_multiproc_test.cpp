@@ -1,0 +1,93 @@
+// The shm backend as real processes under commgrad-run: collectives and
+// point-to-point across processes, selection by name, by "auto" and by
+// COMMGRAD_BACKEND for an unchanged program (the founding example), and a
+// rank killed with SIGKILL in the middle of a collective: the others fail
+// with an error naming it within the timeout, the launcher reports it, and
+// /dev/shm holds nothing of the job afterwards.
+
+#include "harness/subprocess.h"
+
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <string>
+
+namespace commgrad::testing {
+namespace {
+
+std::string job() { return build_path("tests/backend/shm_job"); }
+
+// Environment without launcher variables (the test itself may run under one).
+std::map<std::string, std::string> clean_env(std::map<std::string, std::string> extra = {}) {
+  std::map<std::string, std::string> env = {
+      {"RANK", ""},         {"WORLD_SIZE", ""},          {"LOCAL_RANK", ""},          {"LOCAL_WORLD_SIZE", ""},
+      {"MASTER_ADDR", ""},  {"MASTER_PORT", ""},         {"OMPI_COMM_WORLD_RANK", ""}, {"OMPI_COMM_WORLD_SIZE", ""},
+      {"SLURM_PROCID", ""}, {"SLURM_NTASKS", ""},        {"COMMGRAD_BACKEND", ""},     {"COMMGRAD_SHM_CHUNK_BYTES", ""},
+      {"COMMGRAD_TIMEOUT", "30"}};
+  for (auto& [k, v] : extra) env[k] = v;
+  return env;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+std::string segment_of(const std::string& out) {
+  const auto lines = lines_with_prefix(out, "[0] segment ");
+  return lines.empty() ? "" : lines[0].substr(std::string("[0] segment ").size());
+}
+
+class ShmJob : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmJob, CollectivesAndMessagesAcrossProcesses) {
+  const int n = GetParam();
+  auto r = run_process({launcher_path(), "-n", std::to_string(n), "--timeout", "90", job(), "ops", "shm"}, clean_env());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  for (int q = 0; q < n; ++q) {
+    EXPECT_TRUE(contains(r.out, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " ok (shm)")) << r.out;
+  }
+  const std::string segment = segment_of(r.out);
+  ASSERT_FALSE(segment.empty()) << r.out;
+  EXPECT_NE(access(("/dev/shm" + segment).c_str(), F_OK), 0) << segment << " is still in /dev/shm";
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmJob, ::testing::Values(1, 2, 4));
+
+TEST(ShmSelection, AutoPicksShmWhenEveryRankIsOnThisHost) {
+  auto r = run_process({launcher_path(), "-n", "3", "--timeout", "90", job(), "ops", "auto"}, clean_env());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[2] rank 2 ok (shm)")) << r.out;
+}
+
+TEST(ShmSelection, CommgradBackendSelectsTheTransportOfTheFoundingExample) {
+  const std::string example = build_path("bin/tp_autograd_comm");
+  if (access(example.c_str(), X_OK) != 0) GTEST_SKIP() << "examples are not built";
+  for (const std::string backend : {"shm", "gloo"}) {
+    auto r = run_process({launcher_path(), "-n", "4", "--timeout", "90", example},
+                         clean_env({{"COMMGRAD_BACKEND", backend}}));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_TRUE(contains(r.out, "[0] world: 4 ranks, backend " + backend)) << r.out;
+    EXPECT_TRUE(contains(r.out, "[0] x.grad = tensor([4., 4., 4., 4.])")) << r.out;
+  }
+}
+
+TEST(ShmFailure, KillNineOfARankMidCollectiveIsReportedAndLeavesNothingBehind) {
+  auto r = run_process({launcher_path(), "-n", "3", "--grace", "15", "--timeout", "90", job(), "kill"}, clean_env(),
+                       std::chrono::seconds(120));
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;
+  // Both survivors name the dead rank, and fail well within the 30 s timeout.
+  for (int q : {0, 2}) {
+    const auto lines = lines_with_prefix(r.err, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " failed after ");
+    ASSERT_EQ(lines.size(), 1u) << r.err;
+    EXPECT_TRUE(contains(lines[0], "rank 1 (pid ")) << lines[0];
+    EXPECT_TRUE(contains(lines[0], "died")) << lines[0];
+    const double after = std::stod(lines[0].substr(lines[0].find("after ") + 6));
+    EXPECT_LT(after, 10.0) << lines[0];
+  }
+  EXPECT_TRUE(contains(r.err, "SIGKILL")) << "the launcher did not report the killed rank\n" << r.err;
+  const std::string segment = segment_of(r.out);
+  ASSERT_FALSE(segment.empty()) << r.out;
+  EXPECT_NE(access(("/dev/shm" + segment).c_str(), F_OK), 0) << segment << " was left in /dev/shm";
+}
+
+}  // namespace
+}  // namespace commgrad::testing
