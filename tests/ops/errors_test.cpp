@@ -1,10 +1,8 @@
 // Bad input gets a clear error, never a hang and never garbage: local checks
 // (always on), the cross-rank debug check (COMMGRAD_DEBUG / set_debug_checks),
-// timeouts without it, dtypes the transport lacks, and a multi-process run of
-// ops_check through commgrad-run.
+// timeouts without it, and dtypes the transport lacks.
 
 #include "harness/spawn_ranks.h"
-#include "harness/subprocess.h"
 
 #include <commgrad/ops.h>
 #include <gtest/gtest.h>
@@ -305,28 +303,6 @@ TEST(OpsTimeouts, AsyncHandleReportsTheFailure) {
       },
       testing::SpawnOptions().timeout(seconds(2)));
   set_debug_checks(std::nullopt);
-}
-
-// ~~~ multi-process, through commgrad-run ~~~
-
-TEST(OpsMultiProcess, OpsCheckUnderLauncher) {
-  for (int n : {2, 3}) {
-    auto result = testing::run_process({testing::launcher_path(), "-n", std::to_string(n), "--timeout", "60",
-                                        testing::build_path("tests/ops/ops_check")},
-                                       {}, seconds(90));
-    EXPECT_EQ(result.exit_code, 0) << "n=" << n << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err;
-    EXPECT_NE(result.out.find("ops_check: all checks passed on " + std::to_string(n) + " ranks"), std::string::npos)
-        << result.out;
-  }
-}
-
-TEST(OpsMultiProcess, DebugMismatchFailsEveryRank) {
-  auto result = testing::run_process({testing::launcher_path(), "-n", "2", "--timeout", "60",
-                                      testing::build_path("tests/ops/ops_check"), "--mismatch"},
-                                     {{"COMMGRAD_DEBUG", "1"}}, seconds(90));
-  EXPECT_NE(result.exit_code, 0);
-  EXPECT_NE(result.err.find("[0] "), std::string::npos) << result.err;
-  EXPECT_NE(result.err.find("ranks disagree on collective"), std::string::npos) << result.err;
 }
 
 }  // namespace

@@ -1,0 +1,40 @@
+// ops_check (a small program exercising the collectives and checking the
+// results in closed form) under commgrad-run, as separate processes at 2 and
+// 3 ranks, and the debug check failing every rank of a real job.
+
+#include "harness/subprocess.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+
+namespace commgrad::ops {
+namespace {
+
+using std::chrono::seconds;
+
+// ~~~ multi-process, through commgrad-run ~~~
+
+TEST(OpsMultiProcess, OpsCheckUnderLauncher) {
+  for (int n : {2, 3}) {
+    auto result = testing::run_process({testing::launcher_path(), "-n", std::to_string(n), "--timeout", "60",
+                                        testing::build_path("tests/ops/ops_check")},
+                                       {}, seconds(90));
+    EXPECT_EQ(result.exit_code, 0) << "n=" << n << "\nstdout:\n" << result.out << "\nstderr:\n" << result.err;
+    EXPECT_NE(result.out.find("ops_check: all checks passed on " + std::to_string(n) + " ranks"), std::string::npos)
+        << result.out;
+  }
+}
+
+TEST(OpsMultiProcess, DebugMismatchFailsEveryRank) {
+  auto result = testing::run_process({testing::launcher_path(), "-n", "2", "--timeout", "60",
+                                      testing::build_path("tests/ops/ops_check"), "--mismatch"},
+                                     {{"COMMGRAD_DEBUG", "1"}}, seconds(90));
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_NE(result.err.find("[0] "), std::string::npos) << result.err;
+  EXPECT_NE(result.err.find("ranks disagree on collective"), std::string::npos) << result.err;
+}
+
+}  // namespace
+}  // namespace commgrad::ops
