@@ -21,6 +21,10 @@ namespace commgrad {
 /// gradients back to back (in bucket order). When DistributedDataParallel
 /// averages, the buffer is already divided by the group size, so a hook only
 /// has to *sum* it over `group()` and leave the sum in `buffer()`.
+///
+/// Example (inside a hook):
+///   std::vector<at::Tensor> io{bucket.buffer()};
+///   return commgrad::CommWork{bucket.group().transport().allreduce(io), nullptr};
 class GradBucket {
  public:
   GradBucket(size_t index, size_t count, at::Tensor buffer, std::vector<at::Tensor> gradients,
@@ -61,6 +65,12 @@ class GradBucket {
 /// backward, bucket by bucket in order, on every rank. `then` may start and
 /// wait on further collectives (all ranks run the same `then`s in the same
 /// order), and must leave the summed gradients in the bucket's buffer.
+///
+/// Example (sum a float64 copy, write it back when done):
+///   auto wide = bucket.buffer().to(at::kDouble);
+///   std::vector<at::Tensor> io{wide};
+///   auto buffer = bucket.buffer();
+///   return commgrad::CommWork{bucket.group().transport().allreduce(io), [buffer, wide] { buffer.copy_(wide); }};
 struct CommWork {
   /// The transport's handle of the collective in flight; null when the hook
   /// finished synchronously.
