@@ -24,6 +24,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -53,6 +55,20 @@ double now_ms() {
 struct Stats {
   double p10, p50, p90;
 };
+
+// at::set_num_threads() does not reach OpenBLAS's own pthread pool (Debian's
+// LibTorch links the pthread OpenBLAS, which starts one thread per core), so
+// the benchmark sets it too; returns OpenBLAS's thread count, or 0 when the
+// BLAS is not OpenBLAS.
+int set_blas_threads(int threads) {
+  using SetFn = void (*)(int);
+  using GetFn = int (*)();
+  auto set = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  if (set == nullptr || get == nullptr) return 0;
+  set(threads);
+  return get();
+}
 
 Stats stats(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -90,6 +106,7 @@ int main(int argc, char** argv) {
   const int n = world.size();
   const int threads = c.threads > 0 ? c.threads : (n > 1 || commgrad::launch_environment().world_size > 1 ? 1 : 2);
   at::set_num_threads(threads);
+  const int blas_threads = set_blas_threads(threads);
   const bool speaker = world.rank() == 0;
 
   auto state = tp::initialize_model_parallel(n);
@@ -139,7 +156,8 @@ int main(int argc, char** argv) {
                 "%d steps (median of per-step max over ranks)\n",
                 static_cast<long>(c.hidden), static_cast<long>(c.ffn), static_cast<long>(c.tokens), n, threads,
                 threads > 1 ? "s" : "", c.steps);
-    std::printf("# BLAS: %s\n", commgrad::active_blas().c_str());
+    std::printf("# BLAS: %s, %d BLAS thread%s per rank\n", commgrad::active_blas().c_str(), blas_threads,
+                blas_threads == 1 ? "" : "s");
     std::printf("# %-16s %10s %10s %10s\n", "variant", "p10 (ms)", "p50 (ms)", "p90 (ms)");
     for (const auto& v : variants) {
       const auto s = stats(v.times);

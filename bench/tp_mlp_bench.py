@@ -6,13 +6,15 @@ A Megatron-style parallel MLP written the usual way (autograd Functions for
 forward + backward of [tokens, hidden] float32, a barrier before each step,
 the per-step maximum over ranks, median and p10/p90 on rank 0.
 
-    commgrad-run -n 2 python3 bench/tp_mlp_bench.py          # TP = 2, 1 thread per rank
-    python3 bench/tp_mlp_bench.py --threads 2                  # TP = 1, 2 threads
+    commgrad-run -n 2 /usr/bin/python3 bench/tp_mlp_bench.py   # TP = 2, 1 thread per rank
+    /usr/bin/python3 bench/tp_mlp_bench.py --threads 2          # TP = 1, 2 threads
 
-Needs python3-torch (Debian: apt-get install python3-torch).
+Needs python3-torch (Debian: apt-get install python3-torch, for the system
+Python /usr/bin/python3).
 """
 
 import argparse
+import ctypes
 import os
 import time
 
@@ -84,6 +86,12 @@ def main():
     rank = dist.get_rank() if n > 1 else 0
     threads = a.threads or (1 if n > 1 else 2)
     torch.set_num_threads(threads)
+    # As in the C++ program: torch.set_num_threads does not reach OpenBLAS's
+    # own thread pool.
+    try:
+        ctypes.CDLL("libopenblas.so.0").openblas_set_num_threads(threads)
+    except (OSError, AttributeError):
+        pass
     torch.manual_seed(1)
     mlp = ParallelMLP(a.hidden, a.ffn, n)
     x = torch.randn(a.tokens, a.hidden, requires_grad=True)
