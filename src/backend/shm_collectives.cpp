@@ -65,6 +65,8 @@ namespace {
 // Up to this many bytes an all-reduce uses the one-barrier algorithm.
 constexpr int64_t kSmallBytes = 32 * 1024;
 constexpr uint32_t kMessageMagic = 0x6d677363;  // "csgm"
+// The least an adaptive spin falls to (see WaitPolicy).
+constexpr int64_t kMinSpinNs = 2000;
 
 struct MessageHeader {
   uint32_t magic;
@@ -347,6 +349,7 @@ Comm::Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string con
       size_(size),
       context_(std::move(context)),
       policy_(policy),
+      spin_ns_(policy.max_spin_ns),
       srcs_(static_cast<size_t>(size)) {}
 
 Comm::~Comm() = default;
@@ -422,18 +425,19 @@ void Comm::check_agreement(const Call& call, int set, bool same_bytes) {
 template <class Ready>
 void Comm::wait(Ready&& ready, Bell& bell, const Call& call, WaitOn on, int peer) {
   if (ready()) return;
-  if (policy_.spin_ns > 0) {
+  const int64_t spin = spin_ns_.load(std::memory_order_relaxed);
+  if (spin > 0) {
     const int64_t start = now_ns();
     do {
       for (int i = 0; i < 64; ++i) {
-        if (ready()) return;
+        if (ready()) {
+          spin_ns_.store(std::min(policy_.max_spin_ns, 2 * spin), std::memory_order_relaxed);
+          return;
+        }
         cpu_relax();
       }
-    } while (now_ns() - start < policy_.spin_ns);
-  }
-  for (int i = 0; i < policy_.yields; ++i) {
-    sched_yield();
-    if (ready()) return;
+    } while (now_ns() - start < spin);
+    spin_ns_.store(std::max(kMinSpinNs, spin / 2), std::memory_order_relaxed);
   }
   wait_slow(ready, bell, call, on, peer);
 }

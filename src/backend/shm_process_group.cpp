@@ -105,28 +105,55 @@ struct ShmProcessGroup::Job {
 
 namespace {
 
-/// A Work completed by an executor job, with a Future as ProcessGroupGloo has.
+/// A Work completed by an executor job. Its Future (as ProcessGroupGloo
+/// has) is made on first request: most callers only wait(), and completing
+/// a Future costs more than a small all-reduce.
 class ShmWork : public c10d::Work {
  public:
   ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type),
-        outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+      : c10d::Work(rank, type), outputs_(std::move(outputs)) {}
 
   void complete(const std::exception_ptr& error) {
-    if (error) {
-      future_->setError(error);
-    } else {
-      future_->markCompleted(c10::IValue(outputs_));
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      error_ = error;
+      done_ = true;
+      future = future_;
     }
+    if (future) settle(*future);
     finish(error);
   }
 
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    bool settle_now = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!future_) {
+        future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+        settle_now = done_;
+      }
+      future = future_;
+    }
+    if (settle_now) settle(*future);
+    return future;
+  }
 
  private:
+  void settle(c10::ivalue::Future& future) {
+    if (error_) {
+      future.setError(error_);
+    } else {
+      future.markCompleted(c10::IValue(outputs_));
+    }
+  }
+
   std::vector<at::Tensor> outputs_;
+  std::exception_ptr error_;  // guarded by mutex_ until done_
+  bool done_ = false;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
@@ -144,13 +171,14 @@ struct Staged {
   }
 };
 
-int64_t env_bytes(const char* name) {
+// A non-negative integer from the environment; -1 when unset.
+int64_t env_int(const char* name, const char* unit) {
   const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return 0;
+  if (v == nullptr || *v == '\0') return -1;
   char* end = nullptr;
   const long long parsed = std::strtoll(v, &end, 10);
-  TORCH_CHECK(end != v && *end == '\0' && parsed > 0, "[commgrad] shm: ", name, "='", v,
-              "' is not a positive number of bytes");
+  TORCH_CHECK(end != v && *end == '\0' && parsed >= 0, "[commgrad] shm: ", name, "='", v, "' is not a number of ",
+              unit);
   return parsed;
 }
 
@@ -164,7 +192,7 @@ int usable_cpus() {
 }
 
 ShmOptions resolve(ShmOptions o, int size) {
-  int64_t chunk = o.chunk_bytes() > 0 ? o.chunk_bytes() : env_bytes("COMMGRAD_SHM_CHUNK_BYTES");
+  int64_t chunk = o.chunk_bytes() > 0 ? o.chunk_bytes() : env_int("COMMGRAD_SHM_CHUNK_BYTES", "bytes");
   if (chunk <= 0) chunk = 256 * 1024;
   o.chunk_bytes(std::max<int64_t>(round_up(chunk, 64), 64 * static_cast<int64_t>(size)));
   int64_t mailbox = o.mailbox_bytes();
@@ -172,7 +200,10 @@ ShmOptions resolve(ShmOptions o, int size) {
     mailbox = std::clamp<int64_t>((16 << 20) / (static_cast<int64_t>(size) * (size - 1)), 4096, 1 << 20);
   }
   o.mailbox_bytes(round_up(std::max<int64_t>(mailbox, 64), 64));
-  if (o.spin_us() < 0) o.spin_us(size <= usable_cpus() ? 50 : 0);
+  if (o.spin_us() < 0) {
+    const int64_t env = env_int("COMMGRAD_SHM_SPIN_US", "microseconds");
+    o.spin_us(env >= 0 ? static_cast<int>(env) : (size <= usable_cpus() ? 50 : 0));
+  }
   if (o.group_name().empty()) o.group_name("shm");
   return o;
 }
@@ -199,8 +230,7 @@ ShmProcessGroup::ShmProcessGroup(const commgrad::detail::StorePtr& store, int ra
   config.context = context;
   auto segment = std::make_unique<detail::Segment>(config);
   detail::WaitPolicy policy;
-  policy.spin_ns = static_cast<int64_t>(options_.spin_us()) * 1000;
-  policy.yields = size > usable_cpus() ? 2 : 0;
+  policy.max_spin_ns = static_cast<int64_t>(options_.spin_us()) * 1000;
   comm_ = std::make_unique<Comm>(std::move(segment), rank, size, context, policy);
   collectives_ = std::make_unique<detail::Executor>();
   senders_.resize(size);

@@ -40,8 +40,10 @@ struct ShmOptions {
   /// when nothing is queued before them, run on the calling thread and
   /// return completed (no thread hand-off: microseconds matter there).
   TORCH_ARG(int64_t, async_bytes) = 1 << 20;
-  /// Microseconds to spin before sleeping on a futex; -1: 50 when the
-  /// group's ranks fit on this process's CPUs, else 0 (ranks outnumber cores).
+  /// Longest spin, in microseconds, before a waiting rank sleeps on a futex
+  /// (the spin adapts below it: it shrinks while peers keep arriving late).
+  /// -1: $COMMGRAD_SHM_SPIN_US, else 50 when the group's ranks fit on this
+  /// process's CPUs, else 0 (ranks outnumber cores: never spin).
   TORCH_ARG(int, spin_us) = -1;
   /// Name used in error messages ("world", "tp0", ...).
   TORCH_ARG(std::string, group_name) = "";

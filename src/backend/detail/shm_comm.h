@@ -9,6 +9,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/FunctionRef.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -55,10 +56,14 @@ struct Call {
   std::chrono::steady_clock::time_point deadline;
 };
 
-/// How long to spin and yield before sleeping on a futex.
+/// How long a waiting rank may spin before it sleeps on a futex. The spin
+/// adapts between kMinSpinNs and max_spin_ns: it doubles when a wait ends
+/// while spinning and halves when the rank has to sleep, so on a busy
+/// machine (the peer is not running, and spinning only keeps it off the
+/// core) it falls to a token spin, and on a quiet one it stays long enough
+/// to skip the futex round trip. 0 disables spinning (ranks outnumber cores).
 struct WaitPolicy {
-  int64_t spin_ns = 0;
-  int yields = 0;
+  int64_t max_spin_ns = 0;
 };
 
 /// The engine. Every rank of the group calls the same collectives in the
@@ -140,6 +145,7 @@ class Comm {
   const int size_;
   const std::string context_;
   const WaitPolicy policy_;
+  std::atomic<int64_t> spin_ns_;  // the adaptive spin (see WaitPolicy)
   uint64_t seq_ = 0;         // collectives issued
   uint64_t step_ = 0;        // pipeline steps (buffer sets) used
   uint64_t generation_ = 1;  // barriers arrived at (the segment's own is the first)
