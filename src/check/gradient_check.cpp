@@ -86,7 +86,7 @@ at::Tensor default_loss(const at::Tensor& out) {
 
 // A pair of tensors to compare: the parallel side's full tensor and the
 // reference's.
-struct Pending {
+struct Pair {
   TensorReport report;
   at::Tensor parallel;
   at::Tensor reference;
@@ -270,9 +270,9 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
   result.title = options.title();
   result.tp_size = g.size();
   result.dtype = ref_out.scalar_type();
-  std::vector<Pending> pairs;
+  std::vector<Pair> pairs;
   auto add = [&](const std::string& name, const std::string& layout, const at::Tensor& p, const at::Tensor& r) {
-    Pending e;
+    Pair e;
     e.report.name = name;
     e.report.layout = layout;
     e.parallel = p.defined() ? p.detach() : p;

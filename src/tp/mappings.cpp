@@ -141,7 +141,7 @@ struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequen
   }
 };
 
-// Checks x (and dim, when dim_check) and resolves the group.
+// Resolves the group, checks x and `dim` and, for splits, divisibility by the group size.
 Group prepare(const char* op, const at::Tensor& x, const Group& group, int64_t dim = 0, bool split = false) {
   Group g = resolve_tp_group(group, op);
   const int64_t d = detail::check_dim(op, g, x, dim);
