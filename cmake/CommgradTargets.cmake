@@ -63,6 +63,9 @@ function(commgrad_add_library name)
     $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/include>
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
   target_compile_features(${name} PUBLIC cxx_std_17)
+  # Installed layers find each other next to themselves (RUNPATH is not
+  # inherited by a program's transitive dependencies).
+  set_target_properties(${name} PROPERTIES INSTALL_RPATH "$ORIGIN")
   target_link_libraries(${name} PUBLIC ${ARG_DEPS} ${TORCH_LIBRARIES} Threads::Threads)
   if(ARG_PCH)
     commgrad_configure_target(${name} PCH)
