@@ -350,6 +350,7 @@ Comm::Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string con
       context_(std::move(context)),
       policy_(policy),
       spin_ns_(policy.max_spin_ns),
+      yield_ns_(policy.max_yield_ns),
       srcs_(static_cast<size_t>(size)) {}
 
 Comm::~Comm() = default;
@@ -439,6 +440,18 @@ void Comm::wait(Ready&& ready, Bell& bell, const Call& call, WaitOn on, int peer
     } while (now_ns() - start < spin);
     spin_ns_.store(std::max(kMinSpinNs, spin / 2), std::memory_order_relaxed);
   }
+  const int64_t yield = yield_ns_.load(std::memory_order_relaxed);
+  if (yield > 0) {
+    const int64_t start = now_ns();
+    do {
+      sched_yield();
+      if (ready()) {
+        yield_ns_.store(std::min(policy_.max_yield_ns, 2 * yield), std::memory_order_relaxed);
+        return;
+      }
+    } while (now_ns() - start < yield);
+    yield_ns_.store(std::max(kMinSpinNs, yield / 2), std::memory_order_relaxed);
+  }
   wait_slow(ready, bell, call, on, peer);
 }
 
@@ -512,8 +525,12 @@ void Comm::check_peers(const Call& call, WaitOn on, int peer) {
   for (int q : pending_ranks(on, peer)) {
     const int32_t pid = segment_->rank_block(q).pid.load(std::memory_order_relaxed);
     if (process_alive(pid)) continue;
-    const std::string what = c10::str("rank ", q, " (pid ", pid, ") died; this rank was waiting for it in ",
-                                      call.op, " (collective #", seq_ - 1, ")");
+    // seq_ belongs to the collectives' thread: point-to-point waits do not name it.
+    const std::string what =
+        on == WaitOn::kBarrier
+            ? c10::str("rank ", q, " (pid ", pid, ") died; this rank was waiting for it in ", call.op,
+                       " (collective #", seq_ - 1, ")")
+            : c10::str("rank ", q, " (pid ", pid, ") died; this rank was waiting for it in ", call.op);
     abort(c10::str(what, ", found by rank ", rank_));
     commgrad::detail::throw_dist_error(c10::str("[commgrad] ", call.op, " ", context_, ": ", what));
   }

@@ -231,6 +231,7 @@ ShmProcessGroup::ShmProcessGroup(const commgrad::detail::StorePtr& store, int ra
   auto segment = std::make_unique<detail::Segment>(config);
   detail::WaitPolicy policy;
   policy.max_spin_ns = static_cast<int64_t>(options_.spin_us()) * 1000;
+  if (size > usable_cpus()) policy.max_yield_ns = 50 * 1000;
   comm_ = std::make_unique<Comm>(std::move(segment), rank, size, context, policy);
   collectives_ = std::make_unique<detail::Executor>();
   senders_.resize(size);

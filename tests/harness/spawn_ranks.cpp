@@ -21,6 +21,10 @@ void spawn_ranks(int world_size, const std::function<void(Group&)>& body, const 
   int bodies_done = 0;
   std::vector<std::string> errors(world_size);
   std::vector<std::thread> threads;
+  // COMMGRAD_TEST_BACKEND runs every thread-harness test over another
+  // transport (e.g. shm), whatever the test asked for.
+  const char* forced = std::getenv("COMMGRAD_TEST_BACKEND");
+  const std::string backend = forced != nullptr && *forced != '\0' ? forced : options.backend();
   for (int r = 0; r < world_size; ++r) {
     threads.emplace_back([&, r] {
       SCOPED_TRACE(::testing::Message() << "rank " << r << "/" << world_size);
@@ -30,7 +34,7 @@ void spawn_ranks(int world_size, const std::function<void(Group&)>& body, const 
                                      .store(store)
                                      .rank(r)
                                      .world_size(world_size)
-                                     .backend(options.backend())
+                                     .backend(backend)
                                      .timeout(options.timeout())
                                      .intra_op_threads(0));
         ScopedWorld scope(world);

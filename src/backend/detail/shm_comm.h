@@ -64,6 +64,10 @@ struct Call {
 /// to skip the futex round trip. 0 disables spinning (ranks outnumber cores).
 struct WaitPolicy {
   int64_t max_spin_ns = 0;
+  /// When ranks outnumber cores, a waiting rank then calls sched_yield for
+  /// up to this long (adaptive the same way) before it sleeps: a peer that
+  /// shares its core runs at once, without two futex round trips.
+  int64_t max_yield_ns = 0;
 };
 
 /// The engine. Every rank of the group calls the same collectives in the
@@ -145,7 +149,8 @@ class Comm {
   const int size_;
   const std::string context_;
   const WaitPolicy policy_;
-  std::atomic<int64_t> spin_ns_;  // the adaptive spin (see WaitPolicy)
+  std::atomic<int64_t> spin_ns_;   // the adaptive spin (see WaitPolicy)
+  std::atomic<int64_t> yield_ns_;  // the adaptive yield phase (see WaitPolicy)
   uint64_t seq_ = 0;         // collectives issued
   uint64_t step_ = 0;        // pipeline steps (buffer sets) used
   uint64_t generation_ = 1;  // barriers arrived at (the segment's own is the first)
