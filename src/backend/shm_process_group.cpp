@@ -18,6 +18,7 @@
 #include "commgrad/backend/shm_process_group.h"
 
 #include "detail/shm_comm.h"
+#include "detail/shm_executor.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -26,74 +27,12 @@
 
 #include <sched.h>
 
-#include <condition_variable>
 #include <cstdlib>
-#include <deque>
 #include <functional>
 #include <numeric>
 #include <thread>
 
 namespace commgrad::backend {
-namespace detail {
-
-/// Runs jobs in submission order, on the caller's thread when possible.
-class Executor {
- public:
-  Executor() = default;
-  ~Executor() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
-  }
-
-  /// Runs `job` now, on this thread, when `inline_ok` and nothing is queued
-  /// or running; otherwise queues it. `job` must not throw.
-  void submit(std::function<void()> job, bool inline_ok) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (inline_ok && !busy_ && queue_.empty()) {
-      busy_ = true;
-      lock.unlock();
-      job();
-      lock.lock();
-      busy_ = false;
-      if (!queue_.empty()) cv_.notify_all();
-      return;
-    }
-    queue_.push_back(std::move(job));
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-    cv_.notify_all();
-  }
-
- private:
-  void loop() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      cv_.wait(lock, [&] { return (stop_ && queue_.empty()) || (!busy_ && !queue_.empty()); });
-      if (queue_.empty()) return;  // stopping, and drained
-      auto job = std::move(queue_.front());
-      queue_.pop_front();
-      busy_ = true;
-      lock.unlock();
-      job();
-      lock.lock();
-      busy_ = false;
-      cv_.notify_all();
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool busy_ = false;  // a job is running (on the worker or inline)
-  bool stop_ = false;
-  std::thread thread_;
-};
-
-}  // namespace detail
-
 using detail::Call;
 using detail::Comm;
 using detail::OpKind;

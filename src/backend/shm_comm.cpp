@@ -1,0 +1,410 @@
+// The shm engine's machinery: waiting, agreement, aborting, and point to point.
+//
+// The barrier is one futex word in the header that every arrival
+// increments; the arrival that completes generation g (value g * n) wakes
+// the sleepers, if any. Waiting spins briefly (when ranks outnumber cores
+// it yields instead; both adapt, see WaitPolicy), then sleeps on the futex
+// in slices, checking on the way whether the group was aborted, whether a
+// rank it waits for has died (its pid is in its control block) and whether
+// the deadline passed.
+//
+// Agreement. With the data of its first step each rank publishes a
+// descriptor (op, dtype, reduction, root, sizes, collective number) and,
+// for ops with per-rank sizes, its sizes. After the first barrier every
+// rank checks all descriptors with the same function, so a mismatch (or
+// a rank that rejected its arguments) fails every rank at the same step
+// with the same message, and the group stays usable.
+//
+// Failures. A dead peer or a timeout aborts the group: the reason goes into
+// the segment's header and every sleeper is woken, so every rank fails at
+// once with the same cause, naming the rank; later calls fail with it too.
+//
+// Point to point uses one byte ring per ordered pair of ranks (a mailbox):
+// a 32-byte header (tag, dtype, size) then the payload, written and read
+// in pieces as space allows, with futex bells for data and space.
+
+#include "detail/shm_comm.h"
+
+#include "commgrad/detail/torch_compat.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <sched.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+
+namespace commgrad::backend::detail {
+namespace {
+
+constexpr uint32_t kMessageMagic = 0x6d677363;  // "csgm"
+// The least an adaptive spin falls to (see WaitPolicy).
+constexpr int64_t kMinSpinNs = 2000;
+
+struct MessageHeader {
+  uint32_t magic;
+  int32_t tag;
+  int32_t dtype;
+  int32_t reserved;
+  int64_t bytes;
+  int64_t unused;
+};
+static_assert(sizeof(MessageHeader) == 32, "message header is 32 bytes");
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string seconds(std::chrono::milliseconds ms) { return c10::str(ms.count() / 1000.0, "s"); }
+
+}  // namespace
+
+Comm::Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string context, WaitPolicy policy)
+    : segment_(std::move(segment)),
+      rank_(rank),
+      size_(size),
+      context_(std::move(context)),
+      policy_(policy),
+      spin_ns_(policy.max_spin_ns),
+      yield_ns_(policy.max_yield_ns),
+      srcs_(static_cast<size_t>(size)) {}
+
+Comm::~Comm() = default;
+
+void Comm::fail(const Call& call, const std::string& message) const {
+  TORCH_CHECK(false, "[commgrad] ", call.op, " ", context_, ": ", message);
+}
+
+OpDescriptor Comm::begin(const Call& call, OpKind kind, c10::ScalarType dtype, int32_t reduce, int root,
+                         int64_t bytes) {
+  check_not_aborted(call.op);
+  OpDescriptor d;
+  d.kind = static_cast<uint32_t>(kind);
+  d.dtype = static_cast<int32_t>(dtype);
+  d.reduce = reduce;
+  d.root = root;
+  d.seq = seq_++;
+  d.bytes = bytes;
+  d.message[0] = '\0';
+  RankBlock& me = segment_->rank_block(rank_);
+  me.seq.store(d.seq, std::memory_order_relaxed);
+  me.kind.store(d.kind, std::memory_order_relaxed);
+  return d;
+}
+
+void Comm::publish(int set, const OpDescriptor& desc) {
+  OpDescriptor& slot = segment_->rank_block(rank_).desc[set];
+  const bool invalid = desc.kind == static_cast<uint32_t>(OpKind::kInvalid);
+  std::memcpy(&slot, &desc, invalid ? sizeof(OpDescriptor) : offsetof(OpDescriptor, message));
+}
+
+namespace {
+
+std::string describe(const OpDescriptor& d) {
+  const auto kind = static_cast<OpKind>(d.kind);
+  std::string s = c10::str(op_kind_name(kind), " #", d.seq);
+  if (kind == OpKind::kBarrier || kind == OpKind::kInvalid || kind == OpKind::kNone) return s;
+  s += c10::str(" (", static_cast<c10::ScalarType>(d.dtype));
+  if (kind != OpKind::kAlltoall) s += c10::str(", ", d.bytes, " bytes");
+  if (d.reduce >= 0) s += c10::str(", ", red_op_name(static_cast<RedOp>(d.reduce)));
+  if (d.root >= 0) s += c10::str(", root ", d.root);
+  return s + ")";
+}
+
+}  // namespace
+
+void Comm::check_agreement(const Call& call, int set, bool same_bytes) {
+  if (size_ == 1) return;
+  for (int q = 0; q < size_; ++q) {
+    const OpDescriptor& d = segment_->rank_block(q).desc[set];
+    if (d.kind == static_cast<uint32_t>(OpKind::kInvalid)) {
+      char message[kMessageBytes];
+      std::memcpy(message, d.message, kMessageBytes);
+      message[kMessageBytes - 1] = '\0';
+      fail(call, c10::str("rank ", q, " rejected its arguments to collective #", d.seq, ": ", message));
+    }
+  }
+  const OpDescriptor& ref = segment_->rank_block(0).desc[set];
+  std::vector<int> differ;
+  for (int q = 1; q < size_; ++q) {
+    const OpDescriptor& d = segment_->rank_block(q).desc[set];
+    if (d.kind != ref.kind || d.seq != ref.seq || d.dtype != ref.dtype || d.reduce != ref.reduce ||
+        d.root != ref.root || (same_bytes && d.bytes != ref.bytes)) {
+      differ.push_back(q);
+    }
+  }
+  if (differ.empty()) return;
+  std::string detail = c10::str("rank 0: ", describe(ref));
+  for (int q : differ) detail += c10::str("; rank ", q, ": ", describe(segment_->rank_block(q).desc[set]));
+  fail(call, c10::str("the ranks called different collectives: ", detail));
+}
+
+template <class Ready>
+void Comm::wait(Ready&& ready, Bell& bell, const Call& call, WaitOn on, int peer) {
+  if (ready()) return;
+  const int64_t spin = spin_ns_.load(std::memory_order_relaxed);
+  if (spin > 0) {
+    const int64_t start = now_ns();
+    do {
+      for (int i = 0; i < 64; ++i) {
+        if (ready()) {
+          spin_ns_.store(std::min(policy_.max_spin_ns, 2 * spin), std::memory_order_relaxed);
+          return;
+        }
+        cpu_relax();
+      }
+    } while (now_ns() - start < spin);
+    spin_ns_.store(std::max(kMinSpinNs, spin / 2), std::memory_order_relaxed);
+  }
+  const int64_t yield = yield_ns_.load(std::memory_order_relaxed);
+  if (yield > 0) {
+    const int64_t start = now_ns();
+    do {
+      sched_yield();
+      if (ready()) {
+        yield_ns_.store(std::min(policy_.max_yield_ns, 2 * yield), std::memory_order_relaxed);
+        return;
+      }
+    } while (now_ns() - start < yield);
+    yield_ns_.store(std::max(kMinSpinNs, yield / 2), std::memory_order_relaxed);
+  }
+  wait_slow(ready, bell, call, on, peer);
+}
+
+void Comm::arrive_and_wait(const Call& call) {
+  Bell& bell = segment_->header().arrivals;
+  ++generation_;
+  const auto target = static_cast<uint32_t>(generation_ * static_cast<uint64_t>(size_));
+  segment_->rank_block(rank_).generation.store(static_cast<uint32_t>(generation_), std::memory_order_relaxed);
+  const uint32_t arrived = bell.value.fetch_add(1, std::memory_order_seq_cst) + 1;
+  if (arrived == target) {
+    if (bell.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&bell.value);
+    return;
+  }
+  wait([&] { return static_cast<int32_t>(bell.value.load(std::memory_order_acquire) - target) >= 0; }, bell, call,
+       WaitOn::kBarrier, -1);
+}
+
+void Comm::wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& call, WaitOn on, int peer) {
+  using Clock = std::chrono::steady_clock;
+  const Header& h = segment_->header();
+  auto next_check = Clock::now() + std::chrono::milliseconds(20);
+  while (true) {
+    const uint32_t seen = bell.value.load(std::memory_order_seq_cst);
+    if (ready()) return;
+    if (h.abort_state.load(std::memory_order_acquire) != 0) throw_aborted(call.op);
+    const auto now = Clock::now();
+    if (now >= next_check) {
+      check_peers(call, on, peer);
+      next_check = now + std::chrono::milliseconds(100);
+    }
+    if (now >= call.deadline) {
+      const std::vector<int> pending = pending_ranks(on, peer);
+      std::string where;
+      for (int q : pending) {
+        const RankBlock& b = segment_->rank_block(q);
+        const auto kind = static_cast<OpKind>(b.kind.load(std::memory_order_relaxed));
+        where += where.empty() ? "" : "; ";
+        where += kind == OpKind::kNone ? c10::str("rank ", q, " has not entered any collective")
+                                       : c10::str("rank ", q, " last entered ", op_kind_name(kind), " #",
+                                                  b.seq.load(std::memory_order_relaxed));
+      }
+      const std::string what =
+          on == WaitOn::kBarrier
+              ? c10::str("timed out after ", seconds(call.timeout), " in collective #", seq_ - 1, " waiting for ",
+                         describe_ranks(pending), " (", where, ")")
+              : c10::str("timed out after ", seconds(call.timeout), " waiting for rank ", peer, " (", where, ")");
+      if (on == WaitOn::kBarrier) abort(c10::str("rank ", rank_, " ", what));
+      commgrad::detail::throw_timeout_error(c10::str("[commgrad] ", call.op, " ", context_, ": ", what));
+    }
+    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (!ready() && h.abort_state.load(std::memory_order_acquire) == 0) {
+      futex_wait(&bell.value, seen,
+                 std::min<std::chrono::nanoseconds>(call.deadline - now, std::chrono::milliseconds(50)));
+    }
+    bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+std::vector<int> Comm::pending_ranks(WaitOn on, int peer) const {
+  if (on == WaitOn::kPeer) return {peer};
+  std::vector<int> out;
+  const auto mine = static_cast<uint32_t>(generation_);
+  for (int q = 0; q < size_; ++q) {
+    const uint32_t g = segment_->rank_block(q).generation.load(std::memory_order_relaxed);
+    if (static_cast<int32_t>(g - mine) < 0) out.push_back(q);
+  }
+  return out;
+}
+
+void Comm::check_peers(const Call& call, WaitOn on, int peer) {
+  for (int q : pending_ranks(on, peer)) {
+    const int32_t pid = segment_->rank_block(q).pid.load(std::memory_order_relaxed);
+    if (process_alive(pid)) continue;
+    // seq_ belongs to the collectives' thread: point-to-point waits do not name it.
+    const std::string what =
+        on == WaitOn::kBarrier
+            ? c10::str("rank ", q, " (pid ", pid, ") died; this rank was waiting for it in ", call.op,
+                       " (collective #", seq_ - 1, ")")
+            : c10::str("rank ", q, " (pid ", pid, ") died; this rank was waiting for it in ", call.op);
+    abort(c10::str(what, ", found by rank ", rank_));
+    commgrad::detail::throw_dist_error(c10::str("[commgrad] ", call.op, " ", context_, ": ", what));
+  }
+}
+
+void Comm::abort(const std::string& reason) {
+  Header& h = segment_->header();
+  uint32_t expected = 0;
+  if (h.abort_state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+    h.abort_rank = rank_;
+    std::strncpy(h.abort_reason, reason.c_str(), sizeof(h.abort_reason) - 1);
+    h.abort_reason[sizeof(h.abort_reason) - 1] = '\0';
+    h.abort_state.store(2, std::memory_order_release);
+  }
+  futex_wake_all(&h.arrivals.value);
+  if (size_ > 1) {
+    for (int s = 0; s < size_; ++s) {
+      for (int d = 0; d < size_; ++d) {
+        futex_wake_all(&segment_->mailbox(s, d).data.value);
+        futex_wake_all(&segment_->mailbox(s, d).space.value);
+      }
+    }
+  }
+}
+
+void Comm::check_not_aborted(const char* op) const {
+  if (segment_->header().abort_state.load(std::memory_order_acquire) != 0) throw_aborted(op);
+}
+
+void Comm::throw_aborted(const char* op) const {
+  const Header& h = segment_->header();
+  for (int i = 0; i < 100000 && h.abort_state.load(std::memory_order_acquire) != 2; ++i) cpu_relax();
+  std::string reason = "unknown reason";
+  if (h.abort_state.load(std::memory_order_acquire) == 2) reason.assign(h.abort_reason);
+  commgrad::detail::throw_dist_error(
+      c10::str("[commgrad] ", op, " ", context_, ": the group was aborted and cannot be used: ", reason));
+}
+
+// ~~~ the simplest collectives ~~~
+
+void Comm::barrier(const Call& call) {
+  const OpDescriptor d = begin(call, OpKind::kBarrier, c10::ScalarType::Undefined, -1, -1, 0);
+  const int set = next_set();
+  publish(set, d);
+  arrive_and_wait(call);
+  check_agreement(call, set, true);
+}
+
+void Comm::reject(const Call& call, OpKind kind, const std::string& message) {
+  OpDescriptor d = begin(call, OpKind::kInvalid, c10::ScalarType::Undefined, -1, -1, 0);
+  const std::string text = c10::str(op_kind_name(kind), ": ", message);
+  std::strncpy(d.message, text.c_str(), kMessageBytes - 1);
+  d.message[kMessageBytes - 1] = '\0';
+  const int set = next_set();
+  publish(set, d);
+  arrive_and_wait(call);
+}
+
+// ~~~ point to point ~~~
+
+bool Comm::send_fits(int dst, int64_t bytes) const {
+  const MailboxHead& mb = segment_->mailbox(rank_, dst);
+  const uint64_t used = mb.head.load(std::memory_order_relaxed) - mb.tail.load(std::memory_order_acquire);
+  return static_cast<int64_t>(segment_->layout().mailbox_bytes - used) >=
+         static_cast<int64_t>(sizeof(MessageHeader)) + bytes;
+}
+
+bool Comm::recv_ready(int src, int64_t bytes) const {
+  const MailboxHead& mb = segment_->mailbox(src, rank_);
+  const uint64_t avail = mb.head.load(std::memory_order_acquire) - mb.tail.load(std::memory_order_relaxed);
+  return static_cast<int64_t>(avail) >= static_cast<int64_t>(sizeof(MessageHeader)) + bytes;
+}
+
+void Comm::stream_write(const Call& call, int dst, const uint8_t* data, int64_t bytes) {
+  MailboxHead& mb = segment_->mailbox(rank_, dst);
+  uint8_t* ring_data = segment_->mailbox_ring(rank_, dst);
+  const uint64_t cap = segment_->layout().mailbox_bytes;
+  uint64_t head = mb.head.load(std::memory_order_relaxed);  // only this thread moves it
+  int64_t done = 0;
+  while (done < bytes) {
+    const uint64_t used = head - mb.tail.load(std::memory_order_acquire);
+    if (used == cap) {
+      wait([&] { return head - mb.tail.load(std::memory_order_acquire) < cap; }, mb.space, call, WaitOn::kPeer, dst);
+      continue;
+    }
+    const uint64_t n = std::min<uint64_t>(cap - used, static_cast<uint64_t>(bytes - done));
+    const uint64_t pos = head % cap;
+    const uint64_t first = std::min(n, cap - pos);
+    std::memcpy(ring_data + pos, data + done, first);
+    if (n > first) std::memcpy(ring_data, data + done + first, n - first);
+    head += n;
+    done += static_cast<int64_t>(n);
+    mb.head.store(head, std::memory_order_release);
+    ring(mb.data);
+  }
+}
+
+void Comm::stream_read(const Call& call, int src, uint8_t* data, int64_t bytes) {
+  MailboxHead& mb = segment_->mailbox(src, rank_);
+  const uint8_t* ring_data = segment_->mailbox_ring(src, rank_);
+  const uint64_t cap = segment_->layout().mailbox_bytes;
+  uint64_t tail = mb.tail.load(std::memory_order_relaxed);  // only this thread moves it
+  int64_t done = 0;
+  while (done < bytes) {
+    const uint64_t avail = mb.head.load(std::memory_order_acquire) - tail;
+    if (avail == 0) {
+      wait([&] { return mb.head.load(std::memory_order_acquire) != tail; }, mb.data, call, WaitOn::kPeer, src);
+      continue;
+    }
+    const uint64_t n = std::min<uint64_t>(avail, static_cast<uint64_t>(bytes - done));
+    const uint64_t pos = tail % cap;
+    const uint64_t first = std::min(n, cap - pos);
+    if (data != nullptr) {
+      std::memcpy(data + done, ring_data + pos, first);
+      if (n > first) std::memcpy(data + done + first, ring_data, n - first);
+    }
+    tail += n;
+    done += static_cast<int64_t>(n);
+    mb.tail.store(tail, std::memory_order_release);
+    ring(mb.space);
+  }
+}
+
+void Comm::send(const Call& call, int dst, int tag, const void* data, int64_t bytes, c10::ScalarType dtype) {
+  check_not_aborted(call.op);
+  const MessageHeader h{kMessageMagic, tag, static_cast<int32_t>(dtype), 0, bytes, 0};
+  stream_write(call, dst, reinterpret_cast<const uint8_t*>(&h), sizeof(h));
+  stream_write(call, dst, static_cast<const uint8_t*>(data), bytes);
+}
+
+void Comm::recv(const Call& call, int src, int tag, void* data, int64_t bytes, c10::ScalarType dtype) {
+  check_not_aborted(call.op);
+  MessageHeader h{};
+  stream_read(call, src, reinterpret_cast<uint8_t*>(&h), sizeof(h));
+  if (h.magic != kMessageMagic) {
+    abort(c10::str("the mailbox from rank ", src, " to rank ", rank_, " is corrupted"));
+    throw_aborted(call.op);
+  }
+  if (h.tag != tag || h.bytes != bytes || h.dtype != static_cast<int32_t>(dtype)) {
+    stream_read(call, src, nullptr, h.bytes);  // drop it: the next message stays readable
+    fail(call, c10::str("the next message from rank ", src, " has tag ", h.tag, ", ", h.bytes, " bytes of ",
+                        static_cast<c10::ScalarType>(h.dtype), "; this recv expects tag ", tag, ", ", bytes,
+                        " bytes of ", dtype, " (messages between two ranks arrive in the order they were sent)"));
+  }
+  stream_read(call, src, static_cast<uint8_t*>(data), bytes);
+}
+
+}  // namespace commgrad::backend::detail
