@@ -143,6 +143,10 @@ ShmOptions resolve(ShmOptions o, int size) {
     const int64_t env = env_int("COMMGRAD_SHM_SPIN_US", "microseconds");
     o.spin_us(env >= 0 ? static_cast<int>(env) : (size <= usable_cpus() ? 50 : 0));
   }
+  if (o.async_bytes() < 0) {
+    const int64_t env = env_int("COMMGRAD_SHM_ASYNC_BYTES", "bytes");
+    o.async_bytes(env >= 0 ? env : int64_t{1} << 20);
+  }
   if (o.group_name().empty()) o.group_name("shm");
   return o;
 }

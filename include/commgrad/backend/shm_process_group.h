@@ -39,7 +39,8 @@ struct ShmOptions {
   /// worker thread and return at once (overlap with compute); smaller ones,
   /// when nothing is queued before them, run on the calling thread and
   /// return completed (no thread hand-off: microseconds matter there).
-  TORCH_ARG(int64_t, async_bytes) = 1 << 20;
+  /// -1: $COMMGRAD_SHM_ASYNC_BYTES, else 1 MiB.
+  TORCH_ARG(int64_t, async_bytes) = -1;
   /// Longest spin, in microseconds, before a waiting rank sleeps on a futex
   /// (the spin adapts below it: it shrinks while peers keep arriving late).
   /// -1: $COMMGRAD_SHM_SPIN_US, else 50 when the group's ranks fit on this
