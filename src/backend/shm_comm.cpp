@@ -252,8 +252,11 @@ std::vector<int> Comm::pending_ranks(WaitOn on, int peer) const {
 
 void Comm::check_peers(const Call& call, WaitOn on, int peer) {
   for (int q : pending_ranks(on, peer)) {
-    const int32_t pid = segment_->rank_block(q).pid.load(std::memory_order_relaxed);
-    if (process_alive(pid)) continue;
+    const RankBlock& block = segment_->rank_block(q);
+    const int32_t pid = block.pid.load(std::memory_order_acquire);
+    // A pid from another pid namespace (another container) means nothing
+    // here: such a peer is only caught by the timeout.
+    if (block.pid_namespace != segment_->rank_block(rank_).pid_namespace || process_alive(pid)) continue;
     // seq_ belongs to the collectives' thread: point-to-point waits do not name it.
     const std::string what =
         on == WaitOn::kBarrier

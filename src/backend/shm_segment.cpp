@@ -120,7 +120,8 @@ Segment::Segment(const SegmentConfig& config)
     name_.assign(bytes.begin(), bytes.end());
     open(config);
   }
-  rank_block(config.rank).pid.store(static_cast<int32_t>(getpid()), std::memory_order_relaxed);
+  rank_block(config.rank).pid_namespace = pid_namespace();
+  rank_block(config.rank).pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   wait_until_mapped(config);
 }
 
@@ -259,6 +260,11 @@ std::string describe_ranks(const std::vector<int>& ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
   for (size_t i = 0; i < ranks.size(); ++i) out += c10::str(i == 0 ? "" : ", ", ranks[i]);
   return out;
+}
+
+uint64_t pid_namespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
 }
 
 bool process_alive(int32_t pid) {

@@ -51,6 +51,7 @@ struct OpDescriptor {
 /// One rank's control block.
 struct alignas(kLine) RankBlock {
   std::atomic<int32_t> pid;         // 0 until the rank has mapped the segment
+  uint64_t pid_namespace;            // inode of its /proc/self/ns/pid: pids compare only within one
   std::atomic<uint32_t> generation;  // barriers this rank has arrived at (low 32 bits)
   std::atomic<uint64_t> seq;         // collective it is running or ran last
   std::atomic<uint32_t> kind;        // ... and its kind
@@ -174,5 +175,8 @@ std::string describe_ranks(const std::vector<int>& ranks);
 
 /// False when process `pid` is gone (or a zombie).
 bool process_alive(int32_t pid);
+
+/// The inode of this process's pid namespace (0 when unknown).
+uint64_t pid_namespace();
 
 }  // namespace commgrad::backend::detail
