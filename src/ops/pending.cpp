@@ -270,6 +270,11 @@ bool wire_native(at::ScalarType t) {
 }
 
 at::Tensor wire(const at::Tensor& t) {
+  // Below the view-tracking layer: an autograd view would keep a reference
+  // to `t` itself for as long as the transport holds the wire tensor, and
+  // a result with a second reference is copied by autograd (AccumulateGrad
+  // steals only a gradient nobody else holds).
+  at::AutoDispatchBelowADInplaceOrView untracked;
   auto flat = t.view({-1});
   return wire_native(t.scalar_type()) ? flat : flat.view(at::kByte);
 }

@@ -24,6 +24,8 @@
 
 #include "detail/common.h"
 
+#include "commgrad/util/buffer_pool.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/StringUtil.h>
 
@@ -45,11 +47,18 @@ using detail::describe_tensor;
 using detail::wire;
 using detail::wire_scale;
 
+// Every buffer an op allocates (results, staging copies) comes from the
+// buffer pool (util/buffer_pool.h): a training loop asks for the same sizes
+// every step, and fresh large allocations cost a page fault per 4 KiB.
+
+// t itself when contiguous, else a contiguous copy.
+at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : pooled_copy(t); }
+
 // x with `dim` moved to the front, contiguous (a view when dim == 0 and x is contiguous).
-at::Tensor front(const at::Tensor& x, int64_t dim) { return (dim == 0 ? x : x.movedim(dim, 0)).contiguous(); }
+at::Tensor front(const at::Tensor& x, int64_t dim) { return contiguous(dim == 0 ? x : x.movedim(dim, 0)); }
 
 // Inverse of front(): a contiguous result with the front dim moved back to `dim`.
-at::Tensor unfront(const at::Tensor& t, int64_t dim) { return dim == 0 ? t : t.movedim(0, dim).contiguous(); }
+at::Tensor unfront(const at::Tensor& t, int64_t dim) { return dim == 0 ? t : contiguous(t.movedim(0, dim)); }
 
 // Sizes of front(x) with the first dim replaced by `first`.
 std::vector<int64_t> front_sizes(const at::Tensor& x, int64_t dim, int64_t first) {
@@ -84,15 +93,9 @@ std::vector<int64_t> scaled(const std::vector<int64_t>& v, int64_t factor) {
   return out;
 }
 
-// A contiguous copy of x in dtype `dtype` (one pass: copy and cast).
-at::Tensor copy_as(const at::Tensor& x, at::ScalarType dtype) {
-  auto out = at::empty(x.sizes(), x.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
-  out.copy_(x);
-  return out;
-}
-
 // The tensor the transport reduces: complex travels as pairs of reals.
 at::Tensor reduce_wire(const at::Tensor& buffer) {
+  at::AutoDispatchBelowADInplaceOrView untracked;  // see wire()
   return at::isComplexType(buffer.scalar_type()) ? at::view_as_real(buffer).view({-1}) : buffer.view({-1});
 }
 
@@ -127,13 +130,13 @@ Pending all_reduce(const at::Tensor& x, const AllReduceOptions& options, const G
   const auto dtype = detail::reduce_dtype(call, x.scalar_type(), options.op());
   call.start();
   check_fingerprint(call, c10::str("all_reduce(", describe_tensor(x), ", op=", options.op(), ")"));
-  auto buffer = copy_as(x, dtype);
+  auto buffer = pooled_copy(x, dtype);
   const auto out_dtype = x.scalar_type();
   const int n = call.size;
   const bool avg = options.op() == ReduceOp::kAvg;
   auto finish = [buffer, out_dtype, n, avg]() mutable {
     if (avg && n > 1) buffer.div_(n);
-    return buffer.scalar_type() == out_dtype ? buffer : buffer.to(out_dtype);
+    return buffer.scalar_type() == out_dtype ? buffer : pooled_copy(buffer, out_dtype);
   };
   if (call.size == 1 || x.numel() == 0) return call.ready(finish());
   std::vector<at::Tensor> tensors{reduce_wire(buffer)};
@@ -192,34 +195,31 @@ Pending all_gather(const at::Tensor& x, const AllGatherOptions& options, const G
   const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   const int64_t largest = *std::max_element(sizes.begin(), sizes.end());
   const bool equal = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == largest; });
-  if (n == 1) return call.ready(x.clone(at::MemoryFormat::Contiguous));
+  if (n == 1) return call.ready(pooled_copy(x));
   const int64_t inner = inner_size(x, dim);
-  if (total * inner == 0) return call.ready(at::empty(with_dim(x, dim, total), x.options()));
+  if (total * inner == 0) return call.ready(pooled_empty(with_dim(x, dim, total), x.options()));
 
   at::Tensor src = front(x, dim);
   if (!equal && x.size(dim) != largest) {  // pad to the largest part
-    auto padded = at::zeros(front_sizes(x, dim, largest), x.options());
+    auto padded = pooled_empty(front_sizes(x, dim, largest), x.options()).zero_();
     padded.narrow(0, 0, x.size(dim)).copy_(src);
     src = padded;
   }
-  auto flat = at::empty({n * src.numel()}, x.options());
+  auto flat = pooled_empty({n * src.numel()}, x.options());
   auto flat_wire = wire(flat).view({n, -1});
   auto work = gather_all(call, flat_wire, wire(src));
   auto fsizes = front_sizes(x, dim, largest);
   fsizes.insert(fsizes.begin(), n);  // [n, largest, rest...]
   return call.pending({work}, [flat, fsizes, sizes, equal, dim, n, total, x]() {
     auto parts = flat.view(fsizes);
-    at::Tensor joined;
-    if (equal) {
-      auto merged = fsizes;
-      merged.erase(merged.begin());
-      merged[0] = total;
-      joined = parts.view(merged);
-    } else {
-      std::vector<at::Tensor> pieces;
-      for (int r = 0; r < n; ++r) pieces.push_back(parts[r].narrow(0, 0, sizes[r]));
-      joined = at::cat(pieces, 0);
-    }
+    auto merged = fsizes;  // [total, rest...]
+    merged.erase(merged.begin());
+    merged[0] = total;
+    if (equal) return unfront(parts.view(merged), dim);
+    std::vector<at::Tensor> pieces;
+    for (int r = 0; r < n; ++r) pieces.push_back(parts[r].narrow(0, 0, sizes[r]));
+    at::Tensor joined = pooled_empty(merged, parts.options());
+    at::cat_out(joined, pieces, 0);
     return unfront(joined, dim);
   });
 }
@@ -247,7 +247,7 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
                              uneven ? ", sizes)" : ")"),
                     uneven ? sizes : std::vector<int64_t>{}, {}, uneven ? CrossCheck::kEqualLists : CrossCheck::kNone);
   const int64_t mine = sizes[call.rank];
-  if (n == 1) return call.ready(x.clone(at::MemoryFormat::Contiguous));
+  if (n == 1) return call.ready(pooled_copy(x));
   if (x.numel() == 0) return call.ready(at::zeros(with_dim(x, dim, mine), x.options()));
 
   const int64_t inner = inner_size(x, dim);
@@ -255,19 +255,19 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
   at::Tensor src = front(x, dim);
   auto fsizes = front_sizes(x, dim, mine);
   fsizes.insert(fsizes.begin(), n);  // [n sources, mine, rest...]
-  auto received = at::empty(fsizes, x.options());
+  auto received = pooled_empty(fsizes, x.options());
   const bool even = !uneven;
   auto work = exchange(call, wire(received), wire(src), even ? std::vector<int64_t>{} : scaled(std::vector<int64_t>(n, mine), scale),
                        even ? std::vector<int64_t>{} : scaled(sizes, scale));
   const ReduceOp op = options.op();
   return call.pending({work}, [received, op, dim, n]() {
-    at::Tensor r;
+    at::Tensor r = pooled_empty(received.sizes().slice(1), received.options());
     switch (op) {
-      case ReduceOp::kSum: r = received.sum(0); break;
-      case ReduceOp::kAvg: r = received.sum(0).div_(n); break;
-      case ReduceOp::kMax: r = std::get<0>(received.max(0)); break;
-      case ReduceOp::kMin: r = std::get<0>(received.min(0)); break;
-      case ReduceOp::kProduct: r = received.prod(0); break;
+      case ReduceOp::kSum: at::sum_out(r, received, 0); break;
+      case ReduceOp::kAvg: at::sum_out(r, received, 0).div_(n); break;
+      case ReduceOp::kMax: at::amax_out(r, received, 0); break;
+      case ReduceOp::kMin: at::amin_out(r, received, 0); break;
+      case ReduceOp::kProduct: at::prod_out(r, received, 0); break;
     }
     return unfront(r, dim);
   });
@@ -283,7 +283,7 @@ Pending broadcast(const at::Tensor& x, const BroadcastOptions& options, const Gr
   call.start();
   check_fingerprint(call, c10::str("broadcast(", describe_tensor(x), ", src=", options.src(), ")"));
   const bool root = call.rank == options.src();
-  auto buffer = root ? x.clone(at::MemoryFormat::Contiguous) : at::empty(x.sizes(), x.options());
+  auto buffer = root ? pooled_copy(x) : pooled_empty(x.sizes(), x.options());
   if (call.size == 1 || x.numel() == 0) return call.ready(buffer);
   std::vector<at::Tensor> tensors{wire(buffer)};
   c10d::BroadcastOptions opts;
@@ -299,15 +299,15 @@ Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& g
   const auto dtype = detail::reduce_dtype(call, x.scalar_type(), options.op());
   call.start();
   check_fingerprint(call, c10::str("reduce(", describe_tensor(x), ", dst=", options.dst(), ", op=", options.op(), ")"));
-  auto buffer = copy_as(x, dtype);
+  auto buffer = pooled_copy(x, dtype);
   const bool root = call.rank == options.dst();
   const bool avg = options.op() == ReduceOp::kAvg;
   const auto out_dtype = x.scalar_type();
   const int n = call.size;
   auto finish = [buffer, root, avg, out_dtype, n]() mutable {
-    if (!root) return at::zeros(buffer.sizes(), buffer.options().dtype(out_dtype));
+    if (!root) return pooled_empty(buffer.sizes(), buffer.options().dtype(out_dtype)).zero_();
     if (avg && n > 1) buffer.div_(n);
-    return buffer.scalar_type() == out_dtype ? buffer : buffer.to(out_dtype);
+    return buffer.scalar_type() == out_dtype ? buffer : pooled_copy(buffer, out_dtype);
   };
   if (call.size == 1 || x.numel() == 0) return call.ready(finish());
   std::vector<at::Tensor> tensors{reduce_wire(buffer)};
@@ -330,8 +330,8 @@ Pending scatter(const at::Tensor& x, const ScatterOptions& options, const Group&
   check_fingerprint(call, c10::str("scatter(", describe_tensor(x), ", src=", options.src(), ", dim=", dim, ")"));
   const int n = call.size;
   const int64_t part = x.size(dim) / n;
-  if (n == 1) return call.ready(x.clone(at::MemoryFormat::Contiguous));
-  auto out = at::empty(front_sizes(x, dim, part), x.options());
+  if (n == 1) return call.ready(pooled_copy(x));
+  auto out = pooled_empty(front_sizes(x, dim, part), x.options());
   if (x.numel() == 0) return call.ready(unfront(out, dim));
   std::vector<at::Tensor> outputs{wire(out)};
   std::vector<std::vector<at::Tensor>> inputs;
@@ -356,7 +356,7 @@ Pending gather(const at::Tensor& x, const GatherOptions& options, const Group& g
   check_fingerprint(call, c10::str("gather(", describe_tensor(x), ", dst=", options.dst(), ", dim=", dim, ")"));
   const int n = call.size;
   const bool root = call.rank == options.dst();
-  if (n == 1) return call.ready(x.clone(at::MemoryFormat::Contiguous));
+  if (n == 1) return call.ready(pooled_copy(x));
   const auto full = with_dim(x, dim, x.size(dim) * n);
   if (x.numel() == 0) return call.ready(at::zeros(full, x.options()));
   auto src = front(x, dim);
@@ -364,7 +364,7 @@ Pending gather(const at::Tensor& x, const GatherOptions& options, const Group& g
   std::vector<std::vector<at::Tensor>> outputs;
   at::Tensor flat;
   if (root) {
-    flat = at::empty({n * src.numel()}, x.options());
+    flat = pooled_empty({n * src.numel()}, x.options());
     auto flat_wire = wire(flat).view({n, -1});
     outputs.emplace_back();
     for (int r = 0; r < n; ++r) outputs[0].push_back(flat_wire[r]);
@@ -374,7 +374,7 @@ Pending gather(const at::Tensor& x, const GatherOptions& options, const Group& g
   auto work = call.group.transport().gather(outputs, inputs, opts);
   auto fsizes = front_sizes(x, dim, x.size(dim) * n);
   return call.pending({work}, [flat, fsizes, full, root, dim, x, src]() {
-    if (!root) return at::zeros(full, x.options());
+    if (!root) return pooled_empty(full, x.options()).zero_();
     return unfront(flat.view(fsizes), dim);
   });
 }
@@ -413,9 +413,9 @@ Pending all_to_all(const at::Tensor& x, const AllToAllOptions& options, const Gr
   if (n == 1) {
     COMMGRAD_CHECK(out_splits[0] == in_splits[0], call.op, call.group, "output_splits ", at::IntArrayRef(out_splits),
                    " do not match input_splits ", at::IntArrayRef(in_splits), " on a group of one rank");
-    return call.ready(x.clone(at::MemoryFormat::Contiguous));
+    return call.ready(pooled_copy(x));
   }
-  auto out = at::empty(front_sizes(x, dim, total_out), x.options());
+  auto out = pooled_empty(front_sizes(x, dim, total_out), x.options());
   if (x.numel() == 0 && even) return call.ready(unfront(out, dim));
   const int64_t per_row = inner_size(x, dim);
   if (per_row == 0) return call.ready(unfront(out, dim));  // nothing to move on any rank
@@ -440,7 +440,7 @@ Pending send_tagged(const at::Tensor& x, const SendOptions& options, const Group
   COMMGRAD_CHECK(options.dst() != call.rank, call.op, call.group, "dst ", options.dst(), " is this rank itself");
   detail::check_p2p_header(call, options.dst(), wire_tag, true, x.sizes(), x.scalar_type(), x.requires_grad());
   if (x.numel() == 0) return call.ready(at::Tensor());
-  auto buffer = x.contiguous();
+  auto buffer = contiguous(x);
   std::vector<at::Tensor> tensors{wire(buffer)};
   auto work = call.group.transport().send(tensors, options.dst(), wire_tag);
   return call.pending({work}, [buffer]() { return at::Tensor(); });
@@ -457,7 +457,7 @@ Pending recv_tagged(at::IntArrayRef sizes, const RecvOptions& options, const Gro
                  call.op, call.group, "requires_grad(true) needs a floating-point dtype, got ",
                  c10::toString(options.dtype()), " (integer tensors cannot have gradients)");
   detail::check_p2p_header(call, options.src(), wire_tag, false, sizes, options.dtype(), options.requires_grad());
-  auto buffer = at::empty(sizes, at::TensorOptions().dtype(options.dtype()));
+  auto buffer = pooled_empty(sizes, at::TensorOptions().dtype(options.dtype()));
   if (buffer.numel() == 0) return call.ready(buffer);
   std::vector<at::Tensor> tensors{wire(buffer)};
   auto work = call.group.transport().recv(tensors, options.src(), wire_tag);
