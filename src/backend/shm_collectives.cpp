@@ -54,13 +54,14 @@ void copy(void* dst, const void* src, int64_t bytes) {
 
 }  // namespace
 
-void Comm::allreduce(const Call& call, void* data, int64_t count, c10::ScalarType dtype, RedOp op) {
+void Comm::allreduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op) {
   const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dtype));
-  auto* d = static_cast<uint8_t*>(data);
+  const auto* i = static_cast<const uint8_t*>(in);
+  auto* o = static_cast<uint8_t*>(out);
   if (bytes <= std::min<int64_t>(kSmallBytes, segment_->layout().chunk_bytes)) {
-    allreduce_small(call, d, count, dtype, op, -1);
+    allreduce_small(call, i, o, count, dtype, op, -1);
   } else {
-    allreduce_pipelined(call, d, count, dtype, op, -1);
+    allreduce_pipelined(call, i, o, count, dtype, op, -1);
   }
 }
 
@@ -68,29 +69,29 @@ void Comm::reduce(const Call& call, void* data, int64_t count, c10::ScalarType d
   const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dtype));
   auto* d = static_cast<uint8_t*>(data);
   if (bytes <= std::min<int64_t>(kSmallBytes, segment_->layout().chunk_bytes)) {
-    allreduce_small(call, d, count, dtype, op, root);
+    allreduce_small(call, d, d, count, dtype, op, root);
   } else {
-    allreduce_pipelined(call, d, count, dtype, op, root);
+    allreduce_pipelined(call, d, d, count, dtype, op, root);
   }
 }
 
-void Comm::allreduce_small(const Call& call, uint8_t* data, int64_t count, c10::ScalarType dtype, RedOp op,
-                           int root) {
+void Comm::allreduce_small(const Call& call, const uint8_t* in, uint8_t* out, int64_t count, c10::ScalarType dtype,
+                           RedOp op, int root) {
   const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dtype));
   const OpDescriptor d = begin(call, root < 0 ? OpKind::kAllreduce : OpKind::kReduce, dtype,
                                static_cast<int32_t>(op), root, bytes);
   const int set = next_set();
   publish(set, d);
-  if (size_ > 1 && rank_ != root) copy(segment_->slot(set, rank_), data, bytes);
+  if (size_ > 1 && rank_ != root) copy(segment_->slot(set, rank_), in, bytes);
   arrive_and_wait(call);
   check_agreement(call, set, true);
   if (root >= 0 && rank_ != root) return;
-  for (int q = 0; q < size_; ++q) srcs_[q] = q == rank_ ? data : segment_->slot(set, q);
-  reduce_into(data, nullptr, srcs_.data(), size_, count, dtype, op, size_);
+  for (int q = 0; q < size_; ++q) srcs_[q] = q == rank_ ? in : segment_->slot(set, q);
+  reduce_into(out, nullptr, srcs_.data(), size_, count, dtype, op, size_);
 }
 
-void Comm::allreduce_pipelined(const Call& call, uint8_t* data, int64_t count, c10::ScalarType dtype, RedOp op,
-                               int root) {
+void Comm::allreduce_pipelined(const Call& call, const uint8_t* in, uint8_t* out, int64_t count,
+                               c10::ScalarType dtype, RedOp op, int root) {
   const auto es = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t chunk = static_cast<int64_t>(segment_->layout().chunk_bytes) / es;  // elements per step
   const int64_t nchunks = ceil_div(count, chunk);
@@ -116,18 +117,18 @@ void Comm::allreduce_pipelined(const Call& call, uint8_t* data, int64_t count, c
       const int64_t b = begin_of(c, rank_);
       const int64_t e = begin_of(c, rank_ + 1);
       uint8_t* s = segment_->slot(set, rank_);
-      copy(s, data + off * es, b * es);
-      copy(s + e * es, data + (off + e) * es, (c - e) * es);
+      copy(s, in + off * es, b * es);
+      copy(s + e * es, in + (off + e) * es, (c - e) * es);
     }
     if (j > 0) {
       const int64_t b = begin_of(prev_c, rank_);
       const int64_t e = begin_of(prev_c, rank_ + 1);
       if (e > b) {
         for (int q = 0; q < size_; ++q) {
-          srcs_[q] = (q == rank_ ? data + prev_off * es : segment_->slot(prev_set, q)) + b * es;
+          srcs_[q] = (q == rank_ ? in + prev_off * es : segment_->slot(prev_set, q)) + b * es;
         }
         void* to_shm = (root < 0 || root != rank_) ? segment_->slot(prev_set, rank_) + b * es : nullptr;
-        void* to_out = gets_result ? data + (prev_off + b) * es : nullptr;
+        void* to_out = gets_result ? out + (prev_off + b) * es : nullptr;
         reduce_into(to_shm, to_out, srcs_.data(), size_, e - b, dtype, op, size_);
       }
     }
@@ -138,7 +139,7 @@ void Comm::allreduce_pipelined(const Call& call, uint8_t* data, int64_t count, c
         if (q == rank_) continue;
         const int64_t b = begin_of(prev_c, q);
         const int64_t e = begin_of(prev_c, q + 1);
-        copy(data + (prev_off + b) * es, segment_->slot(prev_set, q) + b * es, (e - b) * es);
+        copy(out + (prev_off + b) * es, segment_->slot(prev_set, q) + b * es, (e - b) * es);
       }
     }
     prev_set = set;

@@ -303,8 +303,31 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce(std::vector<at::Tensor
   const Staged s(tensors[0]);
   return submit_collective(op, c10d::OpType::ALLREDUCE, tensors, s.bytes(), opts.timeout,
                            Job{[s, red](Comm& c, const Call& call) {
-                             c.allreduce(call, s.data(), s.buffer.numel(), s.buffer.scalar_type(), red);
+                             c.allreduce(call, s.data(), s.data(), s.buffer.numel(), s.buffer.scalar_type(), red);
                              s.finish();
+                           }});
+}
+
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_out(const at::Tensor& input, const at::Tensor& output,
+                                                              const c10d::AllreduceOptions& opts) {
+  const char* op = "allreduce";
+  const OpKind kind = OpKind::kAllreduce;
+  SHM_CHECK_TENSOR(input, "the input");
+  SHM_CHECK_TENSOR(output, "the output");
+  SHM_REQUIRE(input.is_contiguous() && output.is_contiguous(), "the out-of-place form needs contiguous tensors");
+  SHM_REQUIRE(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
+              "input ", input.scalar_type(), input.sizes(), " and output ", output.scalar_type(), output.sizes(),
+              " differ in dtype or number of elements");
+  const auto* in_begin = static_cast<const uint8_t*>(input.data_ptr());
+  const auto* out_begin = static_cast<const uint8_t*>(output.data_ptr());
+  SHM_REQUIRE(in_begin == out_begin || in_begin + input.nbytes() <= out_begin || out_begin + output.nbytes() <= in_begin,
+              "input and output overlap");
+  RedOp red;
+  SHM_CHECK_REDUCTION(red, opts.reduceOp, input.scalar_type());
+  return submit_collective(op, c10d::OpType::ALLREDUCE, {output}, static_cast<int64_t>(output.nbytes()), opts.timeout,
+                           Job{[input, output, red](Comm& c, const Call& call) {
+                             c.allreduce(call, input.data_ptr(), output.data_ptr(), output.numel(),
+                                         output.scalar_type(), red);
                            }});
 }
 
@@ -325,7 +348,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_coalesced(std::vector<
   return submit_collective(op, c10d::OpType::ALLREDUCE_COALESCED, tensors, bytes, opts.timeout,
                            Job{[staged, red](Comm& c, const Call& call) {
                              for (const Staged& s : staged) {
-                               c.allreduce(call, s.data(), s.buffer.numel(), s.buffer.scalar_type(), red);
+                               c.allreduce(call, s.data(), s.data(), s.buffer.numel(), s.buffer.scalar_type(), red);
                                s.finish();
                              }
                            }});

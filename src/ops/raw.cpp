@@ -24,6 +24,7 @@
 
 #include "detail/common.h"
 
+#include "commgrad/backend/shm_process_group.h"
 #include "commgrad/util/buffer_pool.h"
 
 #include <ATen/ATen.h>
@@ -130,18 +131,26 @@ Pending all_reduce(const at::Tensor& x, const AllReduceOptions& options, const G
   const auto dtype = detail::reduce_dtype(call, x.scalar_type(), options.op());
   call.start();
   check_fingerprint(call, c10::str("all_reduce(", describe_tensor(x), ", op=", options.op(), ")"));
-  auto buffer = pooled_copy(x, dtype);
   const auto out_dtype = x.scalar_type();
   const int n = call.size;
   const bool avg = options.op() == ReduceOp::kAvg;
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = detail::to_c10d(options.op());
+  auto* shm = dynamic_cast<backend::ShmProcessGroup*>(&call.group.transport());
+  if (shm != nullptr && n > 1 && dtype == out_dtype && x.is_contiguous() && x.numel() > 0) {
+    // The shm transport reduces straight from the input into the result:
+    // no staging copy, so the op costs what the raw in-place call costs.
+    auto out = pooled_empty(x.sizes(), x.options());
+    auto work = shm->allreduce_out(reduce_wire(x), reduce_wire(out), opts);
+    return call.pending({work}, [out, n, avg]() mutable { return avg ? out.div_(n) : out; });
+  }
+  auto buffer = pooled_copy(x, dtype);
   auto finish = [buffer, out_dtype, n, avg]() mutable {
     if (avg && n > 1) buffer.div_(n);
     return buffer.scalar_type() == out_dtype ? buffer : pooled_copy(buffer, out_dtype);
   };
   if (call.size == 1 || x.numel() == 0) return call.ready(finish());
   std::vector<at::Tensor> tensors{reduce_wire(buffer)};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = detail::to_c10d(options.op());
   return call.pending({call.group.transport().allreduce(tensors, opts)}, finish);
 }
 

@@ -70,6 +70,12 @@ TEST_P(ShmOps, AllreduceEveryDtypeAndOp) {
           r.shm->allreduce(t, allreduce_op(op))->wait();
           const std::string what = c10::str("allreduce ", dtype, " ", op_name(op), " numel ", numel);
           EXPECT_TRUE(same_bits(t[0], expected)) << what;
+          // The out-of-place form: the same bits, and the input untouched.
+          const at::Tensor input = all[r.rank].clone();
+          const at::Tensor out = at::empty_like(input);
+          r.shm->allreduce_out(input, out, allreduce_op(op))->wait();
+          EXPECT_TRUE(same_bits(out, expected)) << what << " out of place";
+          EXPECT_TRUE(same_bits(input, all[r.rank])) << what << " out of place changed its input";
           if (r.gloo && gloo_reduces(dtype, op) && numel > 0 && numel != 7 && numel != 33) {
             std::vector<at::Tensor> g{all[r.rank].clone()};
             r.gloo->allreduce(g, allreduce_op(op))->wait();

@@ -119,6 +119,16 @@ TEST(ShmErrors, UnsupportedArgumentsAreClearErrors) {
               std::string::npos);
     std::vector<at::Tensor> one{at::ones({2})};
     EXPECT_NE(error_of([&] { r.shm->send(one, r.rank, 0)->wait(); }).find("must be another rank"), std::string::npos);
+    at::Tensor storage = at::ones({8});
+    EXPECT_NE(error_of([&] { r.shm->allreduce_out(storage.narrow(0, 0, 5), storage.narrow(0, 3, 5))->wait(); })
+                  .find("input and output overlap"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { r.shm->allreduce_out(at::ones({4}), at::empty({5}))->wait(); })
+                  .find("differ in dtype or number of elements"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { r.shm->allreduce_out(at::ones({4, 2}).t(), at::empty({2, 4}))->wait(); })
+                  .find("needs contiguous tensors"),
+              std::string::npos);
     expect_group_usable(r);
   });
 }

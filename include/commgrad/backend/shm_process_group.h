@@ -95,6 +95,12 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
                                            const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  /// Out-of-place all-reduce: `output` = the reduction of every rank's
+  /// `input`, which is only read (no staging copy: the differentiable
+  /// all_reduce uses it). Both contiguous, same dtype and number of elements,
+  /// not overlapping.
+  c10::intrusive_ptr<c10d::Work> allreduce_out(const at::Tensor& input, const at::Tensor& output,
+                                               const c10d::AllreduceOptions& opts = c10d::AllreduceOptions());
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;

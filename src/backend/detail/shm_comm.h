@@ -87,7 +87,8 @@ class Comm {
 
   // Collectives. Sizes are in elements of `dtype` unless named *_bytes.
   void barrier(const Call& call);
-  void allreduce(const Call& call, void* data, int64_t count, c10::ScalarType dtype, RedOp op);
+  /// `in` and `out` may be the same buffer (in place) or not overlap at all.
+  void allreduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op);
   void reduce(const Call& call, void* data, int64_t count, c10::ScalarType dtype, RedOp op, int root);
   void broadcast(const Call& call, void* data, int64_t bytes, c10::ScalarType dtype, int root);
   /// outs[q] receives out_bytes[q] from rank q; `outs` is null on non-roots of a gather.
@@ -138,9 +139,10 @@ class Comm {
   void check_peers(const Call& call, WaitOn on, int peer);
   [[noreturn]] void throw_aborted(const char* op) const;
 
-  void allreduce_small(const Call& call, uint8_t* data, int64_t count, c10::ScalarType dtype, RedOp op, int root);
-  void allreduce_pipelined(const Call& call, uint8_t* data, int64_t count, c10::ScalarType dtype, RedOp op,
-                           int root);
+  void allreduce_small(const Call& call, const uint8_t* in, uint8_t* out, int64_t count, c10::ScalarType dtype,
+                       RedOp op, int root);
+  void allreduce_pipelined(const Call& call, const uint8_t* in, uint8_t* out, int64_t count, c10::ScalarType dtype,
+                           RedOp op, int root);
   void stream_write(const Call& call, int dst, const uint8_t* data, int64_t bytes);
   void stream_read(const Call& call, int src, uint8_t* data, int64_t bytes);
 
