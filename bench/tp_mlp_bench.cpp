@@ -24,7 +24,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -56,19 +55,6 @@ struct Stats {
   double p10, p50, p90;
 };
 
-// at::set_num_threads() does not reach OpenBLAS's own pthread pool (Debian's
-// LibTorch links the pthread OpenBLAS, which starts one thread per core), so
-// the benchmark sets it too; returns OpenBLAS's thread count, or 0 when the
-// BLAS is not OpenBLAS.
-int set_blas_threads(int threads) {
-  using SetFn = void (*)(int);
-  using GetFn = int (*)();
-  auto set = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  if (set == nullptr || get == nullptr) return 0;
-  set(threads);
-  return get();
-}
 
 Stats stats(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -106,7 +92,7 @@ int main(int argc, char** argv) {
   const int n = world.size();
   const int threads = c.threads > 0 ? c.threads : (n > 1 || commgrad::launch_environment().world_size > 1 ? 1 : 2);
   at::set_num_threads(threads);
-  const int blas_threads = set_blas_threads(threads);
+  const int blas_threads = commgrad::set_blas_threads(threads);
   const bool speaker = world.rank() == 0;
 
   auto state = tp::initialize_model_parallel(n);

@@ -8,6 +8,8 @@
 #include "commgrad/dist/group.h"
 #include "commgrad/dist/process_group.h"
 #include "commgrad/dist/transport.h"
+#include "commgrad/util/blas.h"
+#include "commgrad/util/buffer_pool.h"
 #include "commgrad/util/logging.h"
 #include "commgrad/util/print.h"
 

@@ -11,6 +11,7 @@
 
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/transport.h"
+#include "commgrad/util/blas.h"
 #include "commgrad/util/logging.h"
 #include "commgrad/util/print.h"
 
@@ -130,7 +131,10 @@ Group make_world_group(const InitOptions& options) {
     }
   }
   const auto timeout = resolve_timeout(options.timeout());
-  if (options.intra_op_threads() > 0) at::set_num_threads(options.intra_op_threads());
+  if (options.intra_op_threads() > 0) {
+    at::set_num_threads(options.intra_op_threads());
+    set_blas_threads(options.intra_op_threads());  // OpenBLAS's own pool is not reached by the line above
+  }
 
   detail::StorePtr root = options.store() ? options.store() : connect_store(env, timeout);
   root->setTimeout(timeout);

@@ -7,8 +7,17 @@
 // (DESIGN.md, Family 1 table) through the same raw layer, so gradients get
 // the same checks, debug fingerprints and Gloo workarounds as forward values.
 //
-// Non-tensor state (options, the group) lives in ctx->saved_data; the group
-// travels in a capsule. Backward returns one entry per forward argument.
+// Deferred gradients. An op's backward only *starts* its gradient collective
+// and returns; a second node, WaitForGradient, placed between the op's node
+// and its input, waits for it and hands the gradient on. The engine runs
+// ready nodes in decreasing sequence number and WaitForGradient has the
+// lowest, so every other part of backward that is ready (other branches,
+// weight gradients, other layers' collectives) runs while the collective is
+// in flight, and nothing reads the gradient before it is complete.
+//
+// Non-tensor state (options) lives in ctx->saved_data; the group and the
+// gradient in flight live in an OpState capsule shared with the
+// WaitForGradient node. Backward returns one entry per forward argument.
 
 #include "detail/common.h"
 
@@ -17,6 +26,8 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 
 namespace commgrad::ops {
 namespace {
@@ -24,29 +35,76 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct GroupCapsule : torch::CustomClassHolder {
-  explicit GroupCapsule(Group g) : group(std::move(g)) {}
+// What an op's autograd node shares with its WaitForGradient node.
+struct OpState : torch::CustomClassHolder {
+  explicit OpState(Group g) : group(std::move(g)) {}
   Group group;
+  at::Tensor placeholder;                      // stands for the gradient until it arrives
+  raw::Pending grad;                           // the gradient collective in flight
+  std::function<at::Tensor(at::Tensor)> post;  // local step once it arrived (may be empty)
+};
+using OpStatePtr = c10::intrusive_ptr<OpState>;
+
+// Waits for the gradient collective an op's backward started.
+class WaitForGradient : public torch::autograd::Node {
+ public:
+  // Sequence number 0: the engine runs it only when nothing else is ready.
+  explicit WaitForGradient(OpStatePtr state) : Node(/*sequence_nr=*/0), state_(std::move(state)) {}
+  std::string name() const override { return "commgrad::WaitForGradient"; }
+
+  variable_list apply(variable_list&& /*placeholder*/) override {
+    OpState& s = *state_;
+    if (!s.grad.defined()) return {at::Tensor()};
+    at::Tensor g = s.grad.wait();
+    s.grad = raw::Pending();
+    if (s.post) g = s.post(g);
+    s.post = nullptr;
+    return {g};
+  }
+
+ private:
+  OpStatePtr state_;
 };
 
-void save_group(AutogradContext* ctx, const Group& group) {
-  ctx->saved_data["group"] = at::IValue::make_capsule(c10::make_intrusive<GroupCapsule>(group));
+// x as the op's Function sees it: the same values, with a WaitForGradient
+// between the op's node and x's own gradient edge.
+at::Tensor route_through_wait(const at::Tensor& x, const OpStatePtr& state) {
+  auto node = std::shared_ptr<WaitForGradient>(new WaitForGradient(state), torch::autograd::deleteNode);
+  node->add_next_edge(torch::autograd::impl::gradient_edge(x));
+  at::Tensor routed = x.detach();
+  torch::autograd::set_history(routed, node);
+  state->placeholder = at::zeros({}, x.options()).expand(x.sizes());
+  return routed;
 }
 
-Group saved_group(AutogradContext* ctx) {
-  auto capsule = ctx->saved_data["group"].toCapsule();
-  return static_cast<GroupCapsule*>(capsule.get())->group;
+void save_state(AutogradContext* ctx, const OpStatePtr& state) {
+  ctx->saved_data["state"] = at::IValue::make_capsule(state);
+}
+
+OpState& saved_state(AutogradContext* ctx) {
+  return *static_cast<OpState*>(ctx->saved_data["state"].toCapsule().get());
+}
+
+// Backward's result for an op whose gradient is `pending` (then `post`):
+// the placeholder now, the gradient from WaitForGradient later.
+variable_list defer(AutogradContext* ctx, raw::Pending pending, std::function<at::Tensor(at::Tensor)> post = nullptr) {
+  OpState& s = saved_state(ctx);
+  s.grad = std::move(pending);
+  s.post = std::move(post);
+  return {s.placeholder, {}, {}, {}};
 }
 
 std::vector<int64_t> saved_ints(AutogradContext* ctx, const char* key) {
   return ctx->saved_data[key].toIntVector();
 }
 
-// Runs `apply` only when autograd needs a node (x requires grad, grad mode on).
+// Runs `apply(routed_x, state)` only when autograd needs a node (x requires
+// grad, grad mode on); otherwise just waits for the result.
 template <typename Apply>
-at::Tensor maybe_apply(const at::Tensor& x, raw::Pending& pending, Apply apply) {
+at::Tensor maybe_apply(const at::Tensor& x, raw::Pending& pending, const Group& group, Apply apply) {
   if (!(at::GradMode::is_enabled() && x.requires_grad())) return pending.wait();
-  return apply();
+  auto state = c10::make_intrusive<OpState>(group);
+  return apply(route_through_wait(x, state), state);
 }
 
 // The AsyncTensor of an op: `finish(pending)` under the grad mode of the call.
@@ -62,75 +120,82 @@ AsyncTensor make_async(raw::Pending pending, std::function<at::Tensor(raw::Pendi
 
 struct AllReduceFn : torch::autograd::Function<AllReduceFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, raw::Pending& pending, ReduceOp op,
-                            const Group& group) {
+                            const OpStatePtr& state) {
     at::Tensor y = pending.wait();
     ctx->saved_data["op"] = static_cast<int64_t>(op);
-    save_group(ctx, group);
+    save_state(ctx, state);
     if (op == ReduceOp::kMax || op == ReduceOp::kMin) ctx->saved_data["mask"] = x.eq(y);
     return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto op = static_cast<ReduceOp>(ctx->saved_data["op"].toInt());
-    const Group group = saved_group(ctx);
+    const Group& group = saved_state(ctx).group;
     const at::Tensor& g = grads[0];
     COMMGRAD_CHECK(op != ReduceOp::kProduct, "all_reduce", group,
                    "PRODUCT has no gradient in commgrad (it is undefined where an input is zero); use it on "
                    "tensors that do not require grad, or reduce log-magnitudes with SUM");
     if (op == ReduceOp::kSum || op == ReduceOp::kAvg) {
-      return {raw::all_reduce(g, AllReduceOptions().op(op), group).wait(), {}, {}, {}};
+      return defer(ctx, raw::all_reduce(g, AllReduceOptions().op(op), group));
     }
     // MAX/MIN: the summed gradient goes to the ranks holding the extremum,
     // split evenly between ties. One all_reduce carries both the gradients
     // and the holder counts.
     const at::Tensor mask = ctx->saved_data["mask"].toTensor();
     auto packed = at::cat({g.reshape({-1}), mask.reshape({-1}).to(g.scalar_type())});
-    auto summed = raw::all_reduce(packed, {}, group).wait();
     const int64_t m = g.numel();
-    auto total = summed.narrow(0, 0, m).view(g.sizes());
-    auto holders = summed.narrow(0, m, m).view(g.sizes());
-    return {total * mask / holders, {}, {}, {}};
+    const auto sizes = g.sizes().vec();
+    return defer(ctx, raw::all_reduce(packed, {}, group), [mask, m, sizes](at::Tensor summed) {
+      auto total = summed.narrow(0, 0, m).view(sizes);
+      auto holders = summed.narrow(0, m, m).view(sizes);
+      return total * mask / holders;
+    });
   }
 };
 
 at::Tensor finish_all_reduce(const at::Tensor& x, raw::Pending& p, const AllReduceOptions& o, const Group& g) {
-  return maybe_apply(x, p, [&] { return AllReduceFn::apply(x, p, o.op(), g); });
+  return maybe_apply(x, p, g, [&](const at::Tensor& routed, const OpStatePtr& s) {
+    return AllReduceFn::apply(routed, p, o.op(), s);
+  });
 }
 
 // ~~~ all_gather / reduce_scatter ~~~
 
 struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*x*/, raw::Pending& pending,
-                            const AllGatherOptions& o, const Group& group) {
+                            const AllGatherOptions& o, const OpStatePtr& state) {
     ctx->saved_data["dim"] = o.dim();
     ctx->saved_data["sizes"] = o.sizes();
-    save_group(ctx, group);
+    save_state(ctx, state);
     return pending.wait();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto options = ReduceScatterOptions().dim(ctx->saved_data["dim"].toInt()).sizes(saved_ints(ctx, "sizes"));
-    return {raw::reduce_scatter(grads[0], options, saved_group(ctx)).wait(), {}, {}, {}};
+    return defer(ctx, raw::reduce_scatter(grads[0], options, saved_state(ctx).group));
   }
 };
 
 struct ReduceScatterFn : torch::autograd::Function<ReduceScatterFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*x*/, raw::Pending& pending,
-                            const ReduceScatterOptions& o, const Group& group) {
+                            const ReduceScatterOptions& o, const OpStatePtr& state) {
     ctx->saved_data["dim"] = o.dim();
     ctx->saved_data["sizes"] = o.sizes();
     ctx->saved_data["op"] = static_cast<int64_t>(o.op());
-    save_group(ctx, group);
+    save_state(ctx, state);
     return pending.wait();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Group group = saved_group(ctx);
+    const Group& group = saved_state(ctx).group;
     const auto op = static_cast<ReduceOp>(ctx->saved_data["op"].toInt());
     COMMGRAD_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, "reduce_scatter", group, reduce_op_name(op),
                    " has no gradient in commgrad (differentiable: SUM, AVG)");
     auto options = AllGatherOptions().dim(ctx->saved_data["dim"].toInt()).sizes(saved_ints(ctx, "sizes"));
-    auto gathered = raw::all_gather(grads[0], options, group).wait();
-    if (op == ReduceOp::kAvg) gathered.div_(group.size());
-    return {gathered, {}, {}, {}};
+    return defer(ctx, raw::all_gather(grads[0], options, group), divide_if_avg(op, group.size()));
+  }
+
+  static std::function<at::Tensor(at::Tensor)> divide_if_avg(ReduceOp op, int n) {
+    if (op != ReduceOp::kAvg) return nullptr;
+    return [n](at::Tensor g) { return g.div_(n); };
   }
 };
 
@@ -138,35 +203,33 @@ struct ReduceScatterFn : torch::autograd::Function<ReduceScatterFn> {
 
 struct BroadcastFn : torch::autograd::Function<BroadcastFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*x*/, raw::Pending& pending, int src,
-                            const Group& group) {
+                            const OpStatePtr& state) {
     ctx->saved_data["src"] = static_cast<int64_t>(src);
-    save_group(ctx, group);
+    save_state(ctx, state);
     return pending.wait();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     // Reduce SUM to src; raw::reduce gives zeros to the other ranks.
     auto options = ReduceOptions().dst(static_cast<int>(ctx->saved_data["src"].toInt()));
-    return {raw::reduce(grads[0], options, saved_group(ctx)).wait(), {}, {}, {}};
+    return defer(ctx, raw::reduce(grads[0], options, saved_state(ctx).group));
   }
 };
 
 struct ReduceFn : torch::autograd::Function<ReduceFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*x*/, raw::Pending& pending,
-                            const ReduceOptions& o, const Group& group) {
+                            const ReduceOptions& o, const OpStatePtr& state) {
     ctx->saved_data["dst"] = static_cast<int64_t>(o.dst());
     ctx->saved_data["op"] = static_cast<int64_t>(o.op());
-    save_group(ctx, group);
+    save_state(ctx, state);
     return pending.wait();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Group group = saved_group(ctx);
+    const Group& group = saved_state(ctx).group;
     const auto op = static_cast<ReduceOp>(ctx->saved_data["op"].toInt());
     COMMGRAD_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, "reduce", group, reduce_op_name(op),
                    " has no gradient in commgrad (differentiable: SUM, AVG; all_reduce also has MAX/MIN)");
     auto options = BroadcastOptions().src(static_cast<int>(ctx->saved_data["dst"].toInt()));
-    auto g = raw::broadcast(grads[0], options, group).wait();
-    if (op == ReduceOp::kAvg) g.div_(group.size());
-    return {g, {}, {}, {}};
+    return defer(ctx, raw::broadcast(grads[0], options, group), ReduceScatterFn::divide_if_avg(op, group.size()));
   }
 };
 
@@ -174,33 +237,33 @@ struct ReduceFn : torch::autograd::Function<ReduceFn> {
 
 struct ScatterFn : torch::autograd::Function<ScatterFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*x*/, raw::Pending& pending,
-                            const ScatterOptions& o, const Group& group) {
+                            const ScatterOptions& o, const OpStatePtr& state) {
     ctx->saved_data["src"] = static_cast<int64_t>(o.src());
     ctx->saved_data["dim"] = o.dim();
-    save_group(ctx, group);
+    save_state(ctx, state);
     return pending.wait();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto options = GatherOptions()
                        .dst(static_cast<int>(ctx->saved_data["src"].toInt()))
                        .dim(ctx->saved_data["dim"].toInt());
-    return {raw::gather(grads[0], options, saved_group(ctx)).wait(), {}, {}, {}};
+    return defer(ctx, raw::gather(grads[0], options, saved_state(ctx).group));
   }
 };
 
 struct GatherFn : torch::autograd::Function<GatherFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*x*/, raw::Pending& pending,
-                            const GatherOptions& o, const Group& group) {
+                            const GatherOptions& o, const OpStatePtr& state) {
     ctx->saved_data["dst"] = static_cast<int64_t>(o.dst());
     ctx->saved_data["dim"] = o.dim();
-    save_group(ctx, group);
+    save_state(ctx, state);
     return pending.wait();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto options = ScatterOptions()
                        .src(static_cast<int>(ctx->saved_data["dst"].toInt()))
                        .dim(ctx->saved_data["dim"].toInt());
-    return {raw::scatter(grads[0], options, saved_group(ctx)).wait(), {}, {}, {}};
+    return defer(ctx, raw::scatter(grads[0], options, saved_state(ctx).group));
   }
 };
 
@@ -209,11 +272,11 @@ struct GatherFn : torch::autograd::Function<GatherFn> {
 struct AllToAllFn : torch::autograd::Function<AllToAllFn> {
   // `o` has both split lists or neither (see complete_splits).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*x*/, raw::Pending& pending,
-                            const AllToAllOptions& o, const Group& group) {
+                            const AllToAllOptions& o, const OpStatePtr& state) {
     ctx->saved_data["dim"] = o.dim();
     ctx->saved_data["in"] = o.input_splits();
     ctx->saved_data["out"] = o.output_splits();
-    save_group(ctx, group);
+    save_state(ctx, state);
     return pending.wait();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -222,7 +285,7 @@ struct AllToAllFn : torch::autograd::Function<AllToAllFn> {
                        .dim(ctx->saved_data["dim"].toInt())
                        .input_splits(saved_ints(ctx, "out"))
                        .output_splits(saved_ints(ctx, "in"));
-    return {raw::all_to_all(grads[0], options, saved_group(ctx)).wait(), {}, {}, {}};
+    return defer(ctx, raw::all_to_all(grads[0], options, saved_state(ctx).group));
   }
 };
 
@@ -239,35 +302,36 @@ AllToAllOptions complete_splits(AllToAllOptions o, const Group& g) {
 
 struct SendFn : torch::autograd::Function<SendFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, raw::Pending& pending,
-                            const SendOptions& o, const Group& group) {
+                            const SendOptions& o, const OpStatePtr& state) {
     pending.wait();
     ctx->saved_data["dst"] = static_cast<int64_t>(o.dst());
     ctx->saved_data["tag"] = static_cast<int64_t>(o.tag());
     ctx->saved_data["sizes"] = x.sizes().vec();
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
-    save_group(ctx, group);
+    save_state(ctx, state);
     return at::zeros({}, x.options());
   }
   static variable_list backward(AutogradContext* ctx, variable_list /*grads*/) {
-    auto grad = detail::recv_gradient(saved_ints(ctx, "sizes"),
-                                      static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt()),
-                                      static_cast<int>(ctx->saved_data["dst"].toInt()),
-                                      static_cast<int>(ctx->saved_data["tag"].toInt()), saved_group(ctx));
-    return {grad.wait(), {}, {}, {}};
+    return defer(ctx, detail::recv_gradient(saved_ints(ctx, "sizes"),
+                                            static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt()),
+                                            static_cast<int>(ctx->saved_data["dst"].toInt()),
+                                            static_cast<int>(ctx->saved_data["tag"].toInt()), saved_state(ctx).group));
   }
 };
 
+// The receiver's backward sends the gradient and has nothing to wait for
+// afterwards, so it completes the send itself (errors surface in backward).
 struct RecvFn : torch::autograd::Function<RecvFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*anchor*/, raw::Pending& pending,
                             const RecvOptions& o, const Group& group) {
     ctx->saved_data["src"] = static_cast<int64_t>(o.src());
     ctx->saved_data["tag"] = static_cast<int64_t>(o.tag());
-    save_group(ctx, group);
+    save_state(ctx, c10::make_intrusive<OpState>(group));
     return pending.wait();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     detail::send_gradient(grads[0], static_cast<int>(ctx->saved_data["src"].toInt()),
-                          static_cast<int>(ctx->saved_data["tag"].toInt()), saved_group(ctx))
+                          static_cast<int>(ctx->saved_data["tag"].toInt()), saved_state(ctx).group)
         .wait();
     return {at::Tensor(), {}, {}, {}};
   }
@@ -277,7 +341,7 @@ struct RecvFn : torch::autograd::Function<RecvFn> {
 
 #define COMMGRAD_FINISH(name, Fn, Options)                                                           \
   at::Tensor finish_##name(const at::Tensor& x, raw::Pending& p, const Options& o, const Group& g) { \
-    return maybe_apply(x, p, [&] { return Fn::apply(x, p, o, g); });                                 \
+    return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return Fn::apply(r, p, o, s); }); \
   }
 COMMGRAD_FINISH(all_gather, AllGatherFn, AllGatherOptions)
 COMMGRAD_FINISH(reduce_scatter, ReduceScatterFn, ReduceScatterOptions)
@@ -289,7 +353,7 @@ COMMGRAD_FINISH(send_token, SendFn, SendOptions)
 #undef COMMGRAD_FINISH
 
 at::Tensor finish_broadcast(const at::Tensor& x, raw::Pending& p, const BroadcastOptions& o, const Group& g) {
-  return maybe_apply(x, p, [&] { return BroadcastFn::apply(x, p, o.src(), g); });
+  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return BroadcastFn::apply(r, p, o.src(), s); });
 }
 
 at::Tensor finish_send(const at::Tensor& x, raw::Pending& p, const SendOptions& o, const Group& g) {

@@ -12,12 +12,10 @@
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/function.h>
 
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 #include <vector>
 
@@ -246,26 +244,5 @@ std::ostream& operator<<(std::ostream& os, const PythonRepr& repr) {
 }
 
 std::string format_ranks(const std::vector<int>& ranks) { return "[" + c10::Join(", ", ranks) + "]"; }
-
-std::string active_blas() {
-  // OpenBLAS exports its configuration string; find it in whatever is loaded.
-  using ConfigFn = char* (*)();
-  if (auto fn = reinterpret_cast<ConfigFn>(dlsym(RTLD_DEFAULT, "openblas_get_config"))) {
-    return std::string("OpenBLAS (") + fn() + ")";
-  }
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line)) {
-    if (line.find("libblas.so") != std::string::npos) {
-      const std::string path = line.substr(line.find('/'));
-      if (path.find("openblas") != std::string::npos) return "OpenBLAS (" + path + ")";
-      if (path.find("blis") != std::string::npos) return "BLIS (" + path + ")";
-      if (path.find("atlas") != std::string::npos) return "ATLAS (" + path + ")";
-      return "reference BLAS, about 20x slower than OpenBLAS (" + path + ")";
-    }
-    if (line.find("libmkl") != std::string::npos) return "MKL";
-  }
-  return "unknown BLAS";
-}
 
 }  // namespace commgrad

@@ -3,12 +3,15 @@
 
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/process_group.h"
+#include "commgrad/util/blas.h"
 #include "harness/spawn_ranks.h"
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <dlfcn.h>
 
 #include <thread>
 
@@ -125,6 +128,17 @@ TEST(ProcessGroup, ExplicitStoreNeedsValidRankAndSize) {
               HasSubstr("needs rank in [0, world_size)"));
   EXPECT_THAT(message_of([&] { make_world_group(InitOptions().rank(0).world_size(2)); }),
               HasSubstr("rank and world_size options need an explicit store"));
+}
+
+TEST(ProcessGroup, IntraOpThreadsAlsoLimitOpenBlasOwnPool) {
+  using GetFn = int (*)();
+  auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  if (get == nullptr) GTEST_SKIP() << "the BLAS in this process is not OpenBLAS: " << active_blas();
+  set_blas_threads(2);  // as many as the machine allows (OpenBLAS caps it at its core count)
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  make_world_group(InitOptions().store(store).rank(0).world_size(1).intra_op_threads(1));
+  EXPECT_EQ(get(), 1);
+  EXPECT_EQ(at::get_num_threads(), 1);
 }
 
 TEST(ProcessGroup, UnknownBackendIsAClearError) {

@@ -563,6 +563,49 @@ TEST_P(Collectives, SendRecvPipeline) {
   });
 }
 
+
+// Deferred gradients: an op's backward starts its gradient collective and
+// the engine runs other ready work before waiting for it. Probe's node is
+// created before the all_reduce, so a backward that waited on the spot
+// would log "a.grad" (the all_reduce's gradient reaching a) first.
+struct Probe : torch::autograd::Function<Probe> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            std::vector<std::string>* log) {
+    ctx->saved_data["log"] = reinterpret_cast<int64_t>(log);
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    reinterpret_cast<std::vector<std::string>*>(ctx->saved_data["log"].toInt())->push_back("probe");
+    return {grads[0], at::Tensor()};
+  }
+};
+
+TEST(Overlap, BackwardRunsOtherReadyWorkWhileAGradientCollectiveIsInFlight) {
+  testing::spawn_ranks(2, [](Group& g) {
+    for (const char* op : {"all_reduce", "all_gather", "broadcast", "all_to_all"}) {
+      std::vector<std::string> log;
+      auto a = at::ones({4}).requires_grad_(true);
+      auto b = at::ones({4}).requires_grad_(true);
+      auto probed = Probe::apply(b, &log);
+      at::Tensor y;
+      if (std::string(op) == "all_reduce") y = all_reduce(a, {}, g);
+      if (std::string(op) == "all_gather") y = all_gather(a, {}, g);
+      if (std::string(op) == "broadcast") y = broadcast(a, BroadcastOptions().src(1), g);
+      if (std::string(op) == "all_to_all") y = all_to_all(a, {}, g);
+      a.register_hook([&log](const at::Tensor&) { log.push_back("a.grad"); });
+      ((y * 2).sum() + probed.sum()).backward();
+      EXPECT_EQ(log, (std::vector<std::string>{"probe", "a.grad"})) << op;
+      EXPECT_TRUE(b.grad().equal(at::ones({4}))) << op;
+      // d(2y)/dy = 2 on every rank; all_to_all only routes it back, the others sum over the 2 ranks.
+      double want = 4.0;
+      if (std::string(op) == "all_to_all") want = 2.0;
+      if (std::string(op) == "broadcast" && g.rank() != 1) want = 0.0;
+      EXPECT_TRUE(a.grad().equal(at::full({4}, want))) << op << ": " << a.grad();
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& info) { return "n" + std::to_string(info.param); });
 

@@ -24,8 +24,8 @@ struct InitOptions {
   TORCH_ARG(std::string, backend) = "auto";
   /// Rendezvous and collective timeout; 0 means COMMGRAD_TIMEOUT or kDefaultTimeout.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::milliseconds(0);
-  /// LibTorch intra-op threads for this rank; 0 leaves LibTorch's default.
-  /// One by default, because ranks usually outnumber cores.
+  /// LibTorch intra-op threads (and OpenBLAS threads) for this rank; 0 leaves
+  /// the libraries' defaults. One by default, because ranks usually outnumber cores.
   TORCH_ARG(int, intra_op_threads) = 1;
   /// A store to rendezvous on instead of a TCPStore at MASTER_ADDR:MASTER_PORT,
   /// with explicit rank and world size (like torch.distributed's `store=`).

@@ -10,6 +10,13 @@
 // rank whose result needs a gradient runs backward() (the backward passes are
 // collectives too). Ranks in options are group ranks.
 //
+// Backward overlaps: an op's backward node only starts its gradient
+// collective; a node named commgrad::WaitForGradient between it and the
+// op's input waits for it, and the autograd engine runs it only when no
+// other backward work is ready. So the gradient collectives of one part of
+// a model run while backward computes the rest (other branches, weight
+// gradients, earlier collectives' local steps).
+//
 // Example:
 //   auto world = commgrad::init_process_group();
 //   auto x = torch::ones({4}, torch::requires_grad());

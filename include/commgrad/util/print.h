@@ -1,6 +1,8 @@
 #pragma once
 // Printing tensors the way PyTorch's Python prints them.
 
+#include "commgrad/util/blas.h"  // active_blas(), formerly declared here
+
 #include <ATen/core/Tensor.h>
 
 #include <ostream>
@@ -26,9 +28,5 @@ std::ostream& operator<<(std::ostream& os, const PythonRepr& repr);
 
 /// Formats a rank list as Python prints a list: "[0, 2, 3]".
 std::string format_ranks(const std::vector<int>& ranks);
-
-/// Name of the BLAS library LibTorch's matmuls run on ("OpenBLAS 0.3.21 (pthread)",
-/// "reference BLAS (slow!)", ...), read from the libraries loaded in this process.
-std::string active_blas();
 
 }  // namespace commgrad
