@@ -262,13 +262,28 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
   const int64_t inner = inner_size(x, dim);
   const int64_t scale = wire_scale(x.scalar_type()) * inner;
   at::Tensor src = front(x, dim);
+  const ReduceOp op = options.op();
+  auto* shm = dynamic_cast<backend::ShmProcessGroup*>(&call.group.transport());
+  if (shm != nullptr && !uneven && at::isFloatingType(x.scalar_type()) && op != ReduceOp::kProduct) {
+    // The shm transport reduce-scatters natively: each rank reduces its own
+    // part straight from the others' inputs (no all_to_all, no local sum).
+    auto out = pooled_empty(front_sizes(x, dim, mine), x.options());
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = detail::to_c10d(op);
+    auto out_wire = reduce_wire(out);
+    auto src_wire = reduce_wire(src);
+    auto work = shm->_reduce_scatter_base(out_wire, src_wire, opts);
+    return call.pending({work}, [out, op, dim, n]() mutable {
+      if (op == ReduceOp::kAvg) out.div_(n);
+      return unfront(out, dim);
+    });
+  }
   auto fsizes = front_sizes(x, dim, mine);
   fsizes.insert(fsizes.begin(), n);  // [n sources, mine, rest...]
   auto received = pooled_empty(fsizes, x.options());
   const bool even = !uneven;
   auto work = exchange(call, wire(received), wire(src), even ? std::vector<int64_t>{} : scaled(std::vector<int64_t>(n, mine), scale),
                        even ? std::vector<int64_t>{} : scaled(sizes, scale));
-  const ReduceOp op = options.op();
   return call.pending({work}, [received, op, dim, n]() {
     at::Tensor r = pooled_empty(received.sizes().slice(1), received.options());
     switch (op) {
