@@ -65,13 +65,15 @@ void Comm::allreduce(const Call& call, const void* in, void* out, int64_t count,
   }
 }
 
-void Comm::reduce(const Call& call, void* data, int64_t count, c10::ScalarType dtype, RedOp op, int root) {
+void Comm::reduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op,
+                  int root) {
   const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dtype));
-  auto* d = static_cast<uint8_t*>(data);
+  const auto* i = static_cast<const uint8_t*>(in);
+  auto* o = static_cast<uint8_t*>(out);
   if (bytes <= std::min<int64_t>(kSmallBytes, segment_->layout().chunk_bytes)) {
-    allreduce_small(call, d, d, count, dtype, op, root);
+    allreduce_small(call, i, o, count, dtype, op, root);
   } else {
-    allreduce_pipelined(call, d, d, count, dtype, op, root);
+    allreduce_pipelined(call, i, o, count, dtype, op, root);
   }
 }
 

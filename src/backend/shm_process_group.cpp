@@ -308,10 +308,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce(std::vector<at::Tensor
                            }});
 }
 
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_out(const at::Tensor& input, const at::Tensor& output,
-                                                              const c10d::AllreduceOptions& opts) {
-  const char* op = "allreduce";
-  const OpKind kind = OpKind::kAllreduce;
+void ShmProcessGroup::check_out_of_place(const char* op, int kind, const at::Tensor& input,
+                                         const at::Tensor& output) {
   SHM_CHECK_TENSOR(input, "the input");
   SHM_CHECK_TENSOR(output, "the output");
   SHM_REQUIRE(input.is_contiguous() && output.is_contiguous(), "the out-of-place form needs contiguous tensors");
@@ -322,12 +320,36 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_out(const at::Tensor& 
   const auto* out_begin = static_cast<const uint8_t*>(output.data_ptr());
   SHM_REQUIRE(in_begin == out_begin || in_begin + input.nbytes() <= out_begin || out_begin + output.nbytes() <= in_begin,
               "input and output overlap");
+}
+
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_out(const at::Tensor& input, const at::Tensor& output,
+                                                              const c10d::AllreduceOptions& opts) {
+  const char* op = "allreduce";
+  const OpKind kind = OpKind::kAllreduce;
+  check_out_of_place(op, static_cast<int>(kind), input, output);
   RedOp red;
   SHM_CHECK_REDUCTION(red, opts.reduceOp, input.scalar_type());
   return submit_collective(op, c10d::OpType::ALLREDUCE, {output}, static_cast<int64_t>(output.nbytes()), opts.timeout,
                            Job{[input, output, red](Comm& c, const Call& call) {
                              c.allreduce(call, input.data_ptr(), output.data_ptr(), output.numel(),
                                          output.scalar_type(), red);
+                           }});
+}
+
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_out(const at::Tensor& input, const at::Tensor& output,
+                                                           const c10d::ReduceOptions& opts) {
+  const char* op = "reduce";
+  const OpKind kind = OpKind::kReduce;
+  SHM_REQUIRE(opts.rootRank >= 0 && opts.rootRank < getSize(), "root rank ", opts.rootRank, " is outside [0, ",
+              getSize(), ")");
+  check_out_of_place(op, static_cast<int>(kind), input, output);
+  RedOp red;
+  SHM_CHECK_REDUCTION(red, opts.reduceOp, input.scalar_type());
+  const int root = static_cast<int>(opts.rootRank);
+  return submit_collective(op, c10d::OpType::REDUCE, {output}, static_cast<int64_t>(output.nbytes()), opts.timeout,
+                           Job{[input, output, red, root](Comm& c, const Call& call) {
+                             c.reduce(call, input.data_ptr(), output.data_ptr(), output.numel(),
+                                      output.scalar_type(), red, root);
                            }});
 }
 
@@ -369,7 +391,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce(std::vector<at::Tensor>& 
   const int root = static_cast<int>(opts.rootRank);
   return submit_collective(op, c10d::OpType::REDUCE, tensors, s.bytes(), opts.timeout,
                            Job{[s, red, root](Comm& c, const Call& call) {
-                             c.reduce(call, s.data(), s.buffer.numel(), s.buffer.scalar_type(), red, root);
+                             c.reduce(call, s.data(), s.data(), s.buffer.numel(), s.buffer.scalar_type(), red, root);
                              if (c.rank() == root) s.finish();
                            }});
 }

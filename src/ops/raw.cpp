@@ -323,11 +323,24 @@ Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& g
   const auto dtype = detail::reduce_dtype(call, x.scalar_type(), options.op());
   call.start();
   check_fingerprint(call, c10::str("reduce(", describe_tensor(x), ", dst=", options.dst(), ", op=", options.op(), ")"));
-  auto buffer = pooled_copy(x, dtype);
   const bool root = call.rank == options.dst();
   const bool avg = options.op() == ReduceOp::kAvg;
   const auto out_dtype = x.scalar_type();
   const int n = call.size;
+  c10d::ReduceOptions opts;
+  opts.reduceOp = detail::to_c10d(options.op());
+  opts.rootRank = options.dst();
+  auto* shm = dynamic_cast<backend::ShmProcessGroup*>(&call.group.transport());
+  if (shm != nullptr && n > 1 && dtype == out_dtype && x.is_contiguous() && x.numel() > 0) {
+    // As all_reduce: the root reduces straight from the inputs into its result.
+    auto out = pooled_empty(x.sizes(), x.options());
+    auto work = shm->reduce_out(reduce_wire(x), reduce_wire(out), opts);
+    return call.pending({work}, [out, root, avg, n]() mutable {
+      if (!root) return out.zero_();
+      return avg ? out.div_(n) : out;
+    });
+  }
+  auto buffer = pooled_copy(x, dtype);
   auto finish = [buffer, root, avg, out_dtype, n]() mutable {
     if (!root) return pooled_empty(buffer.sizes(), buffer.options().dtype(out_dtype)).zero_();
     if (avg && n > 1) buffer.div_(n);
@@ -335,9 +348,6 @@ Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& g
   };
   if (call.size == 1 || x.numel() == 0) return call.ready(finish());
   std::vector<at::Tensor> tensors{reduce_wire(buffer)};
-  c10d::ReduceOptions opts;
-  opts.reduceOp = detail::to_c10d(options.op());
-  opts.rootRank = options.dst();
   return call.pending({call.group.transport().reduce(tensors, opts)}, finish);
 }
 

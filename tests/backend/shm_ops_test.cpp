@@ -140,10 +140,17 @@ TEST_P(ShmOps, ReduceToEveryRoot) {
             o.rootRank = root;
             r.shm->reduce(t, o)->wait();
             const std::string what = c10::str("reduce root ", root, " ", dtype, " ", op_name(op), " numel ", numel);
+            // The out-of-place form: the root's output, and no other tensor, changes.
+            const at::Tensor input = all[r.rank].clone();
+            const at::Tensor out = at::zeros_like(input);
+            r.shm->reduce_out(input, out, o)->wait();
+            EXPECT_TRUE(same_bits(input, all[r.rank])) << what << " out of place changed its input";
             if (r.rank == root) {
               EXPECT_TRUE(same_bits(t[0], reference_reduce(all, op))) << what;
+              EXPECT_TRUE(same_bits(out, reference_reduce(all, op))) << what << " out of place";
             } else {
               EXPECT_TRUE(same_bits(t[0], all[r.rank])) << what << ": a non-root input changed";
+              EXPECT_TRUE(same_bits(out, at::zeros_like(input))) << what << " out of place wrote a non-root output";
             }
             if (r.gloo && dtype == at::kFloat && op == RedOpType::SUM && numel == 1000) {
               std::vector<at::Tensor> g{all[r.rank].clone()};

@@ -101,6 +101,11 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
   /// not overlapping.
   c10::intrusive_ptr<c10d::Work> allreduce_out(const at::Tensor& input, const at::Tensor& output,
                                                const c10d::AllreduceOptions& opts = c10d::AllreduceOptions());
+  /// Out-of-place reduce: on the root `output` = the reduction of every
+  /// rank's `input`; elsewhere `output` is left as it is. Same rules as
+  /// allreduce_out (the differentiable reduce uses it).
+  c10::intrusive_ptr<c10d::Work> reduce_out(const at::Tensor& input, const at::Tensor& output,
+                                            const c10d::ReduceOptions& opts = c10d::ReduceOptions());
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
@@ -145,6 +150,7 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
   c10::intrusive_ptr<c10d::Work> submit_collective(const char* op, c10d::OpType type, std::vector<at::Tensor> outputs,
                                                    int64_t bytes, std::chrono::milliseconds timeout, Job job);
   [[noreturn]] void reject(const char* op, int kind, const std::string& message);
+  void check_out_of_place(const char* op, int kind, const at::Tensor& input, const at::Tensor& output);
   detail::Executor& peer_executor(bool sending, int peer);
   std::chrono::milliseconds timeout_of(std::chrono::milliseconds requested) const;
 

@@ -89,7 +89,7 @@ class Comm {
   void barrier(const Call& call);
   /// `in` and `out` may be the same buffer (in place) or not overlap at all.
   void allreduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op);
-  void reduce(const Call& call, void* data, int64_t count, c10::ScalarType dtype, RedOp op, int root);
+  void reduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op, int root);
   void broadcast(const Call& call, void* data, int64_t bytes, c10::ScalarType dtype, int root);
   /// outs[q] receives out_bytes[q] from rank q; `outs` is null on non-roots of a gather.
   void allgather(const Call& call, const void* in, int64_t in_bytes, void* const* outs, const int64_t* out_bytes,
