@@ -66,6 +66,20 @@ class ShmWork : public c10d::Work {
 
   std::vector<at::Tensor> result() override { return outputs_; }
 
+  /// The job behind this Work sits in `executor`'s queue under `ticket`.
+  void queued_in(detail::Executor* executor, uint64_t ticket) {
+    executor_ = executor;
+    ticket_ = ticket;
+  }
+
+  // A caller that waits before the worker thread has started the job runs
+  // it itself (see Executor::run_if_next). A Work that is not completed
+  // belongs to a live group: the group's destructor drains its queue.
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (executor_ != nullptr && !isCompleted()) executor_->run_if_next(ticket_);
+    return c10d::Work::wait(timeout);
+  }
+
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     c10::intrusive_ptr<c10::ivalue::Future> future;
     bool settle_now = false;
@@ -91,6 +105,8 @@ class ShmWork : public c10d::Work {
   }
 
   std::vector<at::Tensor> outputs_;
+  detail::Executor* executor_ = nullptr;
+  uint64_t ticket_ = 0;
   std::exception_ptr error_;  // guarded by mutex_ until done_
   bool done_ = false;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
@@ -205,7 +221,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_collective(const char* op
   auto work = c10::make_intrusive<ShmWork>(getRank(), type, std::move(outputs));
   const auto limit = timeout_of(timeout);
   Comm* comm = comm_.get();
-  collectives_->submit(
+  const uint64_t ticket = collectives_->submit(
       [work, comm, op, limit, run = std::move(job.run)] {
         Call call;
         call.op = op;
@@ -220,6 +236,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_collective(const char* op
         work->complete(error);
       },
       bytes < options_.async_bytes());
+  if (ticket != 0) work->queued_in(collectives_.get(), ticket);
   return work;
 }
 
