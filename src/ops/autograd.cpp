@@ -94,6 +94,12 @@ variable_list defer(AutogradContext* ctx, raw::Pending pending, std::function<at
   return {s.placeholder, {}, {}, {}};
 }
 
+// The local step of an AVG gradient: the collective sums, this divides.
+std::function<at::Tensor(at::Tensor)> divide_if_avg(ReduceOp op, int n) {
+  if (op != ReduceOp::kAvg) return nullptr;
+  return [n](at::Tensor g) { return g.div_(n); };
+}
+
 std::vector<int64_t> saved_ints(AutogradContext* ctx, const char* key) {
   return ctx->saved_data[key].toIntVector();
 }
@@ -193,10 +199,6 @@ struct ReduceScatterFn : torch::autograd::Function<ReduceScatterFn> {
     return defer(ctx, raw::all_gather(grads[0], options, group), divide_if_avg(op, group.size()));
   }
 
-  static std::function<at::Tensor(at::Tensor)> divide_if_avg(ReduceOp op, int n) {
-    if (op != ReduceOp::kAvg) return nullptr;
-    return [n](at::Tensor g) { return g.div_(n); };
-  }
 };
 
 // ~~~ broadcast / reduce ~~~
@@ -229,7 +231,7 @@ struct ReduceFn : torch::autograd::Function<ReduceFn> {
     COMMGRAD_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, "reduce", group, reduce_op_name(op),
                    " has no gradient in commgrad (differentiable: SUM, AVG; all_reduce also has MAX/MIN)");
     auto options = BroadcastOptions().src(static_cast<int>(ctx->saved_data["dst"].toInt()));
-    return defer(ctx, raw::broadcast(grads[0], options, group), ReduceScatterFn::divide_if_avg(op, group.size()));
+    return defer(ctx, raw::broadcast(grads[0], options, group), divide_if_avg(op, group.size()));
   }
 };
 

@@ -100,6 +100,12 @@ at::Tensor reduce_wire(const at::Tensor& buffer) {
   return at::isComplexType(buffer.scalar_type()) ? at::view_as_real(buffer).view({-1}) : buffer.view({-1});
 }
 
+// The group's transport when it is commgrad's shm (which has out-of-place
+// and native forms the raw ops use), else nullptr.
+backend::ShmProcessGroup* shm_transport(const Call& call) {
+  return dynamic_cast<backend::ShmProcessGroup*>(&call.group.transport());
+}
+
 // Divisibility of dim `dim` of x by the group size.
 void check_divisible(const Call& call, const at::Tensor& x, int64_t dim) {
   COMMGRAD_CHECK(x.size(dim) % call.size == 0, call.op, call.group, "dim ", dim, " of ", describe_tensor(x),
@@ -136,7 +142,7 @@ Pending all_reduce(const at::Tensor& x, const AllReduceOptions& options, const G
   const bool avg = options.op() == ReduceOp::kAvg;
   c10d::AllreduceOptions opts;
   opts.reduceOp = detail::to_c10d(options.op());
-  auto* shm = dynamic_cast<backend::ShmProcessGroup*>(&call.group.transport());
+  auto* shm = shm_transport(call);
   if (shm != nullptr && n > 1 && dtype == out_dtype && x.is_contiguous() && x.numel() > 0) {
     // The shm transport reduces straight from the input into the result:
     // no staging copy, so the op costs what the raw in-place call costs.
@@ -263,7 +269,7 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
   const int64_t scale = wire_scale(x.scalar_type()) * inner;
   at::Tensor src = front(x, dim);
   const ReduceOp op = options.op();
-  auto* shm = dynamic_cast<backend::ShmProcessGroup*>(&call.group.transport());
+  auto* shm = shm_transport(call);
   if (shm != nullptr && !uneven && at::isFloatingType(x.scalar_type()) && op != ReduceOp::kProduct) {
     // The shm transport reduce-scatters natively: each rank reduces its own
     // part straight from the others' inputs (no all_to_all, no local sum).
@@ -330,7 +336,7 @@ Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& g
   c10d::ReduceOptions opts;
   opts.reduceOp = detail::to_c10d(options.op());
   opts.rootRank = options.dst();
-  auto* shm = dynamic_cast<backend::ShmProcessGroup*>(&call.group.transport());
+  auto* shm = shm_transport(call);
   if (shm != nullptr && n > 1 && dtype == out_dtype && x.is_contiguous() && x.numel() > 0) {
     // As all_reduce: the root reduces straight from the inputs into its result.
     auto out = pooled_empty(x.sizes(), x.options());
