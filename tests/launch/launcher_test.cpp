@@ -249,6 +249,31 @@ TEST(LauncherTest, ReportsRankKilledBySignal) {
   EXPECT_NO_LEFTOVERS(marker);
 }
 
+// A killed rank's peers fail because of it, and the launcher may find both
+// exits at once. Here rank 0 stops the launcher, SIGKILLs rank 1, waits for it
+// to be a zombie, lets a helper resume the launcher, and exits 3 itself: the
+// launcher sees the two exits together (the older child first) and must still
+// name the killed rank as the cause.
+TEST(LauncherTest, AKilledRankIsTheVerdictWhenItsPeerFailedAtTheSameTime) {
+  const std::string marker = unique_marker();
+  TempDir dir;
+  const std::string pid_file = dir.path() + "/pid1";
+  const ChildResult r = launch(
+      {"-n", "2", "sh", "-c",
+       "if [ $RANK = 1 ]; then echo $$ > " + pid_file + ".tmp; mv " + pid_file + ".tmp " + pid_file +
+           "; sleep " + marker + "; exit 0; fi; "
+           "while [ ! -e " + pid_file + " ]; do sleep 0.02; done; p=$(cat " + pid_file + "); "
+           "kill -STOP $PPID; kill -9 $p; "
+           "while ! grep -q ') Z' /proc/$p/stat; do sleep 0.01; done; "
+           "(sleep 0.3; kill -CONT $PPID) & exit 3"});
+  EXPECT_EQ(r.code, 137) << r.err;
+  EXPECT_NE(r.err.find("rank 1 (pid "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("was killed by signal SIGKILL (9)"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("exited with code 3"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, kFastTeardownS);
+  EXPECT_NO_LEFTOVERS(marker);
+}
+
 TEST(LauncherTest, SigkillsRankThatIgnoresSigtermAfterGrace) {
   const std::string marker = unique_marker();
   TempDir dir;

@@ -18,10 +18,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 extern char** environ;
 
@@ -356,6 +359,27 @@ void Launcher::drain_signals() {
 }
 
 void Launcher::reap() {
+  // Ranks first, and among them those a signal ended: when a rank is killed
+  // its peers fail because of it, and by the time the launcher looks, both
+  // may be zombies, found in any order. The verdict names the cause.
+  std::vector<std::pair<Rank*, siginfo_t>> exited;
+  for (Rank& rank : ranks_) {
+    siginfo_t info{};
+    if (rank.running && waitid(P_PID, rank.pid, &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid == rank.pid) {
+      exited.emplace_back(&rank, info);
+    }
+  }
+  std::stable_partition(exited.begin(), exited.end(),
+                        [](const auto& e) { return e.second.si_code != CLD_EXITED; });
+  for (auto& [rank, info] : exited) {
+    kill(-rank->pid, SIGKILL);
+    while (waitpid(rank->pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+    on_rank_exit(*rank, info);
+  }
+  if (!exited.empty() && running_count() == 0) orphan_check_due_ = true;
+  // Then every other child (the watchdog, a rank that exited meanwhile).
   for (;;) {
     // Peek first (WNOWAIT): while the rank is an unreaped zombie its process
     // group id cannot be reused, so killing the group cannot hit a stranger.
