@@ -39,6 +39,7 @@ using torch::autograd::variable_list;
 struct OpState : torch::CustomClassHolder {
   explicit OpState(Group g) : group(std::move(g)) {}
   Group group;
+  bool deferred = false;                       // the input is routed through WaitForGradient
   at::Tensor placeholder;                      // stands for the gradient until it arrives
   raw::Pending grad;                           // the gradient collective in flight
   std::function<at::Tensor(at::Tensor)> post;  // local step once it arrived (may be empty)
@@ -86,9 +87,14 @@ OpState& saved_state(AutogradContext* ctx) {
 }
 
 // Backward's result for an op whose gradient is `pending` (then `post`):
-// the placeholder now, the gradient from WaitForGradient later.
+// the placeholder now, the gradient from WaitForGradient later; or, for an
+// op that was not deferred, the gradient itself.
 variable_list defer(AutogradContext* ctx, raw::Pending pending, std::function<at::Tensor(at::Tensor)> post = nullptr) {
   OpState& s = saved_state(ctx);
+  if (!s.deferred) {
+    at::Tensor g = pending.wait();
+    return {post ? post(g) : g, {}, {}, {}};
+  }
   s.grad = std::move(pending);
   s.post = std::move(post);
   return {s.placeholder, {}, {}, {}};
@@ -104,13 +110,22 @@ std::vector<int64_t> saved_ints(AutogradContext* ctx, const char* key) {
   return ctx->saved_data[key].toIntVector();
 }
 
-// Runs `apply(routed_x, state)` only when autograd needs a node (x requires
-// grad, grad mode on); otherwise just waits for the result.
+// Waits for the result and runs `apply(input, state)` when autograd needs a
+// node (x requires grad, grad mode on). The gradient is deferred (x routed
+// through a WaitForGradient) unless its collective will finish on the call
+// anyway (small messages on shm), where the second node would cost more
+// than it could overlap. A received gradient (`point_to_point`) is always
+// deferred: it waits for a peer's backward.
 template <typename Apply>
-at::Tensor maybe_apply(const at::Tensor& x, raw::Pending& pending, const Group& group, Apply apply) {
-  if (!(at::GradMode::is_enabled() && x.requires_grad())) return pending.wait();
+at::Tensor maybe_apply(const at::Tensor& x, raw::Pending& pending, const Group& group, Apply apply,
+                       bool point_to_point = false) {
+  const at::Tensor y = pending.wait();
+  if (!(at::GradMode::is_enabled() && x.requires_grad())) return y;
   auto state = c10::make_intrusive<OpState>(group);
-  return apply(route_through_wait(x, state), state);
+  // The dual collective moves at most twice the larger side (all_reduce MAX/MIN packs two).
+  const int64_t bytes = 2 * std::max<int64_t>(x.nbytes(), y.defined() ? y.nbytes() : 0);
+  state->deferred = point_to_point || !raw::completes_on_call(group, bytes);
+  return apply(state->deferred ? route_through_wait(x, state) : x, state);
 }
 
 // The AsyncTensor of an op: `finish(pending)` under the grad mode of the call.
@@ -351,7 +366,6 @@ COMMGRAD_FINISH(reduce, ReduceFn, ReduceOptions)
 COMMGRAD_FINISH(scatter, ScatterFn, ScatterOptions)
 COMMGRAD_FINISH(gather, GatherFn, GatherOptions)
 COMMGRAD_FINISH(all_to_all, AllToAllFn, AllToAllOptions)
-COMMGRAD_FINISH(send_token, SendFn, SendOptions)
 #undef COMMGRAD_FINISH
 
 at::Tensor finish_broadcast(const at::Tensor& x, raw::Pending& p, const BroadcastOptions& o, const Group& g) {
@@ -363,7 +377,9 @@ at::Tensor finish_send(const at::Tensor& x, raw::Pending& p, const SendOptions& 
     p.wait();
     return at::zeros({}, x.options());
   }
-  return finish_send_token(x, p, o, g);
+  return maybe_apply(
+      x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return SendFn::apply(r, p, o, s); },
+      /*point_to_point=*/true);
 }
 
 at::Tensor finish_recv(raw::Pending& p, const RecvOptions& o, const Group& g) {

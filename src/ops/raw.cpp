@@ -521,6 +521,13 @@ Pending recv(at::IntArrayRef sizes, const RecvOptions& options, const Group& gro
   return recv_tagged(sizes, options, group, options.tag());
 }
 
+bool completes_on_call(const Group& group, int64_t bytes) {
+  const Group g = resolve_group(group);
+  if (g.size() == 1) return true;
+  const auto* shm = dynamic_cast<const backend::ShmProcessGroup*>(&g.transport());
+  return shm != nullptr && bytes < shm->options().async_bytes();
+}
+
 }  // namespace commgrad::ops::raw
 
 namespace commgrad::ops::detail {

@@ -18,15 +18,11 @@ namespace {
 
 std::string job() { return build_path("tests/backend/shm_job"); }
 
-// Environment without launcher variables (the test itself may run under one).
-std::map<std::string, std::string> clean_env(std::map<std::string, std::string> extra = {}) {
-  std::map<std::string, std::string> env = {
-      {"RANK", ""},         {"WORLD_SIZE", ""},          {"LOCAL_RANK", ""},          {"LOCAL_WORLD_SIZE", ""},
-      {"MASTER_ADDR", ""},  {"MASTER_PORT", ""},         {"OMPI_COMM_WORLD_RANK", ""}, {"OMPI_COMM_WORLD_SIZE", ""},
-      {"SLURM_PROCID", ""}, {"SLURM_NTASKS", ""},        {"COMMGRAD_BACKEND", ""},     {"COMMGRAD_SHM_CHUNK_BYTES", ""},
-      {"COMMGRAD_TIMEOUT", "30"}};
-  for (auto& [k, v] : extra) env[k] = v;
-  return env;
+// Environment without launcher variables, with a short timeout.
+std::map<std::string, std::string> shm_env(std::map<std::string, std::string> extra = {}) {
+  extra.emplace("COMMGRAD_SHM_CHUNK_BYTES", "");
+  extra.emplace("COMMGRAD_TIMEOUT", "30");
+  return clean_env(extra);
 }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
@@ -40,7 +36,7 @@ class ShmJob : public ::testing::TestWithParam<int> {};
 
 TEST_P(ShmJob, CollectivesAndMessagesAcrossProcesses) {
   const int n = GetParam();
-  auto r = run_process({launcher_path(), "-n", std::to_string(n), "--timeout", "90", job(), "ops", "shm"}, clean_env());
+  auto r = run_process({launcher_path(), "-n", std::to_string(n), "--timeout", "90", job(), "ops", "shm"}, shm_env());
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   for (int q = 0; q < n; ++q) {
     EXPECT_TRUE(contains(r.out, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " ok (shm)")) << r.out;
@@ -53,7 +49,7 @@ TEST_P(ShmJob, CollectivesAndMessagesAcrossProcesses) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmJob, ::testing::Values(1, 2, 4));
 
 TEST(ShmSelection, AutoPicksShmWhenEveryRankIsOnThisHost) {
-  auto r = run_process({launcher_path(), "-n", "3", "--timeout", "90", job(), "ops", "auto"}, clean_env());
+  auto r = run_process({launcher_path(), "-n", "3", "--timeout", "90", job(), "ops", "auto"}, shm_env());
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_TRUE(contains(r.out, "[2] rank 2 ok (shm)")) << r.out;
 }
@@ -63,7 +59,7 @@ TEST(ShmSelection, CommgradBackendSelectsTheTransportOfTheFoundingExample) {
   if (access(example.c_str(), X_OK) != 0) GTEST_SKIP() << "examples are not built";
   for (const std::string backend : {"shm", "gloo"}) {
     auto r = run_process({launcher_path(), "-n", "4", "--timeout", "90", example},
-                         clean_env({{"COMMGRAD_BACKEND", backend}}));
+                         shm_env({{"COMMGRAD_BACKEND", backend}}));
     ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
     EXPECT_TRUE(contains(r.out, "[0] world: 4 ranks, backend " + backend)) << r.out;
     EXPECT_TRUE(contains(r.out, "[0] x.grad = tensor([4., 4., 4., 4.])")) << r.out;
@@ -71,7 +67,7 @@ TEST(ShmSelection, CommgradBackendSelectsTheTransportOfTheFoundingExample) {
 }
 
 TEST(ShmFailure, KillNineOfARankMidCollectiveIsReportedAndLeavesNothingBehind) {
-  auto r = run_process({launcher_path(), "-n", "3", "--grace", "15", "--timeout", "90", job(), "kill"}, clean_env(),
+  auto r = run_process({launcher_path(), "-n", "3", "--grace", "15", "--timeout", "90", job(), "kill"}, shm_env(),
                        std::chrono::seconds(120));
   EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;
   // Both survivors name the dead rank, and fail well within the 30 s timeout.

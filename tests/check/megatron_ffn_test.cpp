@@ -14,7 +14,7 @@ using ::testing::HasSubstr;
 
 TEST(MegatronFfnExample, TwoRanksUnderCommgradRun) {
   auto r = run_process({launcher_path(), "-n", "2", "--timeout", "120", build_path("bin/megatron_ffn")},
-                       {{"RANK", ""}, {"WORLD_SIZE", ""}, {"MASTER_ADDR", ""}, {"MASTER_PORT", ""}},
+                       clean_env(),
                        std::chrono::seconds(150));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("[0] Megatron FFN on 2 tensor-parallel ranks"));
@@ -32,7 +32,7 @@ TEST(MegatronFfnExample, TwoRanksUnderCommgradRun) {
 
 TEST(MegatronFfnExample, RunsAloneAsOneRank) {
   auto r = run_process({build_path("bin/megatron_ffn")},
-                       {{"RANK", ""}, {"WORLD_SIZE", ""}, {"MASTER_ADDR", ""}, {"MASTER_PORT", ""}},
+                       clean_env(),
                        std::chrono::seconds(60));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("megatron_ffn: TP=1 matches TP=1"));

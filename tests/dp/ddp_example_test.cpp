@@ -20,8 +20,7 @@ TEST_P(DdpTrainExample, MatchesSingleProcessUnderCommgradRun) {
   const int n = std::get<0>(GetParam());
   const auto backend = std::get<1>(GetParam());
   // Launcher variables of an enclosing job must not leak into the ranks.
-  const std::map<std::string, std::string> env = {{"RANK", ""}, {"WORLD_SIZE", ""}, {"MASTER_ADDR", ""},
-                                                  {"MASTER_PORT", ""}, {"COMMGRAD_BACKEND", backend}};
+  const auto env = clean_env({{"COMMGRAD_BACKEND", backend}});
   auto r = run_process({launcher_path(), "-n", std::to_string(n), "--timeout", "90", build_path("bin/ddp_train"),
                         "--epochs", "3", "--bucket-cap-mb", "0.01"},
                        env, std::chrono::seconds(120));

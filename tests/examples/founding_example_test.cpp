@@ -24,16 +24,6 @@ using ::testing::HasSubstr;
 
 std::string example() { return build_path("bin/tp_autograd_comm"); }
 
-// Environment without any launcher variables (the test itself may run under one).
-std::map<std::string, std::string> clean_env(std::map<std::string, std::string> extra = {}) {
-  std::map<std::string, std::string> env = {
-      {"RANK", ""}, {"WORLD_SIZE", ""}, {"LOCAL_RANK", ""}, {"LOCAL_WORLD_SIZE", ""},
-      {"MASTER_ADDR", ""}, {"MASTER_PORT", ""}, {"OMPI_COMM_WORLD_RANK", ""}, {"OMPI_COMM_WORLD_SIZE", ""},
-      {"OMPI_COMM_WORLD_LOCAL_RANK", ""}, {"OMPI_COMM_WORLD_LOCAL_SIZE", ""}, {"SLURM_PROCID", ""},
-      {"SLURM_NTASKS", ""}, {"SLURM_LOCALID", ""}, {"COMMGRAD_BACKEND", ""}};
-  for (auto& [k, v] : extra) env[k] = v;
-  return env;
-}
 
 int free_port() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);

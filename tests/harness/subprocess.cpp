@@ -99,6 +99,18 @@ std::string launcher_path() {
   return build_path("bin/commgrad-run");
 }
 
+std::map<std::string, std::string> clean_env(const std::map<std::string, std::string>& extra) {
+  std::map<std::string, std::string> env;
+  for (const char* name :
+       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+        "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "COMMGRAD_BACKEND"}) {
+    env[name] = "";
+  }
+  for (const auto& [k, v] : extra) env[k] = v;
+  return env;
+}
+
 std::vector<std::string> lines_with_prefix(const std::string& text, const std::string& prefix) {
   std::vector<std::string> out;
   std::istringstream in(text);

@@ -30,6 +30,11 @@ std::string build_path(const std::string& relative);
 /// Path of commgrad-run (`$COMMGRAD_RUN`, else `$COMMGRAD_BUILD_DIR/bin/commgrad-run`).
 std::string launcher_path();
 
+/// An environment for run_process that removes every launcher's variables
+/// (torchrun, mpirun, Slurm: the test may itself run under one) and
+/// COMMGRAD_BACKEND, then sets `extra`.
+std::map<std::string, std::string> clean_env(const std::map<std::string, std::string>& extra = {});
+
 /// Lines of `text` that start with `prefix`.
 std::vector<std::string> lines_with_prefix(const std::string& text, const std::string& prefix);
 

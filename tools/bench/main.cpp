@@ -2,15 +2,22 @@
 //
 //   commgrad-run -n 4 commgrad-bench --op all_reduce -b 4K -e 64M -f 4
 //
-// For each size it times three things on every rank, each after a barrier:
-// the bare c10d transport call on preallocated buffers ("raw"), the
-// differentiable op's forward, and its forward+backward (two collectives).
-// Each is the median over --iters timed rounds after --warmup untimed ones;
-// a round runs the three in turn, each after a barrier. Rank 0 prints one line per size: size in bytes and elements, dtype,
-// reduction and root, then time (us), algbw = size/time and busbw = algbw x
-// the nccl-tests bus factor (GB/s) for each, #wrong summed over all ranks
-// (results checked against expected values), the forward's overhead over the
-// raw call in percent and forward+backward as a multiple of one raw call.
+// For each size it times, on every rank and each after a barrier: the bare
+// c10d transport call on preallocated buffers ("raw"), the differentiable
+// op's forward, its forward+backward (two collectives), and the autograd
+// floor: forward+backward of a one-node graph that copies the same input
+// and communicates nothing (what LibTorch's engine costs on its own). Each
+// is the median over --iters timed rounds after --warmup untimed ones; a
+// round runs them in turn, so load from outside falls on all alike.
+//
+// Rank 0 prints one line per size: size in bytes and elements, dtype,
+// reduction and root; time (us), algbw = size/time and busbw = algbw x the
+// nccl-tests bus factor (GB/s) and #wrong (results checked against expected
+// values, summed over ranks) for the raw call and the forward;
+// forward+backward's time, busbw and multiple of one raw call; the floor's
+// time and net = (forward+backward - floor) / raw; and ovh, the forward's
+// overhead over the raw call in percent (the median over rounds of each
+// round's own ratio, which cancels slow drift of a shared machine).
 
 #include "bench.h"
 
@@ -18,6 +25,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -159,11 +167,12 @@ void barrier(const Group& g) {
   if (g.size() > 1) g.transport().barrier()->wait();
 }
 
-// Median times in microseconds of each of `fs` over `iters` rounds, after
-// `warmup` untimed rounds. Each round runs every f once, in turn, after a
-// barrier, so that load from outside the benchmark (a shared machine) falls
+// Times in microseconds of each of `fs` over `iters` rounds (t[k][round]),
+// after `warmup` untimed rounds. Each round runs every f once, in turn, after
+// a barrier, so that load from outside the benchmark (a shared machine) falls
 // on all of them alike.
-std::vector<double> median_us(const Group& g, int warmup, int iters, const std::vector<std::function<void()>>& fs) {
+std::vector<std::vector<double>> time_us(const Group& g, int warmup, int iters,
+                                         const std::vector<std::function<void()>>& fs) {
   for (int i = 0; i < warmup; ++i) {
     for (const auto& f : fs) f();
   }
@@ -176,12 +185,33 @@ std::vector<double> median_us(const Group& g, int warmup, int iters, const std::
       t[k].push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
     }
   }
-  std::vector<double> medians;
-  for (auto& v : t) {
-    std::sort(v.begin(), v.end());
-    medians.push_back(v[v.size() / 2]);
+  return t;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The median over rounds of a[i] / b[i] - 1, in percent.
+double paired_overhead_pct(const std::vector<double>& a, const std::vector<double>& b) {
+  std::vector<double> r;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    if (b[i] > 0) r.push_back(100.0 * (a[i] / b[i] - 1));
   }
-  return medians;
+  return median(r);
+}
+
+// Forward+backward of the autograd floor: a copy of `x` as a one-node graph.
+std::function<void()> autograd_floor(const at::Tensor& x) {
+  auto leaf = x.detach().clone().requires_grad_(true);
+  auto grad = at::ones_like(x);
+  return [leaf, grad]() mutable {
+    leaf.mutable_grad() = at::Tensor();
+    auto y = leaf.clone();
+    torch::autograd::backward({y}, {grad});
+  };
 }
 
 // Sum over ranks (reported by rank 0).
@@ -205,14 +235,14 @@ void run(const Collective& c, const Options& o, const Group& g) {
   if (speaker) {
     std::printf("# commgrad-bench %s: %d ranks, backend %s, %s, iters %d, warmup %d\n", c.name.c_str(), n,
                 g.backend_name().c_str(), dtype_name(o.dtype), o.iters, o.warmup);
-    std::printf("#%38s | %-31s | %-31s | %-21s |\n", "", "raw transport call", "differentiable forward",
-                o.backward ? "forward+backward" : "");
-    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %6s\n", "size",
-                "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw",
-                "#wrong", "time", "busbw", "xraw", "ovh");
-    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %6s\n", "(B)",
-                "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)",
-                "(GB/s)", "", "(%)");
+    std::printf("#%38s | %-31s | %-31s | %-21s | %-14s |\n", "", "raw transport call", "differentiable forward",
+                o.backward ? "forward+backward" : "", o.backward ? "autograd floor" : "");
+    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s\n",
+                "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw",
+                "busbw", "#wrong", "time", "busbw", "xraw", "time", "net", "ovh");
+    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s\n",
+                "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "",
+                "(us)", "(GB/s)", "", "(us)", "xraw", "(%)");
   }
   double sum_raw = 0, sum_op = 0;
   int rows = 0;
@@ -232,9 +262,14 @@ void run(const Collective& c, const Options& o, const Group& g) {
     // The result is dropped inside the timed call (as a training step drops
     // it), so its memory is reused like the raw call's buffer.
     std::vector<std::function<void()>> fs{in.raw, [&] { in.op(in.input); }};
-    if (fb) fs.push_back(in.forward_backward);
-    const auto t = median_us(g, o.warmup, o.iters, fs);
-    const double t_raw = t[0], t_op = t[1], t_fb = fb ? t[2] : 0;
+    if (fb) {
+      fs.push_back(in.forward_backward);
+      fs.push_back(autograd_floor(in.input));
+    }
+    const auto t = time_us(g, o.warmup, o.iters, fs);
+    const double t_raw = median(t[0]), t_op = median(t[1]);
+    const double t_fb = fb ? median(t[2]) : 0, t_floor = fb ? median(t[3]) : 0;
+    const double ovh = paired_overhead_pct(t[1], t[0]);
     int64_t wrong_raw = 0, wrong_op = 0;
     if (o.check) {
       barrier(g);
@@ -251,11 +286,12 @@ void run(const Collective& c, const Options& o, const Group& g) {
                   t_raw, gbps(size, t_raw), gbps(size, t_raw) * factor, static_cast<long long>(wrong_raw), t_op,
                   gbps(size, t_op), gbps(size, t_op) * factor, static_cast<long long>(wrong_op));
       if (fb) {
-        std::printf("%8.1f %7.3f %4.2f | ", t_fb, gbps(2 * size, t_fb) * factor, t_fb / t_raw);
+        std::printf("%8.1f %7.3f %4.2f | %8.1f %5.2f | ", t_fb, gbps(2 * size, t_fb) * factor, t_fb / t_raw, t_floor,
+                    (t_fb - t_floor) / t_raw);
       } else {
-        std::printf("%8s %7s %4s | ", "n/a", "", "");
+        std::printf("%8s %7s %4s | %8s %5s | ", "n/a", "", "", "n/a", "");
       }
-      std::printf("%+6.1f\n", 100.0 * (t_op - t_raw) / t_raw);
+      std::printf("%+6.1f\n", ovh);
       std::fflush(stdout);
     }
     sum_raw += gbps(size, t_raw) * factor;

@@ -58,6 +58,11 @@ class Pending {
 /// The group an op runs on: `group` itself, or world() when it is empty.
 Group resolve_group(const Group& group);
 
+/// True when a collective of `bytes` on `group` is finished by the time the
+/// call returns (a group of one; the shm transport below its async_bytes),
+/// so that waiting for it later can overlap nothing.
+bool completes_on_call(const Group& group, int64_t bytes);
+
 /// y = reduction over ranks of x (a new contiguous tensor, same shape/dtype).
 Pending all_reduce(const at::Tensor& x, const AllReduceOptions& options = {}, const Group& group = Group());
 /// All-reduces `x` in place (x must be contiguous); wait() returns x.

@@ -1,0 +1,119 @@
+// commgrad-bench as a user runs it: under commgrad-run, every op, over Gloo
+// and shm. Each table must have one row per size, with no wrong element in
+// either the raw or the differentiable result (the bench checks both against
+// expected values on every rank), and the forward+backward and floor columns
+// where the dtype has gradients. Bad options end every rank with a message.
+
+#include "harness/subprocess.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace commgrad::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::vector<std::string> kOps = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+                                       "scatter",    "gather",     "all_to_all",     "send_recv"};
+
+ProcessResult bench(int n, const std::string& backend, std::vector<std::string> args) {
+  std::vector<std::string> argv = {launcher_path(), "-n", std::to_string(n), "--timeout", "120",
+                                   build_path("bin/commgrad-bench"), "--backend", backend};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, clean_env({{"COMMGRAD_TIMEOUT", "60"}}), std::chrono::seconds(150));
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> parts;
+  std::istringstream in(s);
+  for (std::string part; std::getline(in, part, sep);) parts.push_back(part);
+  return parts;
+}
+
+std::vector<std::string> words(const std::string& s) {
+  std::vector<std::string> w;
+  std::istringstream in(s);
+  for (std::string x; in >> x;) w.push_back(x);
+  return w;
+}
+
+// The data rows of the table that follows "# commgrad-bench <op>:" in rank 0's output.
+std::vector<std::string> rows_of(const std::string& out, const std::string& op) {
+  std::vector<std::string> rows;
+  bool in_table = false;
+  for (const std::string& line : lines_with_prefix(out, "[0] ")) {
+    const std::string body = line.substr(4);
+    if (body.rfind("# commgrad-bench ", 0) == 0) in_table = body.rfind("# commgrad-bench " + op + ":", 0) == 0;
+    if (in_table && !body.empty() && body[0] != '#') rows.push_back(body);
+  }
+  return rows;
+}
+
+class BenchAllOps : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
+
+TEST_P(BenchAllOps, EveryTableIsCompleteAndEveryResultRight) {
+  const auto [n, backend] = GetParam();
+  const auto r = bench(n, backend, {"--op", "all", "-b", "4K", "-e", "64K", "-f", "4", "--iters", "3", "--warmup", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  for (const std::string& op : kOps) {
+    SCOPED_TRACE(op);
+    EXPECT_THAT(r.out, HasSubstr("[0] # commgrad-bench " + op + ": " + std::to_string(n) + " ranks, backend " +
+                                 backend + ", float"));
+    const auto rows = rows_of(r.out, op);
+    ASSERT_EQ(rows.size(), 3u) << r.out;  // 4K, 16K, 64K
+    for (const std::string& row : rows) {
+      const auto groups = split(row, '|');
+      ASSERT_EQ(groups.size(), 6u) << row;
+      const auto raw = words(groups[1]), fwd = words(groups[2]), fb = words(groups[3]), floor = words(groups[4]);
+      ASSERT_EQ(raw.size(), 4u) << row;
+      ASSERT_EQ(fwd.size(), 4u) << row;
+      EXPECT_EQ(raw[3], "0") << "wrong elements in the raw result: " << row;
+      EXPECT_EQ(fwd[3], "0") << "wrong elements in the differentiable result: " << row;
+      ASSERT_EQ(fb.size(), 3u) << row;  // time, busbw, xraw
+      ASSERT_EQ(floor.size(), 2u) << row;
+      EXPECT_GT(std::stod(fb[0]), 0.0) << row;
+      EXPECT_GT(std::stod(floor[0]), 0.0) << row;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, BenchAllOps,
+                         ::testing::Values(std::make_tuple(2, std::string("gloo")), std::make_tuple(3, std::string("shm"))),
+                         [](const auto& info) {
+                           return std::get<1>(info.param) + "_n" + std::to_string(std::get<0>(info.param));
+                         });
+
+TEST(Bench, IntegerTypesHaveNoGradientColumns) {
+  const auto r = bench(2, "shm", {"--op", "all_reduce", "-d", "int32", "-o", "max", "-b", "4K", "-e", "4K",
+                                  "--iters", "2", "--warmup", "0"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto rows = rows_of(r.out, "all_reduce");
+  ASSERT_EQ(rows.size(), 1u) << r.out;
+  const auto groups = split(rows[0], '|');
+  ASSERT_EQ(groups.size(), 6u) << rows[0];
+  EXPECT_THAT(words(groups[0]), ::testing::ElementsAre("4096", "1024", "int32", "max", "-1"));
+  EXPECT_EQ(words(groups[1])[3], "0") << rows[0];
+  EXPECT_EQ(words(groups[2])[3], "0") << rows[0];
+  EXPECT_EQ(words(groups[3]), std::vector<std::string>{"n/a"}) << rows[0];
+}
+
+TEST(Bench, BadOptionsEndEveryRankWithAMessage) {
+  auto r = bench(2, "gloo", {"--op", "allreduce"});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("unknown --op 'allreduce'"));
+  r = bench(2, "gloo", {"--root", "2", "--op", "broadcast"});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--root 2 is outside 0..1"));
+  r = bench(1, "gloo", {"-b", "4Q"});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("bad size '4Q'"));
+}
+
+}  // namespace
+}  // namespace commgrad::testing
