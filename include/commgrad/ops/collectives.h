@@ -15,7 +15,10 @@
 // op's input waits for it, and the autograd engine runs it only when no
 // other backward work is ready. So the gradient collectives of one part of
 // a model run while backward computes the rest (other branches, weight
-// gradients, earlier collectives' local steps).
+// gradients, earlier collectives' local steps). A gradient collective that
+// finishes on the call anyway (shm below its async_bytes, a group of one)
+// is waited for on the spot: there is nothing to overlap, and the second
+// node would cost more than the collective.
 //
 // Example:
 //   auto world = commgrad::init_process_group();
