@@ -5,8 +5,8 @@
 // For each size it times, on every rank and each after a barrier: the bare
 // c10d transport call on preallocated buffers ("raw"), the differentiable
 // op's forward, its forward+backward (two collectives), and the autograd
-// floor: forward+backward of a one-node graph that copies the same input
-// and communicates nothing (what LibTorch's engine costs on its own). Each
+// floor: forward+backward of a one-node graph on one element, without
+// communication (what LibTorch's engine costs per backward() call). Each
 // is the median over --iters timed rounds after --warmup untimed ones; a
 // round runs them in turn, so load from outside falls on all alike.
 //
@@ -203,10 +203,14 @@ double paired_overhead_pct(const std::vector<double>& a, const std::vector<doubl
   return median(r);
 }
 
-// Forward+backward of the autograd floor: a copy of `x` as a one-node graph.
+// The autograd floor: forward+backward of a one-node graph on one element of
+// x's dtype, without communication. What LibTorch's engine costs per
+// backward() call, whatever the op (size-dependent local work excluded: a
+// fresh tensor of 32 MiB and more is a new mmap, so on some machines a local
+// copy of that size costs more than the collective).
 std::function<void()> autograd_floor(const at::Tensor& x) {
-  auto leaf = x.detach().clone().requires_grad_(true);
-  auto grad = at::ones_like(x);
+  auto leaf = at::ones({1}, x.options()).requires_grad_(true);
+  auto grad = at::ones({1}, x.options());
   return [leaf, grad]() mutable {
     leaf.mutable_grad() = at::Tensor();
     auto y = leaf.clone();
