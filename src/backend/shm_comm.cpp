@@ -156,8 +156,8 @@ template <class Ready>
 void Comm::wait(Ready&& ready, Bell& bell, const Call& call, WaitOn on, int peer) {
   if (ready()) return;
   const int64_t spin = spin_ns_.load(std::memory_order_relaxed);
+  const int64_t start = spin > 0 ? now_ns() : 0;
   if (spin > 0) {
-    const int64_t start = now_ns();
     do {
       for (int i = 0; i < 64; ++i) {
         if (ready()) {
@@ -167,7 +167,6 @@ void Comm::wait(Ready&& ready, Bell& bell, const Call& call, WaitOn on, int peer
         cpu_relax();
       }
     } while (now_ns() - start < spin);
-    spin_ns_.store(std::max(kMinSpinNs, spin / 2), std::memory_order_relaxed);
   }
   const int64_t yield = yield_ns_.load(std::memory_order_relaxed);
   if (yield > 0) {
@@ -182,13 +181,30 @@ void Comm::wait(Ready&& ready, Bell& bell, const Call& call, WaitOn on, int peer
     yield_ns_.store(std::max(kMinSpinNs, yield / 2), std::memory_order_relaxed);
   }
   wait_slow(ready, bell, call, on, peer);
+  if (spin > 0) {
+    // How long after this wait began the last rank arrived (barriers only).
+    const int64_t late = on == WaitOn::kBarrier ? last_arrival_ns() - start : -1;
+    spin_ns_.store(late > 0 && late <= policy_.max_spin_ns ? std::min(policy_.max_spin_ns, std::max(2 * spin, late + late / 4))
+                                                          : std::max(kMinSpinNs, spin / 2),
+                   std::memory_order_relaxed);
+  }
+}
+
+int64_t Comm::last_arrival_ns() const {
+  int64_t last = 0;
+  for (int q = 0; q < size_; ++q) {
+    last = std::max(last, segment_->rank_block(q).arrived_ns.load(std::memory_order_relaxed));
+  }
+  return last;
 }
 
 void Comm::arrive_and_wait(const Call& call) {
   Bell& bell = segment_->header().arrivals;
   ++generation_;
   const auto target = static_cast<uint32_t>(generation_ * static_cast<uint64_t>(size_));
-  segment_->rank_block(rank_).generation.store(static_cast<uint32_t>(generation_), std::memory_order_relaxed);
+  RankBlock& mine = segment_->rank_block(rank_);
+  if (spin_ns_.load(std::memory_order_relaxed) > 0) mine.arrived_ns.store(now_ns(), std::memory_order_relaxed);
+  mine.generation.store(static_cast<uint32_t>(generation_), std::memory_order_relaxed);
   const uint32_t arrived = bell.value.fetch_add(1, std::memory_order_seq_cst) + 1;
   if (arrived == target) {
     if (bell.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&bell.value);

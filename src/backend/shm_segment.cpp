@@ -50,7 +50,7 @@ namespace commgrad::backend::detail {
 namespace {
 
 constexpr uint64_t kMagic = 0x6873646172676d63ULL;  // "cmgradsh"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 

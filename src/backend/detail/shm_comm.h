@@ -58,10 +58,16 @@ struct Call {
 
 /// How long a waiting rank may spin before it sleeps on a futex. The spin
 /// adapts between kMinSpinNs and max_spin_ns: it doubles when a wait ends
-/// while spinning and halves when the rank has to sleep, so on a busy
-/// machine (the peer is not running, and spinning only keeps it off the
-/// core) it falls to a token spin, and on a quiet one it stays long enough
-/// to skip the futex round trip. 0 disables spinning (ranks outnumber cores).
+/// while spinning, and when a barrier wait had to sleep but the last rank
+/// arrived within max_spin_ns (ranks stamp their arrival), a longer spin
+/// would have caught it: the spin grows to cover that. It halves when the
+/// rank sleeps for longer (or, waiting for a single peer, sleeps at all). So
+/// on a busy machine (the peer is not running, and spinning only keeps it off
+/// the core) it falls to a token spin, and on a quiet one it stays long
+/// enough to skip the futex round trip, and gets back there after a burst of
+/// skew: one sleeping rank wakes about 10 us after its peer, which a token
+/// spin cannot cover, so without the stamps the spin would stay down.
+/// 0 disables spinning (ranks outnumber cores).
 struct WaitPolicy {
   int64_t max_spin_ns = 0;
   /// When ranks outnumber cores, a waiting rank then calls sched_yield for
@@ -136,6 +142,7 @@ class Comm {
   void wait(Ready&& ready, Bell& bell, const Call& call, WaitOn on, int peer);
   void wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& call, WaitOn on, int peer);
   std::vector<int> pending_ranks(WaitOn on, int peer) const;
+  int64_t last_arrival_ns() const;  // the latest arrival stamp of the ranks at a barrier
   void check_peers(const Call& call, WaitOn on, int peer);
   [[noreturn]] void throw_aborted(const char* op) const;
 

@@ -53,6 +53,7 @@ struct alignas(kLine) RankBlock {
   std::atomic<int32_t> pid;         // 0 until the rank has mapped the segment
   uint64_t pid_namespace;            // inode of its /proc/self/ns/pid: pids compare only within one
   std::atomic<uint32_t> generation;  // barriers this rank has arrived at (low 32 bits)
+  std::atomic<int64_t> arrived_ns;   // when it arrived at the last one (steady clock, shared by the host)
   std::atomic<uint64_t> seq;         // collective it is running or ran last
   std::atomic<uint32_t> kind;        // ... and its kind
   OpDescriptor desc[kSets];
