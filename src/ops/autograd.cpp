@@ -46,6 +46,13 @@ struct OpState : torch::CustomClassHolder {
 };
 using OpStatePtr = c10::intrusive_ptr<OpState>;
 
+// An op's options, kept whole in ctx->saved_data.
+template <class T>
+struct Saved : torch::CustomClassHolder {
+  explicit Saved(T v) : value(std::move(v)) {}
+  T value;
+};
+
 // Waits for the gradient collective an op's backward started.
 class WaitForGradient : public torch::autograd::Node {
  public:
@@ -252,37 +259,29 @@ struct ReduceFn : torch::autograd::Function<ReduceFn> {
 
 // ~~~ scatter / gather ~~~
 
-struct ScatterFn : torch::autograd::Function<ScatterFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*x*/, raw::Pending& pending,
-                            const ScatterOptions& o, const OpStatePtr& state) {
-    ctx->saved_data["src"] = static_cast<int64_t>(o.src());
-    ctx->saved_data["dim"] = o.dim();
-    save_state(ctx, state);
-    return pending.wait();
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto options = GatherOptions()
-                       .dst(static_cast<int>(ctx->saved_data["src"].toInt()))
-                       .dim(ctx->saved_data["dim"].toInt());
-    return defer(ctx, raw::gather(grads[0], options, saved_state(ctx).group));
-  }
-};
+// Each is the other's gradient, with the same root and dim.
+raw::Pending dual(const ScatterOptions& o, const at::Tensor& g, const Group& group) {
+  return raw::gather(g, GatherOptions().dst(o.src()).dim(o.dim()), group);
+}
+raw::Pending dual(const GatherOptions& o, const at::Tensor& g, const Group& group) {
+  return raw::scatter(g, ScatterOptions().src(o.dst()).dim(o.dim()), group);
+}
 
-struct GatherFn : torch::autograd::Function<GatherFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*x*/, raw::Pending& pending,
-                            const GatherOptions& o, const OpStatePtr& state) {
-    ctx->saved_data["dst"] = static_cast<int64_t>(o.dst());
-    ctx->saved_data["dim"] = o.dim();
+template <class Options>
+struct RootedFn : torch::autograd::Function<RootedFn<Options>> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*x*/, raw::Pending& pending, const Options& o,
+                            const OpStatePtr& state) {
+    ctx->saved_data["options"] = at::IValue::make_capsule(c10::make_intrusive<Saved<Options>>(o));
     save_state(ctx, state);
     return pending.wait();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto options = ScatterOptions()
-                       .src(static_cast<int>(ctx->saved_data["dst"].toInt()))
-                       .dim(ctx->saved_data["dim"].toInt());
-    return defer(ctx, raw::scatter(grads[0], options, saved_state(ctx).group));
+    const auto& o = static_cast<Saved<Options>*>(ctx->saved_data["options"].toCapsule().get())->value;
+    return defer(ctx, dual(o, grads[0], saved_state(ctx).group));
   }
 };
+using ScatterFn = RootedFn<ScatterOptions>;
+using GatherFn = RootedFn<GatherOptions>;
 
 // ~~~ all_to_all ~~~
 
