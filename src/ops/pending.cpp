@@ -13,6 +13,12 @@
 // group unusable). The record size depends only on the group size, so the
 // exchange itself can never mismatch. Point-to-point calls cannot use a
 // collective; their two sides swap a small header instead.
+//
+// Aborts. Some transport failures cannot be caught: Gloo enforces in its I/O
+// thread that a peer sends no more bytes than this rank posted, and the
+// uncaught exception terminates the process. The last collective this
+// process started is remembered, and a terminate handler (installed with the
+// first collective) names it and the likely cause before the process ends.
 
 #include "detail/common.h"
 
@@ -27,6 +33,10 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <iostream>
+#include <memory>
+#include <mutex>
 #include <strings.h>
 
 namespace commgrad {
@@ -172,6 +182,54 @@ raw::Pending Call::ready(at::Tensor result) const {
   return raw::Pending(std::move(s));
 }
 
+namespace {
+
+std::mutex g_last_mutex;
+std::weak_ptr<PendingState> g_last;  // the last collective this process started
+std::terminate_handler g_previous_terminate = nullptr;
+
+// Names the collective in flight (if any) when the process is terminated by
+// an exception nobody could catch (a transport's I/O thread), then lets the
+// previous handler print the exception and abort.
+[[noreturn]] void terminate_with_context() {
+  std::string what = "an uncaught exception";
+  if (const auto e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      what = ex.what();
+    } catch (...) {
+    }
+  }
+  std::shared_ptr<PendingState> last;
+  if (g_last_mutex.try_lock()) {
+    last = g_last.lock();
+    g_last_mutex.unlock();
+  }
+  if (last && !last->done) {
+    std::cerr << "[commgrad] " << last->op << " " << last->group.describe()
+              << ": the process is terminating while collective #" << last->sequence << " is in flight (" << what
+              << ")";
+    if (what.find("op.preamble.length <= op.nbytes") != std::string::npos) {
+      std::cerr << ". Gloo aborts like this when another rank called the collective with more data than this rank; "
+                   "set COMMGRAD_DEBUG=1 on every rank to check each collective across ranks and raise an error on "
+                   "all of them instead";
+    }
+    std::cerr << std::endl;
+  }
+  if (g_previous_terminate != nullptr) g_previous_terminate();
+  std::abort();
+}
+
+void remember_started(const std::shared_ptr<PendingState>& s) {
+  static std::once_flag installed;
+  std::call_once(installed, [] { g_previous_terminate = std::set_terminate(terminate_with_context); });
+  std::lock_guard<std::mutex> lock(g_last_mutex);
+  g_last = s;
+}
+
+}  // namespace
+
 raw::Pending Call::pending(std::vector<commgrad::detail::WorkPtr> works, std::function<at::Tensor()> finish) const {
   auto s = std::make_shared<PendingState>();
   s->op = op;
@@ -179,6 +237,7 @@ raw::Pending Call::pending(std::vector<commgrad::detail::WorkPtr> works, std::fu
   s->sequence = sequence;
   s->works = std::move(works);
   s->finish = std::move(finish);
+  remember_started(s);
   return raw::Pending(std::move(s));
 }
 

@@ -36,5 +36,21 @@ TEST(OpsMultiProcess, DebugMismatchFailsEveryRank) {
   EXPECT_NE(result.err.find("ranks disagree on collective"), std::string::npos) << result.err;
 }
 
+// Without the debug check, a rank that receives more than it posted is
+// aborted by Gloo's I/O thread (nothing can catch it); the process still
+// says which collective was in flight and what to do.
+TEST(OpsMultiProcess, GlooAbortOnASizeMismatchNamesTheCollective) {
+  auto result = testing::run_process({testing::launcher_path(), "-n", "2", "--timeout", "60",
+                                      testing::build_path("tests/ops/ops_check"), "--mismatch", "1000", "2000"},
+                                     testing::clean_env({{"COMMGRAD_BACKEND", "gloo"}, {"COMMGRAD_DEBUG", ""}}),
+                                     seconds(90));
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_NE(result.err.find("[0] [commgrad] all_reduce rank 0/2 group 'world' (gloo): the process is terminating "
+                            "while collective #0 is in flight"),
+            std::string::npos)
+      << result.err;
+  EXPECT_NE(result.err.find("set COMMGRAD_DEBUG=1 on every rank"), std::string::npos) << result.err;
+}
+
 }  // namespace
 }  // namespace commgrad::ops

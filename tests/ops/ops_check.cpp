@@ -1,12 +1,13 @@
 // A small program run by the tests through commgrad-run at 2 and 3 ranks:
 // every rank runs a few differentiable collectives with rank-dependent
 // inputs, checks values and gradients in closed form, and exits non-zero on
-// a mismatch. With --mismatch, rank 0 all-reduces a tensor of a different
-// shape (to show the debug check failing every rank).
+// a mismatch. With --mismatch [N0 N1], rank 0 all-reduces N0 elements and
+// the others N1 (default 3 and 4), to show how a mismatch ends the job.
 
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 
@@ -30,7 +31,8 @@ int main(int argc, char** argv) {
     const int n = commgrad::world_size();
     const int r = commgrad::rank();
     if (argc > 1 && std::strcmp(argv[1], "--mismatch") == 0) {
-      ops::all_reduce(torch::ones({r == 0 ? 3 : 4}));
+      const int64_t mine = argc > 3 ? std::atoll(argv[r == 0 ? 2 : 3]) : (r == 0 ? 3 : 4);
+      ops::all_reduce(torch::ones({mine}));
       return 0;
     }
     // all_reduce: x_r = r + 1; y = n(n+1)/2; grad = n (sum of per-rank ones).
@@ -57,6 +59,9 @@ int main(int argc, char** argv) {
     ops::barrier();
     commgrad::destroy_process_group();
     if (failures == 0 && r == 0) std::cout << "ops_check: all checks passed on " << n << " ranks\n";
+  } catch (const c10::Error& e) {
+    std::cerr << "ops_check: " << e.what_without_backtrace() << "\n";
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "ops_check: " << e.what() << "\n";
     return 1;
