@@ -73,14 +73,23 @@ class ShmWork : public c10d::Work {
   }
 
   // A caller that waits before the worker thread has started the job runs
-  // it itself (see Executor::run_if_next). A Work that is not completed
-  // belongs to a live group: the group's destructor drains its queue.
+  // it itself (see Executor::run_until); otherwise the worker must get to it.
+  // A Work that is not completed belongs to a live group: the group's
+  // destructor drains its queue.
   bool wait(std::chrono::milliseconds timeout) override {
-    if (executor_ != nullptr && !isCompleted()) executor_->run_if_next(ticket_);
+    if (executor_ != nullptr && !c10d::Work::isCompleted() && !executor_->run_until(ticket_)) executor_->wake();
     return c10d::Work::wait(timeout);
   }
 
+  // A caller that polls instead of waiting gets the job started.
+  bool isCompleted() override {
+    const bool done = c10d::Work::isCompleted();
+    if (!done && executor_ != nullptr) executor_->wake();
+    return done;
+  }
+
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    if (executor_ != nullptr && !c10d::Work::isCompleted()) executor_->wake();  // callbacks need progress
     c10::intrusive_ptr<c10::ivalue::Future> future;
     bool settle_now = false;
     {
@@ -163,6 +172,10 @@ ShmOptions resolve(ShmOptions o, int size) {
     const int64_t env = env_int("COMMGRAD_SHM_ASYNC_BYTES", "bytes");
     o.async_bytes(env >= 0 ? env : int64_t{1} << 20);
   }
+  if (o.eager_worker() < 0) {
+    const int64_t env = env_int("COMMGRAD_SHM_EAGER_WORKER", "0 or 1");
+    o.eager_worker(env >= 0 ? (env != 0 ? 1 : 0) : (2 * size <= usable_cpus() ? 1 : 0));
+  }
   if (o.group_name().empty()) o.group_name("shm");
   return o;
 }
@@ -192,7 +205,9 @@ ShmProcessGroup::ShmProcessGroup(const commgrad::detail::StorePtr& store, int ra
   policy.max_spin_ns = static_cast<int64_t>(options_.spin_us()) * 1000;
   if (size > usable_cpus()) policy.max_yield_ns = 50 * 1000;
   comm_ = std::make_unique<Comm>(std::move(segment), rank, size, context, policy);
-  collectives_ = std::make_unique<detail::Executor>();
+  // The worker starts collectives at once only when it can have a core of
+  // its own (see Executor: eager or lazy).
+  collectives_ = std::make_unique<detail::Executor>(options_.eager_worker() != 0);
   senders_.resize(size);
   receivers_.resize(size);
   init();

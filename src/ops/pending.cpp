@@ -17,8 +17,9 @@
 // Aborts. Some transport failures cannot be caught: Gloo enforces in its I/O
 // thread that a peer sends no more bytes than this rank posted, and the
 // uncaught exception terminates the process. The last collective this
-// process started is remembered, and a terminate handler (installed with the
-// first collective) names it and the likely cause before the process ends.
+// process started is remembered (before it reaches the transport), and a
+// terminate handler (installed with the first collective) names it and the
+// likely cause before the process ends.
 
 #include "detail/common.h"
 
@@ -184,13 +185,19 @@ raw::Pending Call::ready(at::Tensor result) const {
 
 namespace {
 
-std::mutex g_last_mutex;
-std::weak_ptr<PendingState> g_last;  // the last collective this process started
+// The last collective this process started (see "Aborts" at the top).
+struct Started {
+  const char* op = nullptr;
+  uint64_t sequence = 0;
+  std::weak_ptr<commgrad::detail::GroupState> group;  // not kept alive by this record
+};
+std::mutex g_started_mutex;
+Started g_started;
 std::terminate_handler g_previous_terminate = nullptr;
 
-// Names the collective in flight (if any) when the process is terminated by
-// an exception nobody could catch (a transport's I/O thread), then lets the
-// previous handler print the exception and abort.
+// Names the last collective started when the process is terminated (by an
+// exception nobody could catch, e.g. in a transport's I/O thread), then lets
+// the previous handler print the exception and abort.
 [[noreturn]] void terminate_with_context() {
   std::string what = "an uncaught exception";
   if (const auto e = std::current_exception()) {
@@ -201,17 +208,18 @@ std::terminate_handler g_previous_terminate = nullptr;
     } catch (...) {
     }
   }
-  std::shared_ptr<PendingState> last;
-  if (g_last_mutex.try_lock()) {
-    last = g_last.lock();
-    g_last_mutex.unlock();
+  Started last;
+  if (g_started_mutex.try_lock()) {
+    last = g_started;
+    g_started_mutex.unlock();
   }
-  if (last && !last->done) {
-    std::cerr << "[commgrad] " << last->op << " " << last->group.describe()
-              << ": the process is terminating while collective #" << last->sequence << " is in flight (" << what
-              << ")";
+  if (last.op != nullptr) {
+    const auto state = last.group.lock();
+    std::cerr << "[commgrad] " << last.op << " " << (state ? Group(state).describe() : std::string("(group gone)"))
+              << ": the process is terminating (" << what << "); the last collective it started is #"
+              << last.sequence;
     if (what.find("op.preamble.length <= op.nbytes") != std::string::npos) {
-      std::cerr << ". Gloo aborts like this when another rank called the collective with more data than this rank; "
+      std::cerr << ". Gloo aborts like this when another rank called a collective with more data than this rank; "
                    "set COMMGRAD_DEBUG=1 on every rank to check each collective across ranks and raise an error on "
                    "all of them instead";
     }
@@ -221,14 +229,17 @@ std::terminate_handler g_previous_terminate = nullptr;
   std::abort();
 }
 
-void remember_started(const std::shared_ptr<PendingState>& s) {
+}  // namespace
+
+void Call::start() {
+  sequence = group.next_sequence();
   static std::once_flag installed;
   std::call_once(installed, [] { g_previous_terminate = std::set_terminate(terminate_with_context); });
-  std::lock_guard<std::mutex> lock(g_last_mutex);
-  g_last = s;
+  std::lock_guard<std::mutex> lock(g_started_mutex);
+  g_started.op = op;
+  g_started.sequence = sequence;
+  g_started.group = group.state();
 }
-
-}  // namespace
 
 raw::Pending Call::pending(std::vector<commgrad::detail::WorkPtr> works, std::function<at::Tensor()> finish) const {
   auto s = std::make_shared<PendingState>();
@@ -237,7 +248,6 @@ raw::Pending Call::pending(std::vector<commgrad::detail::WorkPtr> works, std::fu
   s->sequence = sequence;
   s->works = std::move(works);
   s->finish = std::move(finish);
-  remember_started(s);
   return raw::Pending(std::move(s));
 }
 

@@ -254,6 +254,41 @@ TEST(ShmAsync, WorkHandlesAndFuturesCompleteInIssueOrder) {
   });
 }
 
+// Work nobody waits for still completes, eager or lazy: rank 0 blocks on
+// the store until rank 1 has finished an all_reduce that needs rank 0's
+// part, so only rank 0's worker thread can run it; and a caller that polls
+// isCompleted() instead of waiting sees its collective finish.
+TEST(ShmAsync, WorkNobodyWaitsForStillCompletes) {
+  for (const int eager : {0, 1}) {
+    SCOPED_TRACE(eager ? "eager worker" : "lazy worker");
+    RunOptions o = quick();
+    o.shm.async_bytes(0).eager_worker(eager);
+    run_ranks(2, o, [eager](Rank& r) {
+      const std::string key = "rank 1 done " + std::to_string(eager);
+      std::vector<at::Tensor> t{at::full({8}, r.rank + 1.0f)};
+      auto work = r.shm->allreduce(t);
+      if (r.rank == 0) {
+        r.store->wait({key});
+      } else {
+        work->wait();
+        r.store->set(key, {1});
+      }
+      work->wait();
+      EXPECT_TRUE(at::equal(t[0], at::full({8}, 3.0f)));
+      std::vector<at::Tensor> u{at::full({8}, r.rank + 1.0f)};
+      auto polled = r.shm->allreduce(u);
+      while (!polled->isCompleted()) std::this_thread::yield();
+      EXPECT_TRUE(at::equal(u[0], at::full({8}, 3.0f)));
+      // A Future's callbacks run without anyone waiting.
+      std::vector<at::Tensor> v{at::full({8}, r.rank + 1.0f)};
+      std::atomic<bool> called{false};
+      r.shm->allreduce(v)->getFuture()->addCallback([&called](c10::ivalue::Future&) { called = true; });
+      while (!called) std::this_thread::yield();
+      EXPECT_TRUE(at::equal(v[0], at::full({8}, 3.0f)));
+    });
+  }
+}
+
 TEST(ShmAsync, SeveralGroupsUsedFromSeveralThreadsAtOnce) {
   run_ranks(3, quick(), [](Rank& r) {
     auto second = c10::make_intrusive<ShmProcessGroup>(c10::make_intrusive<c10d::PrefixStore>("second", r.store), r.rank,
@@ -285,7 +320,7 @@ void soak(int n, int collectives, bool async = false) {
             << std::endl;
   const auto start = Clock::now();
   RunOptions options = quick();
-  if (async) options.shm.async_bytes(0);  // every collective through the worker thread
+  if (async) options.shm.async_bytes(0).eager_worker(1);  // every collective through the worker thread
   run_ranks(n, options, [&](Rank& r) {
     std::mt19937_64 rng(seed);  // the same sequence on every rank
     const std::vector<at::ScalarType> dtypes{at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kInt, at::kByte};

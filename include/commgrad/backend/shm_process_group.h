@@ -41,6 +41,15 @@ struct ShmOptions {
   /// return completed (no thread hand-off: microseconds matter there).
   /// -1: $COMMGRAD_SHM_ASYNC_BYTES, else 1 MiB.
   TORCH_ARG(int64_t, async_bytes) = -1;
+  /// Whether the worker thread starts a queued collective at once (eager:
+  /// it overlaps the caller's compute) or leaves a lone queued collective to
+  /// whoever waits for it, starting it only when more work is queued behind
+  /// it, someone polls or asks for its Future, or after 10 ms (lazy: no
+  /// thread hand-off and no context switch mid-collective). -1: eager when
+  /// every rank of the group can have a core for its worker (2 x size <= the
+  /// CPUs this process may use), else lazy, unless $COMMGRAD_SHM_EAGER_WORKER
+  /// is 0 or 1; 0 lazy; 1 eager.
+  TORCH_ARG(int, eager_worker) = -1;
   /// Longest spin, in microseconds, before a waiting rank sleeps on a futex
   /// (the spin adapts below it: it shrinks while peers keep arriving late).
   /// -1: $COMMGRAD_SHM_SPIN_US, else 50 when the group's ranks fit on this

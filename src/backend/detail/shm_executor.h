@@ -2,12 +2,24 @@
 // The executor behind every ShmProcessGroup call: jobs run in submission
 // order, on the caller's thread when nothing is queued or running (and the
 // caller allows it), otherwise on a worker thread started on first use.
-// A queued job that is next in line and not yet started can also be taken
-// back by whoever waits for it (run_if_next): a caller that waits at once
-// then pays no thread handoff (two wake-ups, 100 us and more on a loaded
-// VM), and one that computes first still gets its collective run meanwhile.
-// Internal to commgrad_backend.
+// Whoever waits for a queued job that has not started runs it (and the
+// queued jobs before it) on its own thread (run_until): a caller that waits
+// at once then pays no thread handoff (two wake-ups, 100 us and more on a
+// loaded VM).
+//
+// Eager or lazy. An eager executor wakes its worker at every submission, so
+// a job runs while its caller computes (overlap). That only pays when the
+// worker has a core to itself: on a machine whose cores the ranks already
+// fill, waking the worker costs each collective a context switch in the
+// middle of its lockstep with the peers (2 ranks on 2 cores, 1 MiB
+// all-reduce: about 200 us instead of 150). A lazy executor leaves a lone
+// queued job to its waiter; the worker starts it when a second job is
+// queued behind it, when someone polls or asks for a Future (wake), or at
+// the latest `lazy_start` after submission, so that every job makes
+// progress even if nobody waits for it. Internal to commgrad_backend.
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -20,7 +32,10 @@ namespace commgrad::backend::detail {
 /// Runs jobs in submission order, on the caller's thread when possible.
 class Executor {
  public:
-  Executor() = default;
+  using Clock = std::chrono::steady_clock;
+
+  explicit Executor(bool eager = true, Clock::duration lazy_start = std::chrono::milliseconds(10))
+      : eager_(eager), lazy_start_(lazy_start) {}
   ~Executor() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -32,7 +47,7 @@ class Executor {
 
   /// Runs `job` now, on this thread, when `inline_ok` and nothing is queued
   /// or running; otherwise queues it. `job` must not throw. Returns the
-  /// queued job's ticket for run_if_next(), or 0 when it already ran.
+  /// queued job's ticket for run_until(), or 0 when it already ran.
   uint64_t submit(std::function<void()> job, bool inline_ok) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (inline_ok && !busy_ && queue_.empty()) {
@@ -40,29 +55,60 @@ class Executor {
       return 0;
     }
     const uint64_t ticket = ++last_ticket_;
-    queue_.push_back({ticket, std::move(job)});
+    const Clock::time_point now = Clock::now();
+    queue_.push_back({ticket, eager_ ? now : now + lazy_start_, std::move(job)});
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-    cv_.notify_all();
+    if (eager_) {
+      cv_.notify_all();
+    } else if (queue_.size() > 1 || busy_) {
+      // The caller moved on without waiting: let the worker start the older jobs.
+      for (Queued& q : queue_) q.start = std::min(q.start, now);
+      cv_.notify_all();
+    }
     return ticket;
   }
 
-  /// Runs the job with `ticket` on this thread if it is next in line and
-  /// nothing is running; false when it is not (running, done, or behind others).
-  bool run_if_next(uint64_t ticket) {
+  /// Runs the queued jobs up to and including `ticket` on this thread, in
+  /// order, while nothing else runs. True when the job with `ticket` ran
+  /// here; false when it is running elsewhere, done, or behind a running job.
+  bool run_until(uint64_t ticket) {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (busy_ || queue_.empty() || queue_.front().ticket != ticket) return false;
-    auto job = std::move(queue_.front().job);
-    queue_.pop_front();
-    run_locked(job, lock);
-    return true;
+    while (!busy_ && !queue_.empty() && queue_.front().ticket <= ticket) {
+      const bool mine = queue_.front().ticket == ticket;
+      auto job = std::move(queue_.front().job);
+      queue_.pop_front();
+      run_locked(job, lock);
+      if (mine) return true;
+    }
+    return false;
+  }
+
+  /// Lets the worker start every queued job now (a lazy executor's progress
+  /// for callers that poll instead of waiting).
+  void wake() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (queue_.empty()) return;
+    const Clock::time_point now = Clock::now();
+    for (Queued& q : queue_) q.start = std::min(q.start, now);
+    cv_.notify_all();
   }
 
  private:
   void loop() {
     std::unique_lock<std::mutex> lock(mutex_);
+    const auto ready = [&] { return (stop_ && queue_.empty()) || (!busy_ && !queue_.empty()); };
     while (true) {
-      cv_.wait(lock, [&] { return (stop_ && queue_.empty()) || (!busy_ && !queue_.empty()); });
+      if (eager_) {
+        cv_.wait(lock, ready);
+      } else if (!cv_.wait_for(lock, lazy_start_, ready)) {
+        continue;  // a lazy worker looks at least every lazy_start, as nobody wakes it for a lone job
+      }
       if (queue_.empty()) return;  // stopping, and drained
+      const Clock::time_point start = queue_.front().start;
+      if (!stop_ && Clock::now() < start) {
+        cv_.wait_until(lock, start);  // its waiter may take it meanwhile
+        continue;
+      }
       auto job = std::move(queue_.front().job);
       queue_.pop_front();
       run_locked(job, lock);
@@ -82,9 +128,12 @@ class Executor {
 
   struct Queued {
     uint64_t ticket;
+    Clock::time_point start;  // when the worker may start it
     std::function<void()> job;
   };
 
+  const bool eager_;
+  const Clock::duration lazy_start_;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<Queued> queue_;

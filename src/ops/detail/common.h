@@ -39,7 +39,7 @@ struct Call {
   uint64_t sequence = 0;
 
   /// Takes the sequence number: call after every local check.
-  void start() { sequence = group.next_sequence(); }
+  void start();
   /// A Pending that is already complete with `result`.
   raw::Pending ready(at::Tensor result) const;
   /// A Pending for `works`, finished by `finish` (may be empty: `result`).
