@@ -56,8 +56,10 @@ done
 mkdir -p "$out"
 
 have_mpi=0
+mpi_bin=$(mktemp -d)/mpi_allreduce  # the binary stays out of the results
+trap 'rm -rf "$(dirname "$mpi_bin")"' EXIT
 if command -v mpicc > /dev/null && command -v mpirun > /dev/null; then
-  mpicc -O2 -o "$out/mpi_allreduce" bench/mpi_allreduce.c
+  mpicc -O2 -o "$mpi_bin" bench/mpi_allreduce.c
   have_mpi=1
 else
   echo "compare_transports.sh: no mpicc/mpirun (OpenMPI); comparing gloo and shm only" >&2
@@ -78,7 +80,7 @@ for n in $ranks; do
   done
   if [[ $have_mpi == 1 ]]; then
     echo "== all_reduce, $n ranks, OpenMPI" >&2
-    mpirun "${mpi_flags[@]}" -n "$n" "$out/mpi_allreduce" "$(bytes "$min")" "$(bytes "$max")" "$factor" "$iters" "$warmup" \
+    mpirun "${mpi_flags[@]}" -n "$n" "$mpi_bin" "$(bytes "$min")" "$(bytes "$max")" "$factor" "$iters" "$warmup" \
       | tee "$out/allreduce_n${n}_mpi.txt"
   fi
 done
