@@ -170,24 +170,26 @@ void Comm::wait(Ready&& ready, Bell& bell, const Call& call, WaitOn on, int peer
   }
   const int64_t yield = yield_ns_.load(std::memory_order_relaxed);
   if (yield > 0) {
-    const int64_t start = now_ns();
+    const int64_t yield_start = now_ns();
     do {
       sched_yield();
       if (ready()) {
         yield_ns_.store(std::min(policy_.max_yield_ns, 2 * yield), std::memory_order_relaxed);
+        if (spin > 0) spin_ns_.store(spin_after_miss(spin, start, on), std::memory_order_relaxed);
         return;
       }
-    } while (now_ns() - start < yield);
+    } while (now_ns() - yield_start < yield);
     yield_ns_.store(std::max(kMinSpinNs, yield / 2), std::memory_order_relaxed);
   }
   wait_slow(ready, bell, call, on, peer);
-  if (spin > 0) {
-    // How long after this wait began the last rank arrived (barriers only).
-    const int64_t late = on == WaitOn::kBarrier ? last_arrival_ns() - start : -1;
-    spin_ns_.store(late > 0 && late <= policy_.max_spin_ns ? std::min(policy_.max_spin_ns, std::max(2 * spin, late + late / 4))
-                                                          : std::max(kMinSpinNs, spin / 2),
-                   std::memory_order_relaxed);
-  }
+  if (spin > 0) spin_ns_.store(spin_after_miss(spin, start, on), std::memory_order_relaxed);
+}
+
+int64_t Comm::spin_after_miss(int64_t spin, int64_t start, WaitOn on) const {
+  // How long after the wait began the last rank arrived (barriers only).
+  const int64_t late = on == WaitOn::kBarrier ? last_arrival_ns() - start : -1;
+  if (late > 0 && late <= policy_.max_spin_ns) return std::min(policy_.max_spin_ns, std::max(2 * spin, late + late / 4));
+  return std::max(kMinSpinNs, spin / 2);
 }
 
 int64_t Comm::last_arrival_ns() const {

@@ -58,7 +58,7 @@ struct Call {
 
 /// How long a waiting rank may spin before it sleeps on a futex. The spin
 /// adapts between kMinSpinNs and max_spin_ns: it doubles when a wait ends
-/// while spinning, and when a barrier wait had to sleep but the last rank
+/// while spinning, and when a barrier wait had to yield or sleep but the last rank
 /// arrived within max_spin_ns (ranks stamp their arrival), a longer spin
 /// would have caught it: the spin grows to cover that. It halves when the
 /// rank sleeps for longer (or, waiting for a single peer, sleeps at all). So
@@ -94,6 +94,7 @@ class Comm {
   // Collectives. Sizes are in elements of `dtype` unless named *_bytes.
   void barrier(const Call& call);
   /// `in` and `out` may be the same buffer (in place) or not overlap at all.
+  /// reduce() with root -1 is allreduce().
   void allreduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op);
   void reduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op, int root);
   void broadcast(const Call& call, void* data, int64_t bytes, c10::ScalarType dtype, int root);
@@ -143,6 +144,8 @@ class Comm {
   void wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& call, WaitOn on, int peer);
   std::vector<int> pending_ranks(WaitOn on, int peer) const;
   int64_t last_arrival_ns() const;  // the latest arrival stamp of the ranks at a barrier
+  // The spin after a wait that spinning `spin` ns from `start` did not catch (see WaitPolicy).
+  int64_t spin_after_miss(int64_t spin, int64_t start, WaitOn on) const;
   void check_peers(const Call& call, WaitOn on, int peer);
   [[noreturn]] void throw_aborted(const char* op) const;
 
