@@ -55,14 +55,7 @@ void copy(void* dst, const void* src, int64_t bytes) {
 }  // namespace
 
 void Comm::allreduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op) {
-  const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dtype));
-  const auto* i = static_cast<const uint8_t*>(in);
-  auto* o = static_cast<uint8_t*>(out);
-  if (bytes <= std::min<int64_t>(kSmallBytes, segment_->layout().chunk_bytes)) {
-    allreduce_small(call, i, o, count, dtype, op, -1);
-  } else {
-    allreduce_pipelined(call, i, o, count, dtype, op, -1);
-  }
+  reduce(call, in, out, count, dtype, op, /*root=*/-1);  // root -1: every rank gets the result
 }
 
 void Comm::reduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op,

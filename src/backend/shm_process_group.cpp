@@ -340,8 +340,10 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce(std::vector<at::Tensor
                            }});
 }
 
-void ShmProcessGroup::check_out_of_place(const char* op, int kind, const at::Tensor& input,
-                                         const at::Tensor& output) {
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_reduce_out(const char* op, int kind, const at::Tensor& input,
+                                                                  const at::Tensor& output,
+                                                                  const c10d::ReduceOp& reduce_op,
+                                                                  std::chrono::milliseconds timeout, int root) {
   SHM_CHECK_TENSOR(input, "the input");
   SHM_CHECK_TENSOR(output, "the output");
   SHM_REQUIRE(input.is_contiguous() && output.is_contiguous(), "the out-of-place form needs contiguous tensors");
@@ -352,20 +354,20 @@ void ShmProcessGroup::check_out_of_place(const char* op, int kind, const at::Ten
   const auto* out_begin = static_cast<const uint8_t*>(output.data_ptr());
   SHM_REQUIRE(in_begin == out_begin || in_begin + input.nbytes() <= out_begin || out_begin + output.nbytes() <= in_begin,
               "input and output overlap");
+  RedOp red;
+  SHM_CHECK_REDUCTION(red, reduce_op, input.scalar_type());
+  const auto type = root < 0 ? c10d::OpType::ALLREDUCE : c10d::OpType::REDUCE;
+  return submit_collective(op, type, {output}, static_cast<int64_t>(output.nbytes()), timeout,
+                           Job{[input, output, red, root](Comm& c, const Call& call) {
+                             c.reduce(call, input.data_ptr(), output.data_ptr(), output.numel(),
+                                      output.scalar_type(), red, root);
+                           }});
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_out(const at::Tensor& input, const at::Tensor& output,
                                                               const c10d::AllreduceOptions& opts) {
-  const char* op = "allreduce";
-  const OpKind kind = OpKind::kAllreduce;
-  check_out_of_place(op, static_cast<int>(kind), input, output);
-  RedOp red;
-  SHM_CHECK_REDUCTION(red, opts.reduceOp, input.scalar_type());
-  return submit_collective(op, c10d::OpType::ALLREDUCE, {output}, static_cast<int64_t>(output.nbytes()), opts.timeout,
-                           Job{[input, output, red](Comm& c, const Call& call) {
-                             c.allreduce(call, input.data_ptr(), output.data_ptr(), output.numel(),
-                                         output.scalar_type(), red);
-                           }});
+  return submit_reduce_out("allreduce", static_cast<int>(OpKind::kAllreduce), input, output, opts.reduceOp,
+                           opts.timeout, /*root=*/-1);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_out(const at::Tensor& input, const at::Tensor& output,
@@ -374,15 +376,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_out(const at::Tensor& inp
   const OpKind kind = OpKind::kReduce;
   SHM_REQUIRE(opts.rootRank >= 0 && opts.rootRank < getSize(), "root rank ", opts.rootRank, " is outside [0, ",
               getSize(), ")");
-  check_out_of_place(op, static_cast<int>(kind), input, output);
-  RedOp red;
-  SHM_CHECK_REDUCTION(red, opts.reduceOp, input.scalar_type());
-  const int root = static_cast<int>(opts.rootRank);
-  return submit_collective(op, c10d::OpType::REDUCE, {output}, static_cast<int64_t>(output.nbytes()), opts.timeout,
-                           Job{[input, output, red, root](Comm& c, const Call& call) {
-                             c.reduce(call, input.data_ptr(), output.data_ptr(), output.numel(),
-                                      output.scalar_type(), red, root);
-                           }});
+  return submit_reduce_out(op, static_cast<int>(kind), input, output, opts.reduceOp, opts.timeout,
+                           static_cast<int>(opts.rootRank));
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_coalesced(std::vector<at::Tensor>& tensors,

@@ -102,9 +102,10 @@ at::Tensor reduce_wire(const at::Tensor& buffer) {
 
 // The group's transport when it is commgrad's shm (which has out-of-place
 // and native forms the raw ops use), else nullptr.
-backend::ShmProcessGroup* shm_transport(const Call& call) {
-  return dynamic_cast<backend::ShmProcessGroup*>(&call.group.transport());
+backend::ShmProcessGroup* shm_transport(const Group& group) {
+  return dynamic_cast<backend::ShmProcessGroup*>(&group.transport());
 }
+backend::ShmProcessGroup* shm_transport(const Call& call) { return shm_transport(call.group); }
 
 // Divisibility of dim `dim` of x by the group size.
 void check_divisible(const Call& call, const at::Tensor& x, int64_t dim) {
@@ -524,7 +525,7 @@ Pending recv(at::IntArrayRef sizes, const RecvOptions& options, const Group& gro
 bool completes_on_call(const Group& group, int64_t bytes) {
   const Group g = resolve_group(group);
   if (g.size() == 1) return true;
-  const auto* shm = dynamic_cast<const backend::ShmProcessGroup*>(&g.transport());
+  const auto* shm = shm_transport(g);
   return shm != nullptr && bytes < shm->options().async_bytes();
 }
 

@@ -159,7 +159,10 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
   c10::intrusive_ptr<c10d::Work> submit_collective(const char* op, c10d::OpType type, std::vector<at::Tensor> outputs,
                                                    int64_t bytes, std::chrono::milliseconds timeout, Job job);
   [[noreturn]] void reject(const char* op, int kind, const std::string& message);
-  void check_out_of_place(const char* op, int kind, const at::Tensor& input, const at::Tensor& output);
+  // allreduce_out (root -1) and reduce_out: checks, then one Comm::reduce.
+  c10::intrusive_ptr<c10d::Work> submit_reduce_out(const char* op, int kind, const at::Tensor& input,
+                                                   const at::Tensor& output, const c10d::ReduceOp& reduce_op,
+                                                   std::chrono::milliseconds timeout, int root);
   detail::Executor& peer_executor(bool sending, int peer);
   std::chrono::milliseconds timeout_of(std::chrono::milliseconds requested) const;
 

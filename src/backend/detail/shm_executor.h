@@ -58,13 +58,9 @@ class Executor {
     const Clock::time_point now = Clock::now();
     queue_.push_back({ticket, eager_ ? now : now + lazy_start_, std::move(job)});
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-    if (eager_) {
-      cv_.notify_all();
-    } else if (queue_.size() > 1 || busy_) {
-      // The caller moved on without waiting: let the worker start the older jobs.
-      for (Queued& q : queue_) q.start = std::min(q.start, now);
-      cv_.notify_all();
-    }
+    // Lazy: a job queued behind another means the caller moved on without
+    // waiting, so the worker may start them all.
+    if (eager_ || queue_.size() > 1 || busy_) release_all_locked(now);
     return ticket;
   }
 
@@ -87,13 +83,16 @@ class Executor {
   /// for callers that poll instead of waiting).
   void wake() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (queue_.empty()) return;
-    const Clock::time_point now = Clock::now();
+    if (!queue_.empty()) release_all_locked(Clock::now());
+  }
+
+ private:
+  // Lets the worker start every queued job from `now` on (mutex_ held).
+  void release_all_locked(Clock::time_point now) {
     for (Queued& q : queue_) q.start = std::min(q.start, now);
     cv_.notify_all();
   }
 
- private:
   void loop() {
     std::unique_lock<std::mutex> lock(mutex_);
     const auto ready = [&] { return (stop_ && queue_.empty()) || (!busy_ && !queue_.empty()); };
