@@ -121,6 +121,25 @@ class ShmWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+/// An executor job: runs `run` under a Call for `op` whose deadline starts
+/// when the job does, and completes `work` with the outcome.
+std::function<void()> completing(c10::intrusive_ptr<ShmWork> work, Comm* comm, const char* op,
+                                 std::chrono::milliseconds limit, std::function<void(Comm&, const Call&)> run) {
+  return [work = std::move(work), comm, op, limit, run = std::move(run)] {
+    Call call;
+    call.op = op;
+    call.timeout = limit;
+    call.deadline = std::chrono::steady_clock::now() + limit;
+    std::exception_ptr error;
+    try {
+      run(*comm, call);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    work->complete(error);
+  };
+}
+
 /// A tensor as the engine sees it: contiguous memory, copied back into the
 /// caller's tensor afterwards when that one is not contiguous.
 struct Staged {
@@ -234,23 +253,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_collective(const char* op
                                                                   std::vector<at::Tensor> outputs, int64_t bytes,
                                                                   std::chrono::milliseconds timeout, Job job) {
   auto work = c10::make_intrusive<ShmWork>(getRank(), type, std::move(outputs));
-  const auto limit = timeout_of(timeout);
-  Comm* comm = comm_.get();
-  const uint64_t ticket = collectives_->submit(
-      [work, comm, op, limit, run = std::move(job.run)] {
-        Call call;
-        call.op = op;
-        call.timeout = limit;
-        call.deadline = std::chrono::steady_clock::now() + limit;
-        std::exception_ptr error;
-        try {
-          run(*comm, call);
-        } catch (...) {
-          error = std::current_exception();
-        }
-        work->complete(error);
-      },
-      bytes < options_.async_bytes());
+  const uint64_t ticket = collectives_->submit(completing(work, comm_.get(), op, timeout_of(timeout), std::move(job.run)),
+                                               bytes < options_.async_bytes());
   if (ticket != 0) work->queued_in(collectives_.get(), ticket);
   return work;
 }
@@ -766,62 +770,38 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::barrier(const c10d::BarrierOptio
 // ~~~ point to point ~~~
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
-  const std::string where = c10::str("[commgrad] send ", comm_->context(), ": ");
-  TORCH_CHECK(tensors.size() == 1, where, "expects exactly one tensor per call, got ", tensors.size());
-  TORCH_CHECK(dst_rank >= 0 && dst_rank < getSize() && dst_rank != getRank(), where, "destination rank ", dst_rank,
-              " must be another rank of the group [0, ", getSize(), ")");
-  TORCH_CHECK(is_cpu_dense(tensors[0]), where, "the tensor must be a defined CPU tensor with strided layout");
-  const Staged s(tensors[0]);
+  const Staged s(p2p_tensor("send", tensors, dst_rank, "destination"));
   auto work = c10::make_intrusive<ShmWork>(getRank(), c10d::OpType::SEND, std::vector<at::Tensor>{});
-  Comm* comm = comm_.get();
-  const auto limit = options_.timeout();
-  const bool now = comm->send_fits(dst_rank, s.bytes());
-  peer_executor(true, dst_rank).submit(
-      [work, comm, s, dst_rank, tag, limit] {
-        Call call;
-        call.op = "send";
-        call.timeout = limit;
-        call.deadline = std::chrono::steady_clock::now() + limit;
-        std::exception_ptr error;
-        try {
-          comm->send(call, dst_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
-        } catch (...) {
-          error = std::current_exception();
-        }
-        work->complete(error);
-      },
-      now);
+  peer_executor(true, dst_rank)
+      .submit(completing(work, comm_.get(), "send", options_.timeout(),
+                         [s, dst_rank, tag](Comm& c, const Call& call) {
+                           c.send(call, dst_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
+                         }),
+              comm_->send_fits(dst_rank, s.bytes()));
   return work;
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
-  const std::string where = c10::str("[commgrad] recv ", comm_->context(), ": ");
+  const Staged s(p2p_tensor("recv", tensors, src_rank, "source"));
+  auto work = c10::make_intrusive<ShmWork>(getRank(), c10d::OpType::RECV, tensors);
+  peer_executor(false, src_rank)
+      .submit(completing(work, comm_.get(), "recv", options_.timeout(),
+                         [s, src_rank, tag](Comm& c, const Call& call) {
+                           c.recv(call, src_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
+                           s.finish();
+                         }),
+              comm_->recv_ready(src_rank, s.bytes()));
+  return work;
+}
+
+const at::Tensor& ShmProcessGroup::p2p_tensor(const char* op, const std::vector<at::Tensor>& tensors, int peer,
+                                              const char* role) const {
+  const std::string where = c10::str("[commgrad] ", op, " ", comm_->context(), ": ");
   TORCH_CHECK(tensors.size() == 1, where, "expects exactly one tensor per call, got ", tensors.size());
-  TORCH_CHECK(src_rank >= 0 && src_rank < getSize() && src_rank != getRank(), where, "source rank ", src_rank,
+  TORCH_CHECK(peer >= 0 && peer < getSize() && peer != getRank(), where, role, " rank ", peer,
               " must be another rank of the group [0, ", getSize(), ")");
   TORCH_CHECK(is_cpu_dense(tensors[0]), where, "the tensor must be a defined CPU tensor with strided layout");
-  const Staged s(tensors[0]);
-  auto work = c10::make_intrusive<ShmWork>(getRank(), c10d::OpType::RECV, tensors);
-  Comm* comm = comm_.get();
-  const auto limit = options_.timeout();
-  const bool now = comm->recv_ready(src_rank, s.bytes());
-  peer_executor(false, src_rank).submit(
-      [work, comm, s, src_rank, tag, limit] {
-        Call call;
-        call.op = "recv";
-        call.timeout = limit;
-        call.deadline = std::chrono::steady_clock::now() + limit;
-        std::exception_ptr error;
-        try {
-          comm->recv(call, src_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
-          s.finish();
-        } catch (...) {
-          error = std::current_exception();
-        }
-        work->complete(error);
-      },
-      now);
-  return work;
+  return tensors[0];
 }
 
 }  // namespace commgrad::backend

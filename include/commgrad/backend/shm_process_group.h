@@ -164,6 +164,9 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
                                                    const at::Tensor& output, const c10d::ReduceOp& reduce_op,
                                                    std::chrono::milliseconds timeout, int root);
   detail::Executor& peer_executor(bool sending, int peer);
+  // The one tensor of a send or recv with `peer` (its `role`), checked.
+  const at::Tensor& p2p_tensor(const char* op, const std::vector<at::Tensor>& tensors, int peer,
+                               const char* role) const;
   std::chrono::milliseconds timeout_of(std::chrono::milliseconds requested) const;
 
   ShmOptions options_;
