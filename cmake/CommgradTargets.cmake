@@ -27,7 +27,7 @@ endif()
 set(COMMGRAD_PCH_OWNER "")
 if(COMMGRAD_USE_PCH)
   add_library(commgrad_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/pch.cpp)
-  target_compile_features(commgrad_pch PRIVATE cxx_std_17)
+  target_compile_features(commgrad_pch PRIVATE cxx_std_${COMMGRAD_CXX_STANDARD})
   target_link_libraries(commgrad_pch PRIVATE ${TORCH_LIBRARIES})
   target_compile_options(commgrad_pch PRIVATE -fPIC ${COMMGRAD_SANITIZER_FLAGS})
   set_target_properties(commgrad_pch PROPERTIES CXX_EXTENSIONS OFF)
@@ -36,15 +36,23 @@ if(COMMGRAD_USE_PCH)
 endif()
 
 # commgrad_configure_target(<target> [PCH])
-#   C++17, warnings, sanitizers, -fPIC, and with PCH the shared precompiled
-#   LibTorch headers.
+#   The C++ standard of the LibTorch found (COMMGRAD_CXX_STANDARD), warnings,
+#   sanitizers, -fPIC, and with PCH the shared precompiled LibTorch headers.
+#   Executables find the layers in ../lib once installed.
 function(commgrad_configure_target target)
   cmake_parse_arguments(ARG "PCH;NO_TORCH" "" "" ${ARGN})
-  target_compile_features(${target} PRIVATE cxx_std_17)
+  target_compile_features(${target} PRIVATE cxx_std_${COMMGRAD_CXX_STANDARD})
   set_target_properties(${target} PROPERTIES CXX_EXTENSIONS OFF DEFINE_SYMBOL "")
+  get_target_property(type ${target} TYPE)
+  if(type STREQUAL "EXECUTABLE")
+    set_target_properties(${target} PROPERTIES INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR};${COMMGRAD_TORCH_LIB_DIR}")
+  endif()
   target_compile_options(${target} PRIVATE -fPIC ${COMMGRAD_WARNINGS} ${COMMGRAD_SANITIZER_FLAGS})
   if(COMMGRAD_SANITIZER_FLAGS)
     target_link_options(${target} PRIVATE ${COMMGRAD_SANITIZER_FLAGS})
+  endif()
+  if(COMMGRAD_TORCH_LINK_OPTIONS AND NOT ARG_NO_TORCH)
+    target_link_options(${target} PRIVATE ${COMMGRAD_TORCH_LINK_OPTIONS})
   endif()
   if(ARG_PCH AND COMMGRAD_PCH_OWNER)
     target_precompile_headers(${target} REUSE_FROM ${COMMGRAD_PCH_OWNER})
@@ -62,11 +70,14 @@ function(commgrad_add_library name)
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
     $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/include>
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
-  target_compile_features(${name} PUBLIC cxx_std_17)
+  # Users of the installed package compile with at least this standard.
+  target_compile_features(${name} PUBLIC cxx_std_${COMMGRAD_CXX_STANDARD})
   # Installed layers find each other next to themselves (RUNPATH is not
   # inherited by a program's transitive dependencies).
-  set_target_properties(${name} PROPERTIES INSTALL_RPATH "$ORIGIN")
+  set_target_properties(${name} PROPERTIES INSTALL_RPATH "$ORIGIN;${COMMGRAD_TORCH_LIB_DIR}")
   target_link_libraries(${name} PUBLIC ${ARG_DEPS} ${TORCH_LIBRARIES} Threads::Threads)
+  # Programs linked against a layer need the wheel's CUDA libraries found too.
+  target_link_options(${name} INTERFACE ${COMMGRAD_TORCH_LINK_OPTIONS})
   if(ARG_PCH)
     commgrad_configure_target(${name} PCH)
   else()

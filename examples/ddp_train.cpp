@@ -8,7 +8,10 @@
 // compares: the program exits non-zero when its DDP replica differs from
 // that single-process run by more than the tolerance (float32 rounding).
 //
-//   commgrad-run -n 4 ddp_train [--epochs 5] [--bucket-cap-mb 25]
+//   commgrad-run -n 4 ddp_train [--epochs 5] [--bucket-cap-mb 25] [--device cpu|cuda]
+//
+// With --device cuda the DDP replicas train on each rank's GPU and the
+// single-process reference stays on the CPU.
 //   [0] world: 4 ranks, backend gloo; 3 gradient buckets
 //   [0] epoch 1/5: loss 0.412345
 //   ...
@@ -56,12 +59,13 @@ Dataset make_dataset() {
 
 // One epoch over the data; rank `rank` of `n` uses its rows of each batch.
 // Returns the mean loss of this rank's shards.
-double train_epoch(Mlp& model, torch::optim::Optimizer& opt, const Dataset& data, int rank, int n) {
+double train_epoch(Mlp& model, torch::optim::Optimizer& opt, const Dataset& data, int rank, int n,
+                   const torch::Device& device = torch::kCPU) {
   double total = 0;
   int batches = 0;
   for (int64_t start = 0; start < kSamples; start += kBatch, ++batches) {
-    auto x = data.x.narrow(0, start, kBatch).chunk(n, 0)[rank];
-    auto y = data.y.narrow(0, start, kBatch).chunk(n, 0)[rank];
+    auto x = data.x.narrow(0, start, kBatch).chunk(n, 0)[rank].to(device);
+    auto y = data.y.narrow(0, start, kBatch).chunk(n, 0)[rank].to(device);
     opt.zero_grad();
     auto loss = torch::mse_loss(model->forward(x), y);
     loss.backward();
@@ -88,13 +92,17 @@ int main(int argc, char** argv) {
   try {
     int epochs = 5;
     double bucket_cap_mb = 25;
+    bool cuda = false;
     for (int i = 1; i < argc; ++i) {
       if (std::strcmp(argv[i], "--epochs") == 0 && i + 1 < argc) {
         epochs = parse_int(argv[++i], "--epochs");
       } else if (std::strcmp(argv[i], "--bucket-cap-mb") == 0 && i + 1 < argc) {
         bucket_cap_mb = std::atof(argv[++i]);
+      } else if (std::strcmp(argv[i], "--device") == 0 && i + 1 < argc &&
+                 (std::strcmp(argv[i + 1], "cpu") == 0 || std::strcmp(argv[i + 1], "cuda") == 0)) {
+        cuda = std::strcmp(argv[++i], "cuda") == 0;
       } else {
-        std::cerr << "usage: ddp_train [--epochs N] [--bucket-cap-mb MB]\n";
+        std::cerr << "usage: ddp_train [--epochs N] [--bucket-cap-mb MB] [--device cpu|cuda]\n";
         return 2;
       }
     }
@@ -104,20 +112,25 @@ int main(int argc, char** argv) {
     const int n = commgrad::world_size();
     if (kBatch % n != 0) throw std::invalid_argument("the batch of 32 must divide evenly over the ranks");
     const auto data = make_dataset();
+    if (cuda && commgrad::cuda_device_count() == 0) throw std::invalid_argument("--device cuda, but no CUDA device");
+    const torch::Device device = cuda ? commgrad::device() : torch::Device(torch::kCPU);
 
     // DDP: each rank starts from its own seed; construction broadcasts rank 0's.
     torch::manual_seed(1234 + rank);
     Mlp model;
+    model->to(device);
     commgrad::DistributedDataParallel ddp(
         model, commgrad::DistributedDataParallelOptions().bucket_cap_mb(bucket_cap_mb).first_bucket_cap_mb(
                    std::min(bucket_cap_mb, 1.0)));
     auto opt = make_optimizer(model);
     if (rank == 0) {
-      std::cout << "world: " << n << " ranks, backend " << commgrad::world().backend_name() << "; "
+      std::cout << commgrad::build_info().to_string() << "\n";
+      std::cout << "world: " << n << " ranks, backend " << commgrad::world().backend_name()
+                << (cuda ? ", CUDA tensors over " + commgrad::world().cuda_backend_name() : std::string()) << "; "
                 << ddp.buckets().size() << " gradient bucket(s)" << std::endl;
     }
     for (int epoch = 1; epoch <= epochs; ++epoch) {
-      const double local = train_epoch(model, opt, data, rank, n);
+      const double local = train_epoch(model, opt, data, rank, n, device);
       std::vector<torch::Tensor> loss{torch::full({1}, local, torch::kDouble)};
       commgrad::world().transport().allreduce(loss)->wait();
       if (rank == 0) {
@@ -134,7 +147,7 @@ int main(int argc, char** argv) {
     double worst = 0;
     auto want = single->named_parameters();
     for (const auto& p : model->named_parameters()) {
-      worst = std::max(worst, (p.value() - want[p.key()]).abs().max().item<double>());
+      worst = std::max(worst, (p.value().cpu() - want[p.key()]).abs().max().item<double>());
     }
     const bool ok = worst <= kTolerance;
     if (rank == 0 || !ok) {

@@ -11,10 +11,14 @@
 // float32 with sequence parallelism (input and output split along the
 // sequence), and float64. Rank 0 prints the tables; the program exits
 // non-zero when any tensor is outside its tolerance.
+//
+// With --device cuda the parallel block runs on each rank's GPU (float32 and
+// float64; the reference stays on the CPU).
 
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
+#include <cstring>
 #include <iostream>
 
 namespace tp = commgrad::tp;
@@ -46,10 +50,11 @@ struct ReferenceMLPImpl : torch::nn::Module {
 };
 TORCH_MODULE(ReferenceMLP);
 
-bool run(const commgrad::Group& tp_group, bool sequence_parallel, torch::ScalarType dtype, bool speaker) {
+bool run(const commgrad::Group& tp_group, bool sequence_parallel, torch::ScalarType dtype, bool speaker,
+         const torch::Device& device) {
   tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, tp_group).seed(kSeed).sequence_parallel(sequence_parallel));
   ReferenceMLP reference(kHidden, kFfn, kSeed);
-  mlp->to(dtype);
+  mlp->to(device, dtype);
   reference->to(dtype);
 
   auto gen = at::make_generator<at::CPUGeneratorImpl>(kSeed + 7);
@@ -57,6 +62,7 @@ bool run(const commgrad::Group& tp_group, bool sequence_parallel, torch::ScalarT
 
   const auto layout = sequence_parallel ? check::Layout::partitioned(0) : check::Layout::replicated();
   auto options = check::GradCheckOptions(tp_group)
+                     .parallel_device(device)
                      .input_layouts({layout})
                      .output_layout(layout)
                      .title(c10::str("ParallelMLP(hidden=", kHidden, ", ffn=", kFfn, ")",
@@ -68,23 +74,37 @@ bool run(const commgrad::Group& tp_group, bool sequence_parallel, torch::ScalarT
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  bool cuda = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--device") == 0 && i + 1 < argc &&
+        (std::strcmp(argv[i + 1], "cpu") == 0 || std::strcmp(argv[i + 1], "cuda") == 0)) {
+      cuda = std::strcmp(argv[++i], "cuda") == 0;
+    } else {
+      std::cerr << "usage: megatron_ffn [--device cpu|cuda]\n";
+      return 2;
+    }
+  }
   try {
     commgrad::init_process_group();
+    if (cuda && commgrad::cuda_device_count() == 0) throw std::invalid_argument("--device cuda, but no CUDA device");
+    const torch::Device device = cuda ? commgrad::device() : torch::Device(torch::kCPU);
     const int n = commgrad::world_size();
     const bool speaker = commgrad::rank() == 0;
     auto state = tp::initialize_model_parallel(n);
     if (speaker) {
+      std::cout << commgrad::build_info().to_string() << "\n";
       std::cout << "Megatron FFN on " << n << " tensor-parallel rank" << (n > 1 ? "s" : "") << " ("
                 << state.describe() << "), input [seq=" << kSeq << ", batch=" << kBatch << ", hidden=" << kHidden
                 << "], ffn=" << kFfn << ", seed " << kSeed << "\n"
-                << "BLAS: " << commgrad::active_blas() << "\n\n";
+                << "BLAS: " << commgrad::active_blas() << "\n"
+                << "device: " << device << (cuda ? ", CUDA tensors over " + state.tensor_parallel_group().cuda_backend_name() : std::string()) << "\n\n";
     }
     const auto& g = state.tensor_parallel_group();
     bool ok = true;
-    ok = run(g, /*sequence_parallel=*/false, torch::kFloat32, speaker) && ok;
-    ok = run(g, /*sequence_parallel=*/true, torch::kFloat32, speaker) && ok;
-    ok = run(g, /*sequence_parallel=*/false, torch::kFloat64, speaker) && ok;
+    ok = run(g, /*sequence_parallel=*/false, torch::kFloat32, speaker, device) && ok;
+    ok = run(g, /*sequence_parallel=*/true, torch::kFloat32, speaker, device) && ok;
+    ok = run(g, /*sequence_parallel=*/false, torch::kFloat64, speaker, device) && ok;
     tp::destroy_model_parallel();
     commgrad::destroy_process_group();
     if (!ok) {

@@ -5,6 +5,10 @@
 //   commgrad-run -n 4 tp_autograd_comm
 //   [0] x.grad = tensor([4., 4., 4., 4.])
 //
+// With `--device cuda` the tensors live on each rank's GPU (cuda:LOCAL_RANK)
+// and travel on the group's CUDA transport (NCCL, or Gloo where ranks share
+// a GPU).
+//
 // Unlike the Python version this is usually written from, it modifies
 // neither its input nor the caller's gradient: that version all-reduces
 // `x.contiguous()` in place, which *is* x when x is contiguous, so the leaf
@@ -18,6 +22,7 @@
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
+#include <cstring>
 #include <iostream>
 
 namespace {
@@ -29,7 +34,7 @@ using torch::autograd::tensor_list;
 torch::Tensor all_reduce_copy(const torch::Tensor& t) {
   // One copy, straight into contiguous memory (the transport needs it).
   std::vector<torch::Tensor> buffer{t.clone(at::MemoryFormat::Contiguous)};
-  commgrad::world().transport().allreduce(buffer)->wait();
+  commgrad::world().transport(t.device().type()).allreduce(buffer)->wait();
   return buffer[0];
 }
 
@@ -44,7 +49,8 @@ struct AllReduce : public torch::autograd::Function<AllReduce> {
 
 int failures = 0;
 
-void expect_equal(const char* what, const torch::Tensor& got, const torch::Tensor& want) {
+void expect_equal(const char* what, const torch::Tensor& got, const torch::Tensor& want_cpu) {
+  const auto want = want_cpu.to(got.defined() ? got.device() : want_cpu.device());
   if (!got.defined() || !torch::equal(got, want)) {
     std::cerr << "rank " << commgrad::rank() << ": " << what << " = "
               << (got.defined() ? commgrad::format_tensor(got) : "undefined") << ", expected "
@@ -55,18 +61,38 @@ void expect_equal(const char* what, const torch::Tensor& got, const torch::Tenso
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  bool cuda = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--device") == 0 && i + 1 < argc && (std::strcmp(argv[i + 1], "cuda") == 0 ||
+                                                                   std::strcmp(argv[i + 1], "cpu") == 0)) {
+      cuda = std::strcmp(argv[++i], "cuda") == 0;
+    } else {
+      std::cerr << "usage: tp_autograd_comm [--device cpu|cuda]\n";
+      return 2;
+    }
+  }
   try {
     commgrad::init_process_group();
+    if (cuda && commgrad::cuda_device_count() == 0) {
+      std::cerr << "tp_autograd_comm: --device cuda, but this process sees no CUDA device\n";
+      return 1;
+    }
+    const auto device = cuda ? commgrad::device() : torch::Device(torch::kCPU);
+    const auto on_device = torch::TensorOptions().device(device);
     const int n = commgrad::world_size();
     const bool speaker = commgrad::rank() == 0;
     if (speaker) {
+      std::cout << commgrad::build_info().to_string() << "\n";
       std::cout << "world: " << n << " ranks, backend " << commgrad::world().backend_name()
                 << ", BLAS: " << commgrad::active_blas() << "\n";
+      if (cuda) {
+        std::cout << "device: " << device << ", CUDA tensors over " << commgrad::world().cuda_backend_name() << "\n";
+      }
     }
 
     // The article's program.
-    auto x = torch::ones({4}, torch::requires_grad());
+    auto x = torch::ones({4}, on_device.requires_grad(true));
     auto y = AllReduce::apply(x);
     y.sum().backward();
     if (speaker) {
@@ -80,8 +106,8 @@ int main() {
     expect_equal("x", x.detach(), torch::ones({4}));
 
     // The caller's gradient is not overwritten either.
-    auto x2 = torch::ones({4}, torch::requires_grad());
-    auto g = torch::ones({4});
+    auto x2 = torch::ones({4}, on_device.requires_grad(true));
+    auto g = torch::ones({4}, on_device);
     AllReduce::apply(x2).backward(g);
     if (speaker) std::cout << "after y.backward(g): g = " << commgrad::format_tensor(g) << "\n";
     expect_equal("g", g, torch::ones({4}));

@@ -1,14 +1,63 @@
 #!/usr/bin/env bash
-# README command 2: install what is missing, build everything, run every test.
+# README command 2: install what is missing, build everything and run every
+# test, on both LibTorch lines:
+#   pypi    the default: PyPI's torch wheel (LibTorch 2.x) in .venv, built in ./build
+#   system  Debian's libtorch-dev 1.13, built in ./build-system
+# COMMGRAD_TORCH=pypi|system runs one line only. Arguments go to ctest (e.g.
+# `scripts/test.sh -L unit`) and skip the sanitizer build. Without arguments,
+# the shm transport's tests then also run under AddressSanitizer + UBSan on
+# one line (system when it runs; COMMGRAD_TEST_SANITIZER=0 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/deps.sh
-scripts/build.sh
-cd build
-# Ranks are threads or processes on 2 cores: two tests at a time.
-ctest --output-on-failure -j "${COMMGRAD_TEST_JOBS:-2}" "$@"
-# The shm transport's in-process tests under AddressSanitizer + UBSan, in a
-# tree of their own (a few minutes; COMMGRAD_TEST_SANITIZER=0 skips it).
-if [[ "${COMMGRAD_TEST_SANITIZER:-1}" != 0 && $# -eq 0 ]]; then
-  cmake --build . --target check-shm-asan
+
+if [[ -n ${COMMGRAD_TORCH:-} ]]; then
+  lines=("$COMMGRAD_TORCH")
+else
+  lines=(pypi system)
+  if [[ -n ${COMMGRAD_BUILD_DIR:-} ]]; then
+    echo "test.sh: COMMGRAD_BUILD_DIR names one build directory; set COMMGRAD_TORCH to test one line" >&2
+    exit 2
+  fi
 fi
+sanitizer_line=${lines[-1]}
+
+summaries=()
+total_passed=0 total_failed=0 total_skipped=0 status=0
+for line in "${lines[@]}"; do
+  echo "== LibTorch line '$line': dependencies and build"
+  COMMGRAD_TORCH=$line scripts/deps.sh
+  COMMGRAD_TORCH=$line scripts/build.sh
+  dir=$(COMMGRAD_TORCH=$line bash -c 'source scripts/lib.sh; echo "$build_dir"')
+  echo "== LibTorch line '$line': $("$dir/bin/commgrad-run" --version)"
+  log=$dir/ctest-summary.log
+  # Ranks are threads or processes on 2 cores: two tests at a time.
+  set +e
+  (cd "$dir" && ctest --output-on-failure -j "${COMMGRAD_TEST_JOBS:-2}" "$@") | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  ((rc == 0)) || status=1
+  # "100% tests passed, 0 tests failed out of 401"; skipped tests are listed with "(Skipped)".
+  read -r failed total < <(sed -n 's/.* tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/\1 \2/p' "$log" | tail -1)
+  skipped=$(grep -c '(Skipped)' "$log" || true)
+  failed=${failed:-0} total=${total:-0}
+  passed=$((total - failed - skipped))
+  summaries+=("LibTorch line '$line' ($("$dir/bin/commgrad-run" --version)): $passed passed, $failed failed, $skipped skipped (ctest exit $rc)")
+  total_passed=$((total_passed + passed)) total_failed=$((total_failed + failed)) total_skipped=$((total_skipped + skipped))
+
+  if [[ $line == "$sanitizer_line" && "${COMMGRAD_TEST_SANITIZER:-1}" != 0 && $# -eq 0 ]]; then
+    # The shm transport's in-process tests under AddressSanitizer + UBSan, in
+    # a tree of their own (a few minutes).
+    if cmake --build "$dir" --target check-shm-asan; then
+      summaries+=("LibTorch line '$line': shm tests under ASan+UBSan passed")
+    else
+      summaries+=("LibTorch line '$line': shm tests under ASan+UBSan FAILED")
+      status=1 total_failed=$((total_failed + 1))
+    fi
+  fi
+done
+
+echo
+echo "== summary"
+printf '%s\n' "${summaries[@]}"
+echo "commgrad: $total_passed passed, $total_failed failed, $total_skipped skipped"
+exit $status

@@ -3,7 +3,9 @@
 // This umbrella header includes every public header (like torch/torch.h).
 
 #include "commgrad/config.h"
+#include "commgrad/dist/build_info.h"
 #include "commgrad/dist/check.h"
+#include "commgrad/dist/device.h"
 #include "commgrad/dist/environment.h"
 #include "commgrad/dist/group.h"
 #include "commgrad/dist/process_group.h"

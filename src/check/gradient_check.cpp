@@ -80,8 +80,9 @@ void default_tolerance(at::ScalarType dtype, double& atol, double& rtol) {
 
 at::Tensor default_loss(const at::Tensor& out) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(kLossSeed);
-  const auto weights = at::randn(out.sizes(), gen, out.options().requires_grad(false));
-  return (out * weights).sum();
+  // Drawn on the CPU whatever the output's device, so both sides get the same weights.
+  const auto weights = at::randn(out.sizes(), gen, out.options().device(at::kCPU).requires_grad(false));
+  return (out * weights.to(out.device())).sum();
 }
 
 // A pair of tensors to compare: the parallel side's full tensor and the
@@ -234,9 +235,11 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
     const bool grad = x.is_floating_point();
     // Leaves keep the caller's memory layout: a transposed input reaches
     // both modules transposed.
-    auto leaf = [&] { return inputs[i].detach().clone(at::MemoryFormat::Preserve).copy_(x).requires_grad_(grad); };
-    ref_in.push_back(leaf());
-    par_leaves.push_back(leaf());
+    auto leaf = [&](const c10::Device& dev) {
+      return inputs[i].detach().clone(at::MemoryFormat::Preserve).copy_(x).to(dev).requires_grad_(grad);
+    };
+    ref_in.push_back(leaf(inputs[i].device()));
+    par_leaves.push_back(leaf(options.parallel_device()));
     const Layout layout = input_layout(i);
     par_in.push_back(layout.is_partitioned() ? tp::detail::split_along(par_leaves.back(), layout.dim, g, kOp)
                                              : par_leaves.back());
@@ -275,8 +278,8 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
     Pair e;
     e.report.name = name;
     e.report.layout = layout;
-    e.parallel = p.defined() ? p.detach() : p;
-    e.reference = r.defined() ? r.detach() : r;
+    e.parallel = p.defined() ? p.detach().cpu() : p;
+    e.reference = r.defined() ? r.detach().cpu() : r;
     pairs.push_back(std::move(e));
   };
   add("output", options.output_layout().describe(), par_out, ref_out);

@@ -50,6 +50,17 @@ const detail::TransportPtr& Group::transport_ptr() const {
   return s.transport;
 }
 
+detail::TransportBase& Group::transport(c10::DeviceType device) const {
+  const auto& s = checked();
+  if (device != c10::DeviceType::CUDA) return transport();
+  TORCH_CHECK(s.rank >= 0, "[commgrad] ", describe(), ": this rank is not a member of the group");
+  TORCH_CHECK(s.cuda_transport, "[commgrad] ", describe(),
+              ": got a CUDA tensor, but this process saw no CUDA device when the group was created");
+  return *s.cuda_transport;
+}
+
+const std::string& Group::cuda_backend_name() const { return checked().cuda_backend; }
+
 uint64_t Group::next_sequence() const { return state_->sequence.fetch_add(1); }
 
 std::string Group::describe() const {
@@ -57,6 +68,10 @@ std::string Group::describe() const {
   const auto& s = *state_;
   if (s.rank < 0) {
     return c10::str("rank ", s.global_rank, " (not a member) group '", s.name, "' of ranks ", format_ranks(s.ranks));
+  }
+  if (!s.cuda_backend.empty() && s.cuda_backend != s.backend) {
+    return c10::str("rank ", s.rank, "/", s.ranks.size(), " group '", s.name, "' (", s.backend, ", cuda: ",
+                    s.cuda_backend, ")");
   }
   return c10::str("rank ", s.rank, "/", s.ranks.size(), " group '", s.name, "' (", s.backend, ")");
 }

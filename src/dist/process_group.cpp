@@ -10,6 +10,7 @@
 #include "commgrad/dist/process_group.h"
 
 #include "commgrad/dist/check.h"
+#include "commgrad/dist/device.h"
 #include "commgrad/dist/transport.h"
 #include "commgrad/util/blas.h"
 #include "commgrad/util/logging.h"
@@ -107,6 +108,32 @@ bool all_same(const std::vector<std::string>& v) {
   return std::all_of(v.begin(), v.end(), [&](const std::string& s) { return s == v.front(); });
 }
 
+// Connects a member's transports: the one of CPU tensors (state.backend) and,
+// where this process sees CUDA devices, the one of CUDA tensors (Gloo's
+// object is shared when it carries both). `requested` is the backend asked
+// for; `prefix` keys the transports' stores.
+void connect_transports(detail::GroupState& state, const std::string& requested, const std::string& prefix) {
+  detail::TransportConfig config;
+  config.backend = state.backend;
+  config.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/transport", state.root_store);
+  config.rank = state.rank;
+  config.size = static_cast<int>(state.ranks.size());
+  config.timeout = state.timeout;
+  config.single_host = all_same(state.hosts);
+  config.group_name = state.name;
+  state.transport = detail::create_transport(config);
+
+  state.cuda_backend = resolve_cuda_backend(requested, state.launch.local_world_size, cuda_device_count());
+  if (state.cuda_backend.empty()) return;
+  if (state.cuda_backend == state.backend) {
+    state.cuda_transport = state.transport;
+    return;
+  }
+  config.backend = state.cuda_backend;
+  config.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/cuda-transport", state.root_store);
+  state.cuda_transport = detail::create_transport(config);
+}
+
 }  // namespace
 
 Group make_world_group(const InitOptions& options) {
@@ -154,16 +181,9 @@ Group make_world_group(const InitOptions& options) {
   std::string backend = options.backend();
   if (backend == "auto" && std::getenv("COMMGRAD_BACKEND") != nullptr) backend = std::getenv("COMMGRAD_BACKEND");
   state->backend = resolve_backend(backend, hosts);
-
-  detail::TransportConfig config;
-  config.backend = state->backend;
-  config.store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world/transport", root);
-  config.rank = env.rank;
-  config.size = env.world_size;
-  config.timeout = timeout;
-  config.single_host = all_same(hosts);
-  config.group_name = state->name;
-  state->transport = detail::create_transport(config);
+  detail::select_cuda_device(env.local_rank);
+  state->requested_backend = backend;
+  connect_transports(*state, backend, "commgrad/world");
   return Group(std::move(state));
 }
 
@@ -248,18 +268,9 @@ Group new_group(const std::vector<int>& ranks, const NewGroupOptions& options) {
   const std::string prefix = c10::str("commgrad/group/", index);
   state->store = c10::make_intrusive<c10d::PrefixStore>(prefix, ps.root_store);
   state->launch = ps.launch;
+  state->requested_backend = options.backend().empty() ? ps.requested_backend : options.backend();
   state->backend = options.backend().empty() ? ps.backend : resolve_backend(options.backend(), state->hosts);
-  if (state->rank >= 0) {
-    detail::TransportConfig config;
-    config.backend = state->backend;
-    config.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/transport", ps.root_store);
-    config.rank = state->rank;
-    config.size = static_cast<int>(ranks.size());
-    config.timeout = state->timeout;
-    config.single_host = all_same(state->hosts);
-    config.group_name = name;
-    state->transport = detail::create_transport(config);
-  }
+  if (state->rank >= 0) connect_transports(*state, state->requested_backend, prefix);
   return Group(std::move(state));
 }
 

@@ -4,13 +4,13 @@
 
 #include "commgrad/backend/shm_process_group.h"
 #include "commgrad/config.h"
+#include "commgrad/dist/build_info.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #if COMMGRAD_HAVE_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#include <torch/cuda.h>
 #endif
 
 #include <unistd.h>
@@ -23,13 +23,6 @@
 namespace commgrad {
 namespace {
 
-bool nccl_usable() {
-#if COMMGRAD_HAVE_NCCL
-  return torch::cuda::is_available();
-#else
-  return false;
-#endif
-}
 
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
@@ -64,24 +57,34 @@ detail::TransportPtr create_gloo(const detail::TransportConfig& c) {
 
 }  // namespace
 
-std::vector<std::string> available_backends() {
-  std::vector<std::string> out{"gloo", "shm"};
-  if (COMMGRAD_HAVE_NCCL) out.push_back("nccl");
-  return out;
-}
+std::vector<std::string> available_backends() { return build_info().transports; }
 
 std::string resolve_backend(const std::string& requested, const std::vector<std::string>& hosts) {
-  if (requested == "auto") {
-    if (nccl_usable()) return "nccl";
-    return all_same(hosts) ? "shm" : "gloo";
-  }
   const auto all = available_backends();
-  TORCH_CHECK(std::find(all.begin(), all.end(), requested) != all.end(), "commgrad: backend '", requested,
-              "' is not available in this build; available: auto, ", c10::Join(", ", all));
+  TORCH_CHECK(requested == "auto" || std::find(all.begin(), all.end(), requested) != all.end(),
+              "commgrad: backend '", requested, "' is not available in this build; available: auto, ",
+              c10::Join(", ", all));
+  if (requested == "auto" || requested == "nccl") return all_same(hosts) ? "shm" : "gloo";
   TORCH_CHECK(requested != "shm" || all_same(hosts),
               "commgrad: backend 'shm' needs every rank of the group on one host, but its ranks run on ",
               std::set<std::string>(hosts.begin(), hosts.end()).size(), " hosts; use 'gloo' (or 'auto')");
   return requested;
+}
+
+std::string resolve_cuda_backend(const std::string& requested, int local_ranks, int cuda_devices) {
+  if (cuda_devices == 0) {
+    TORCH_CHECK(requested != "nccl", "commgrad: backend 'nccl' needs a CUDA device, and this process sees none");
+    return "";
+  }
+  if (requested == "nccl") {
+    TORCH_CHECK(COMMGRAD_HAVE_NCCL, "commgrad: backend 'nccl' is not available in this build (its LibTorch has no NCCL)");
+    TORCH_CHECK(local_ranks <= cuda_devices, "commgrad: backend 'nccl' needs a GPU for each of the ", local_ranks,
+                " ranks on this host, but this process sees ", cuda_devices,
+                "; use 'auto' to carry CUDA tensors over Gloo instead");
+    return "nccl";
+  }
+  if (requested == "auto" && COMMGRAD_HAVE_NCCL && local_ranks <= cuda_devices) return "nccl";
+  return "gloo";
 }
 
 std::string host_identity() {
@@ -104,6 +107,9 @@ TransportPtr create_transport(const TransportConfig& c) {
     }
 #if COMMGRAD_HAVE_NCCL
     if (c.backend == "nccl") {
+      // The communicator is created on the first collective, on the device
+      // of its tensors (init_process_group() made cuda:LOCAL_RANK current).
+      // NCCL's own watchdog enforces the group's timeout.
       auto options = c10d::ProcessGroupNCCL::Options::create();
       options->timeout = c.timeout;
       return c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, c.rank, c.size, options);

@@ -24,18 +24,19 @@ namespace commgrad {
 namespace {
 
 // NCCL and commgrad's shm backend reduce bfloat16; Gloo (1.13) does not.
-bool transport_sums_bfloat16(const Group& group) {
-  return group.backend_name() == "nccl" || group.backend_name() == "shm";
+bool transport_sums_bfloat16(const Group& group, const at::Tensor& flat) {
+  const std::string& name = flat.is_cuda() ? group.cuda_backend_name() : group.backend_name();
+  return name == "nccl" || name == "shm";
 }
 
 detail::WorkPtr all_reduce_sum(const at::Tensor& flat, const Group& group) {
   std::vector<at::Tensor> tensors{flat};
-  return group.transport().allreduce(tensors);
+  return group.transport(flat.device().type()).allreduce(tensors);
 }
 
 // Sums `flat` (any dtype the transport handles, or bf16) in place.
 CommWork sum_in_place(const at::Tensor& flat, const Group& group) {
-  if (flat.scalar_type() == at::kBFloat16 && !transport_sums_bfloat16(group)) {
+  if (flat.scalar_type() == at::kBFloat16 && !transport_sums_bfloat16(group, flat)) {
     return detail::sum_bfloat16_by_alltoall(flat, group);
   }
   return CommWork{all_reduce_sum(flat, group), nullptr};
@@ -89,14 +90,14 @@ CommWork sum_bfloat16_by_alltoall(const at::Tensor& flat, const Group& group) {
   auto send_words = send.view(at::kHalf);
   auto received_words = received.view(at::kHalf);
   std::vector<int64_t> equal_splits;
-  auto work = group.transport().alltoall_base(received_words, send_words, equal_splits, equal_splits);
+  auto work = group.transport(flat.device().type()).alltoall_base(received_words, send_words, equal_splits, equal_splits);
   auto finish = [flat, send, received, n, chunk, numel, group] {
     // received[r] is rank r's copy of this rank's chunk.
     auto mine = received.view({n, chunk}).to(at::kFloat).sum(0).to(at::kBFloat16);
     std::vector<at::Tensor> in{mine.view(at::kHalf)};
     std::vector<std::vector<at::Tensor>> out(1);
     for (int64_t r = 0; r < n; ++r) out[0].push_back(at::empty({chunk}, flat.options().dtype(at::kHalf)));
-    group.transport().allgather(out, in)->wait();
+    group.transport(flat.device().type()).allgather(out, in)->wait();
     flat.copy_(at::cat(out[0]).view(at::kBFloat16).narrow(0, 0, numel));
   };
   return CommWork{std::move(work), std::move(finish)};

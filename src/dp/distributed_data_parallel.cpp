@@ -158,7 +158,7 @@ void broadcast_from_first(const Group& group, const std::vector<at::Tensor>& ten
     std::vector<at::Tensor> io{flat};
     c10d::BroadcastOptions options;
     options.rootRank = 0;
-    works.push_back(group.transport().broadcast(io, options));
+    works.push_back(group.transport(flat.device().type()).broadcast(io, options));
     flats.push_back(flat);
   }
   for (size_t c = 0; c < chunks.size(); ++c) {

@@ -77,7 +77,7 @@ class WaitForGradient : public torch::autograd::Node {
 // x as the op's Function sees it: the same values, with a WaitForGradient
 // between the op's node and x's own gradient edge.
 at::Tensor route_through_wait(const at::Tensor& x, const OpStatePtr& state) {
-  auto node = std::shared_ptr<WaitForGradient>(new WaitForGradient(state), torch::autograd::deleteNode);
+  auto node = commgrad::detail::make_node<WaitForGradient>(state);
   node->add_next_edge(torch::autograd::impl::gradient_edge(x));
   at::Tensor routed = x.detach();
   torch::autograd::set_history(routed, node);

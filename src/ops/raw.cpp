@@ -100,12 +100,15 @@ at::Tensor reduce_wire(const at::Tensor& buffer) {
   return at::isComplexType(buffer.scalar_type()) ? at::view_as_real(buffer).view({-1}) : buffer.view({-1});
 }
 
-// The group's transport when it is commgrad's shm (which has out-of-place
-// and native forms the raw ops use), else nullptr.
+// The group's transport of CPU tensors when it is commgrad's shm (which has
+// out-of-place and native forms the raw ops use), else nullptr.
 backend::ShmProcessGroup* shm_transport(const Group& group) {
   return dynamic_cast<backend::ShmProcessGroup*>(&group.transport());
 }
-backend::ShmProcessGroup* shm_transport(const Call& call) { return shm_transport(call.group); }
+// The same for the transport that carries `x` (CUDA tensors never travel on shm).
+backend::ShmProcessGroup* shm_transport(const Call& call, const at::Tensor& x) {
+  return x.is_cpu() ? shm_transport(call.group) : nullptr;
+}
 
 // Divisibility of dim `dim` of x by the group size.
 void check_divisible(const Call& call, const at::Tensor& x, int64_t dim) {
@@ -118,13 +121,13 @@ WorkPtr gather_all(const Call& call, const at::Tensor& flat_wire, const at::Tens
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < call.size; ++r) outputs[0].push_back(flat_wire[r]);
   std::vector<at::Tensor> inputs{in_wire};
-  return call.group.transport().allgather(outputs, inputs);
+  return call.transport(in_wire).allgather(outputs, inputs);
 }
 
 // alltoall_base of flat wire buffers with counts in elements of the original dtype.
 WorkPtr exchange(const Call& call, at::Tensor out_wire, at::Tensor in_wire, std::vector<int64_t> out_counts,
                  std::vector<int64_t> in_counts) {
-  return call.group.transport().alltoall_base(out_wire, in_wire, out_counts, in_counts);
+  return call.transport(in_wire).alltoall_base(out_wire, in_wire, out_counts, in_counts);
 }
 
 }  // namespace
@@ -143,7 +146,7 @@ Pending all_reduce(const at::Tensor& x, const AllReduceOptions& options, const G
   const bool avg = options.op() == ReduceOp::kAvg;
   c10d::AllreduceOptions opts;
   opts.reduceOp = detail::to_c10d(options.op());
-  auto* shm = shm_transport(call);
+  auto* shm = shm_transport(call, x);
   if (shm != nullptr && n > 1 && dtype == out_dtype && x.is_contiguous() && x.numel() > 0) {
     // The shm transport reduces straight from the input into the result:
     // no staging copy, so the op costs what the raw in-place call costs.
@@ -158,7 +161,7 @@ Pending all_reduce(const at::Tensor& x, const AllReduceOptions& options, const G
   };
   if (call.size == 1 || x.numel() == 0) return call.ready(finish());
   std::vector<at::Tensor> tensors{reduce_wire(buffer)};
-  return call.pending({call.group.transport().allreduce(tensors, opts)}, finish);
+  return call.pending({call.transport(tensors[0]).allreduce(tensors, opts)}, finish);
 }
 
 Pending all_reduce_(at::Tensor& x, const AllReduceOptions& options, const Group& group) {
@@ -183,7 +186,7 @@ Pending all_reduce_(at::Tensor& x, const AllReduceOptions& options, const Group&
   std::vector<at::Tensor> tensors{reduce_wire(target)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = detail::to_c10d(options.op());
-  return call.pending({call.group.transport().allreduce(tensors, opts)}, finish);
+  return call.pending({call.transport(tensors[0]).allreduce(tensors, opts)}, finish);
 }
 
 // ~~~ all_gather ~~~
@@ -270,7 +273,7 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
   const int64_t scale = wire_scale(x.scalar_type()) * inner;
   at::Tensor src = front(x, dim);
   const ReduceOp op = options.op();
-  auto* shm = shm_transport(call);
+  auto* shm = shm_transport(call, x);
   if (shm != nullptr && !uneven && at::isFloatingType(x.scalar_type()) && op != ReduceOp::kProduct) {
     // The shm transport reduce-scatters natively: each rank reduces its own
     // part straight from the others' inputs (no all_to_all, no local sum).
@@ -319,7 +322,7 @@ Pending broadcast(const at::Tensor& x, const BroadcastOptions& options, const Gr
   std::vector<at::Tensor> tensors{wire(buffer)};
   c10d::BroadcastOptions opts;
   opts.rootRank = options.src();
-  return call.pending({call.group.transport().broadcast(tensors, opts)}, [buffer] { return buffer; });
+  return call.pending({call.transport(tensors[0]).broadcast(tensors, opts)}, [buffer] { return buffer; });
 }
 
 Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& group) {
@@ -337,7 +340,7 @@ Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& g
   c10d::ReduceOptions opts;
   opts.reduceOp = detail::to_c10d(options.op());
   opts.rootRank = options.dst();
-  auto* shm = shm_transport(call);
+  auto* shm = shm_transport(call, x);
   if (shm != nullptr && n > 1 && dtype == out_dtype && x.is_contiguous() && x.numel() > 0) {
     // As all_reduce: the root reduces straight from the inputs into its result.
     auto out = pooled_empty(x.sizes(), x.options());
@@ -355,7 +358,7 @@ Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& g
   };
   if (call.size == 1 || x.numel() == 0) return call.ready(finish());
   std::vector<at::Tensor> tensors{reduce_wire(buffer)};
-  return call.pending({call.group.transport().reduce(tensors, opts)}, finish);
+  return call.pending({call.transport(tensors[0]).reduce(tensors, opts)}, finish);
 }
 
 // ~~~ scatter, gather ~~~
@@ -383,7 +386,7 @@ Pending scatter(const at::Tensor& x, const ScatterOptions& options, const Group&
   }
   c10d::ScatterOptions opts;
   opts.rootRank = options.src();
-  auto work = call.group.transport().scatter(outputs, inputs, opts);
+  auto work = call.transport(x).scatter(outputs, inputs, opts);
   return call.pending({work}, [out, dim, inputs]() { return unfront(out, dim); });
 }
 
@@ -412,7 +415,7 @@ Pending gather(const at::Tensor& x, const GatherOptions& options, const Group& g
   }
   c10d::GatherOptions opts;
   opts.rootRank = options.dst();
-  auto work = call.group.transport().gather(outputs, inputs, opts);
+  auto work = call.transport(x).gather(outputs, inputs, opts);
   auto fsizes = front_sizes(x, dim, x.size(dim) * n);
   return call.pending({work}, [flat, fsizes, full, root, dim, x, src]() {
     if (!root) return pooled_empty(full, x.options()).zero_();
@@ -483,7 +486,7 @@ Pending send_tagged(const at::Tensor& x, const SendOptions& options, const Group
   if (x.numel() == 0) return call.ready(at::Tensor());
   auto buffer = contiguous(x);
   std::vector<at::Tensor> tensors{wire(buffer)};
-  auto work = call.group.transport().send(tensors, options.dst(), wire_tag);
+  auto work = call.transport(tensors[0]).send(tensors, options.dst(), wire_tag);
   return call.pending({work}, [buffer]() { return at::Tensor(); });
 }
 
@@ -501,7 +504,7 @@ Pending recv_tagged(at::IntArrayRef sizes, const RecvOptions& options, const Gro
   auto buffer = pooled_empty(sizes, at::TensorOptions().dtype(options.dtype()));
   if (buffer.numel() == 0) return call.ready(buffer);
   std::vector<at::Tensor> tensors{wire(buffer)};
-  auto work = call.group.transport().recv(tensors, options.src(), wire_tag);
+  auto work = call.transport(tensors[0]).recv(tensors, options.src(), wire_tag);
   return call.pending({work}, [buffer]() { return buffer; });
 }
 

@@ -1,5 +1,7 @@
 #include "commgrad/util/blas.h"
 
+#include <ATen/Version.h>
+
 #include <dlfcn.h>
 
 #include <fstream>
@@ -23,6 +25,15 @@ std::string active_blas() {
       return "reference BLAS, about 20x slower than OpenBLAS (" + path + ")";
     }
     if (line.find("libmkl") != std::string::npos) return "MKL";
+  }
+  // PyPI's x86-64 wheels link MKL into libtorch_cpu itself; their build
+  // configuration says so.
+  const std::string config = at::show_config();
+  const auto at = config.find("BLAS_INFO=");
+  if (at != std::string::npos) {
+    const std::string name = config.substr(at + 10, config.find_first_of(", \n", at + 10) - at - 10);
+    if (name == "mkl") return "MKL (built into LibTorch)";
+    return name + " (built into LibTorch)";
   }
   return "unknown BLAS";
 }

@@ -5,6 +5,8 @@
 
 #include "commgrad/util/buffer_pool.h"
 
+#include "commgrad/detail/torch_compat.h"
+
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
@@ -170,8 +172,8 @@ class Pool {
 };
 
 // The c10 allocator behind pooled tensors, so that they stay resizable.
-struct PoolAllocator final : c10::Allocator {
-  c10::DataPtr allocate(size_t n) const override {
+struct PoolAllocator final : detail::AllocatorBase {
+  c10::DataPtr allocate_bytes(size_t n) const override {
     if (n < kMinPooledBytes) return c10::GetCPUAllocator()->allocate(n);
     return Pool::instance().allocate(n);
   }
@@ -182,8 +184,10 @@ PoolAllocator g_allocator;
 }  // namespace
 
 at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  TORCH_CHECK(options.device().is_cpu() && options.layout() == at::kStrided,
-              "[commgrad] pooled_empty: only strided CPU tensors are pooled, got ", options);
+  TORCH_CHECK(options.layout() == at::kStrided, "[commgrad] pooled_empty: only strided tensors are pooled, got ",
+              options);
+  // Other devices have their own caching allocators (CUDA's).
+  if (!options.device().is_cpu()) return at::empty(sizes, options.memory_format(at::MemoryFormat::Contiguous));
   const auto dtype = c10::typeMetaToScalarType(options.dtype());
   if (c10::multiply_integers(sizes) * c10::elementSize(dtype) < kMinPooledBytes) {
     return at::empty(sizes, options.memory_format(at::MemoryFormat::Contiguous));

@@ -201,6 +201,8 @@ std::string format_tensor(const at::Tensor& t) {
   const std::string prefix = "tensor(";
   const int indent = int(prefix.size());
   std::vector<std::string> suffixes;
+  // As Python, the device comes first (and only when it is not the CPU).
+  if (!t.is_cpu()) suffixes.push_back(c10::str("device='", t.device(), "'"));
   std::string body;
   // Values only: printing must not record autograd history.
   at::Tensor data = t.detach().cpu();

@@ -7,7 +7,7 @@
 namespace commgrad::detail {
 
 void throw_dist_error(const std::string& message) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#if COMMGRAD_TORCH_AT_LEAST(2, 1)
   C10_THROW_ERROR(DistBackendError, message);
 #else
   TORCH_CHECK(false, message);
@@ -15,7 +15,7 @@ void throw_dist_error(const std::string& message) {
 }
 
 void throw_timeout_error(const std::string& message) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#if COMMGRAD_TORCH_AT_LEAST(2, 1)
   C10_THROW_ERROR(DistNetworkError, message);
 #else
   TORCH_CHECK(false, message);

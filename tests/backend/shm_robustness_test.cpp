@@ -271,7 +271,7 @@ TEST(ShmAsync, WorkNobodyWaitsForStillCompletes) {
         r.store->wait({key});
       } else {
         work->wait();
-        r.store->set(key, {1});
+        r.store->set(key, std::vector<uint8_t>{1});
       }
       work->wait();
       EXPECT_TRUE(at::equal(t[0], at::full({8}, 3.0f)));

@@ -1,18 +1,24 @@
 // Process groups: the world and sub-groups over real Gloo transports, one
 // thread per rank (spawn_ranks), and the errors of misuse.
 
+#include "commgrad/config.h"
+#include "commgrad/dist/build_info.h"
 #include "commgrad/dist/check.h"
+#include "commgrad/dist/device.h"
+#include "commgrad/dist/transport.h"
 #include "commgrad/dist/process_group.h"
 #include "commgrad/util/blas.h"
 #include "harness/spawn_ranks.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <thread>
 
 namespace commgrad {
@@ -145,6 +151,54 @@ TEST(ProcessGroup, UnknownBackendIsAClearError) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   EXPECT_THAT(message_of([&] { make_world_group(InitOptions().store(store).rank(0).world_size(1).backend("mpi2")); }),
               HasSubstr("backend 'mpi2' is not available in this build; available: auto, gloo"));
+}
+
+// Where CUDA tensors travel (the GPU itself is exercised by tests/cuda).
+TEST(ProcessGroup, CudaTensorsGetNcclOnlyWhenEveryLocalRankHasAGpu) {
+  EXPECT_EQ(resolve_cuda_backend("auto", 2, 0), "");  // no device: no CUDA transport
+  EXPECT_EQ(resolve_cuda_backend("gloo", 1, 0), "");
+  EXPECT_EQ(resolve_cuda_backend("auto", 2, 1), "gloo");  // two ranks share one GPU
+  EXPECT_EQ(resolve_cuda_backend("auto", 4, 8), COMMGRAD_HAVE_NCCL ? "nccl" : "gloo");
+  EXPECT_EQ(resolve_cuda_backend("gloo", 1, 8), "gloo");
+  EXPECT_EQ(resolve_cuda_backend("shm", 1, 8), "gloo");  // shm carries CPU tensors only
+  EXPECT_THAT(message_of([] { resolve_cuda_backend("nccl", 1, 0); }),
+              HasSubstr("backend 'nccl' needs a CUDA device, and this process sees none"));
+  if (COMMGRAD_HAVE_NCCL) {
+    EXPECT_THAT(message_of([] { resolve_cuda_backend("nccl", 2, 1); }),
+                HasSubstr("backend 'nccl' needs a GPU for each of the 2 ranks on this host, but this process sees 1"));
+  }
+}
+
+TEST(ProcessGroup, CpuTensorsOfANcclJobTravelOnShmOrGloo) {
+  EXPECT_EQ(resolve_backend("auto", {"a", "a"}), "shm");
+  EXPECT_EQ(resolve_backend("auto", {"a", "b"}), "gloo");
+  if (COMMGRAD_HAVE_NCCL) {
+    EXPECT_EQ(resolve_backend("nccl", {"a", "a"}), "shm");  // c10d's "cpu:gloo,cuda:nccl", with shm on one host
+    EXPECT_EQ(resolve_backend("nccl", {"a", "b"}), "gloo");
+  } else {
+    EXPECT_THAT(message_of([] { resolve_backend("nccl", {"a"}); }), HasSubstr("backend 'nccl' is not available"));
+  }
+}
+
+TEST(ProcessGroup, ACudaTensorWithoutACudaDeviceIsAClearError) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "this machine has a CUDA device (tests/cuda covers it)";
+  spawn_ranks(2, [](Group& g) {
+    EXPECT_EQ(g.cuda_backend_name(), "");
+    EXPECT_EQ(&g.transport(c10::DeviceType::CPU), &g.transport());
+    EXPECT_THAT(message_of([&] { g.transport(c10::DeviceType::CUDA); }),
+                HasSubstr("group 'world' (gloo): got a CUDA tensor, but this process saw no CUDA device"));
+  });
+}
+
+TEST(ProcessGroup, BuildInfoNamesVersionLibTorchAndTransports) {
+  const auto& info = build_info();
+  EXPECT_EQ(info.version, COMMGRAD_VERSION_STRING);
+  EXPECT_EQ(info.torch_version.rfind(c10::str(TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR, "."), 0), 0u)
+      << info.torch_version;
+  EXPECT_EQ(info.cxx_standard, COMMGRAD_TORCH_AT_LEAST(2, 14) ? 20 : 17);
+  EXPECT_EQ(info.to_string(), COMMGRAD_BUILD_INFO_STRING);
+  EXPECT_EQ(available_backends(), info.transports);
+  EXPECT_EQ(std::count(info.transports.begin(), info.transports.end(), "nccl"), COMMGRAD_HAVE_NCCL);
 }
 
 TEST(ProcessGroup, CheckMacroNamesOpRankGroupAndShapes) {

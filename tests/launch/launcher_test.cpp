@@ -13,6 +13,7 @@
 #include <set>
 #include <sstream>
 
+#include "commgrad/config.h"
 #include "launch/child_process.h"
 
 namespace commgrad::testing {
@@ -86,10 +87,22 @@ TEST(LauncherTest, HelpMentionsEveryOption) {
   const ChildResult r = launch({"--help"});
   EXPECT_EQ(r.code, 0);
   for (const char* opt : {"-n,", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
-                          "--master-port", "--timeout", "--grace", "--no-prefix", "--help"}) {
+                          "--master-port", "--timeout", "--grace", "--no-prefix", "--help", "--version"}) {
     EXPECT_NE(r.out.find(opt), std::string::npos) << opt;
   }
   EXPECT_TRUE(r.err.empty()) << r.err;
+}
+
+TEST(LauncherTest, VersionNamesTheBuild) {
+  const ChildResult r = launch({"--version"});
+  EXPECT_EQ(r.code, 0);
+  EXPECT_EQ(r.out, COMMGRAD_BUILD_INFO_STRING "\n");
+  // The LibTorch found by CMake, its C++ standard, and the transports.
+  EXPECT_NE(r.out.find("(LibTorch " COMMGRAD_TORCH_VERSION_STRING ", C++"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("transports: gloo shm"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("nccl") != std::string::npos, COMMGRAD_HAVE_NCCL == 1) << r.out;
+  EXPECT_TRUE(r.err.empty()) << r.err;
+  EXPECT_EQ(launch({"--version=1"}).code, 2);
 }
 
 TEST(LauncherTest, BadUsageExitsTwo) {

@@ -3,6 +3,8 @@
 
 #include <cstdio>
 
+#include "commgrad/config.h"
+
 #include "launcher.h"
 #include "options.h"
 
@@ -12,6 +14,9 @@ int main(int argc, char** argv) {
   switch (parsed.kind) {
     case ParseResult::Kind::kHelp:
       std::fputs(commgrad::run::usage_text().c_str(), stdout);
+      return 0;
+    case ParseResult::Kind::kVersion:
+      std::puts(COMMGRAD_BUILD_INFO_STRING);
       return 0;
     case ParseResult::Kind::kError:
       std::fprintf(stderr, "commgrad-run: %s\nsee commgrad-run --help\n", parsed.error.c_str());

@@ -68,6 +68,8 @@ options:
   --no-prefix             pass output through unchanged instead of prefixing
                           every line with "[RANK] "
   -h, --help              print this help and exit
+  --version               print commgrad's version, the LibTorch it was
+                          built against and its transports, and exit
   --                      end of options; the next word is the program
 
 Every rank runs in its own process group with stdin from /dev/null; its
@@ -113,6 +115,11 @@ ParseResult parse_options(int argc, const char* const* argv) {
     if (name == "-h" || name == "--help") {
       if (inline_value) return fail("option '" + name + "' takes no value");
       result.kind = ParseResult::Kind::kHelp;
+      return result;
+    }
+    if (name == "--version") {
+      if (inline_value) return fail("option '--version' takes no value");
+      result.kind = ParseResult::Kind::kVersion;
       return result;
     }
     if (name == "--no-prefix") {

@@ -37,9 +37,9 @@ struct LaunchOptions {
   std::vector<std::string> args;
 };
 
-/// The outcome of parsing: options to run with, or help, or a usage error.
+/// The outcome of parsing: options to run with, help, the version, or a usage error.
 struct ParseResult {
-  enum class Kind { kRun, kHelp, kError };
+  enum class Kind { kRun, kHelp, kVersion, kError };
   Kind kind = Kind::kError;
   LaunchOptions options;
   /// One-line reason when kind == kError.

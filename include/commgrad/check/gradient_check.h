@@ -107,6 +107,11 @@ struct GradCheckOptions {
   TORCH_ARG(bool, sync_sequence_parallel_grads) = true;
   /// Heading of the printed table.
   TORCH_ARG(std::string, title) = "";
+  /// Where the parallel run happens (e.g. a rank's GPU, commgrad::device()):
+  /// its input leaves are copied there, and its module must already be
+  /// there. The reference runs where the inputs are; tensors are compared on
+  /// the CPU.
+  TORCH_ARG(c10::Device, parallel_device) = c10::Device(c10::DeviceType::CPU);
 };
 
 /// The comparison of one tensor.

@@ -17,7 +17,8 @@ namespace detail {
 /// What a Group shares between its copies. Not part of the public API.
 struct GroupState {
   std::string name;
-  std::string backend;          // "gloo", "nccl", "shm"
+  std::string backend;          // the transport of CPU tensors: "gloo" or "shm"
+  std::string requested_backend;  // what was asked for ("auto", "nccl", ...); sub-groups inherit it
   int rank = -1;                // rank within the group; -1 when not a member
   int global_rank = -1;         // this process's rank in the world
   std::vector<int> ranks;       // global ranks of the members, in group-rank order
@@ -27,6 +28,11 @@ struct GroupState {
   StorePtr root_store;          // the job's store, unprefixed (sub-groups prefix it)
   LaunchEnvironment launch;     // the world's launch environment
   TransportPtr transport;       // null when not a member
+  // Where this process has CUDA devices: the transport of CUDA tensors
+  // ("nccl" when every local rank has a GPU of its own, else "gloo", which
+  // carries CUDA tensors too; c10d 2.x also keeps one backend per device type).
+  std::string cuda_backend;     // empty without CUDA devices
+  TransportPtr cuda_transport;  // may be `transport` itself (Gloo)
   std::atomic<uint64_t> sequence{0};      // collectives issued on this group
   std::atomic<uint64_t> subgroups{0};     // new_group calls made on this (world) group
 };
@@ -53,7 +59,7 @@ class Group {
   int size() const;
   /// The group's name ("world", "tp0", ...), used in every error message.
   const std::string& name() const;
-  /// "gloo", "nccl" or "shm".
+  /// The transport of CPU tensors: "gloo" or "shm".
   const std::string& backend_name() const;
   /// Global (world) ranks of the members, in group-rank order.
   const std::vector<int>& ranks() const;
@@ -66,9 +72,15 @@ class Group {
   /// How long a collective on this group may take before it fails.
   std::chrono::milliseconds timeout() const;
 
-  /// The c10d transport (Gloo/NCCL/shm). Throws when this rank is not a member.
+  /// The c10d transport of CPU tensors (Gloo/shm). Throws when this rank is not a member.
   detail::TransportBase& transport() const;
   const detail::TransportPtr& transport_ptr() const;
+  /// The transport of tensors on `device`: CUDA tensors travel on the
+  /// group's CUDA transport (see cuda_backend_name()), all others on transport().
+  detail::TransportBase& transport(c10::DeviceType device) const;
+  /// "nccl" or "gloo": what carries this group's CUDA tensors; empty where
+  /// the process sees no CUDA device.
+  const std::string& cuda_backend_name() const;
   /// The group's key-value store (prefixed, shared by its members).
   const detail::StorePtr& store() const;
 
@@ -76,7 +88,8 @@ class Group {
   /// (0, 1, ...): the same on every member as long as they call the same ops.
   uint64_t next_sequence() const;
 
-  /// "rank 2/4 group 'tp0' (gloo)" — the context every error message carries.
+  /// "rank 2/4 group 'tp0' (gloo)" — the context every error message carries;
+  /// "(shm, cuda: nccl)" where CUDA tensors have a transport of their own.
   std::string describe() const;
 
   bool operator==(const Group& other) const { return state_ == other.state_; }

@@ -14,11 +14,20 @@ namespace commgrad {
 /// CUDA and NCCL.
 std::vector<std::string> available_backends();
 
-/// Resolves "auto" for a group whose members run on `hosts` (one identity per
-/// member): NCCL when this build and machine have it, else shm when every
-/// member is on one host, else Gloo. Any other name is checked (shm needs
-/// one host) and returned as is.
+/// The transport of a group's CPU tensors, for a group whose members run on
+/// `hosts` (one identity per member). "auto" (and "nccl", whose CPU tensors
+/// travel like c10d's "cpu:gloo,cuda:nccl") is shm when every member is on
+/// one host, else Gloo. "gloo" and "shm" are checked (shm needs one host)
+/// and returned as is.
 std::string resolve_backend(const std::string& requested, const std::vector<std::string>& hosts);
+
+/// The transport of a group's CUDA tensors where the process sees
+/// `cuda_devices` > 0 devices ("" where it sees none): for "auto", NCCL when
+/// this build has it and every one of the `local_ranks` ranks of this host
+/// has a GPU of its own (NCCL cannot put two ranks on one GPU), else Gloo,
+/// which carries CUDA tensors through host memory; "nccl" insists on NCCL;
+/// "gloo" and "shm" give Gloo.
+std::string resolve_cuda_backend(const std::string& requested, int local_ranks, int cuda_devices);
 
 /// This host's identity for locality decisions: hostname and boot id.
 std::string host_identity();

@@ -26,8 +26,9 @@ namespace commgrad {
 /// Blocks below this many bytes are not pooled.
 constexpr size_t kMinPooledBytes = size_t{1} << 20;
 
-/// A contiguous tensor of `sizes` and `options` (CPU, strided), uninitialised
-/// like at::empty, whose storage comes from the buffer pool when large.
+/// A contiguous, uninitialised tensor of `sizes` and `options` (strided),
+/// like at::empty; large CPU storage comes from the buffer pool, other
+/// devices use their own caching allocators.
 at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 /// A contiguous copy of `x` in `dtype` (one pass: copy and cast), from the pool.

@@ -69,7 +69,7 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
     at::Tensor tensor;
     size_t bucket = 0;
     size_t slot = 0;  // position in the bucket
-    std::shared_ptr<torch::autograd::Node> accumulator;
+    commgrad::detail::NodePtr accumulator;
     uintptr_t hook_key = 0;
   };
   struct Bucket {

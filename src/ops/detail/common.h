@@ -40,6 +40,8 @@ struct Call {
 
   /// Takes the sequence number: call after every local check.
   void start();
+  /// The transport that carries tensors on x's device (CUDA tensors may have their own).
+  commgrad::detail::TransportBase& transport(const at::Tensor& x) const { return group.transport(x.device().type()); }
   /// A Pending that is already complete with `result`.
   raw::Pending ready(at::Tensor result) const;
   /// A Pending for `works`, finished by `finish` (may be empty: `result`).
