@@ -245,6 +245,12 @@ std::ostream& operator<<(std::ostream& os, const PythonRepr& repr) {
   return os << format_tensor(repr.tensor);
 }
 
-std::string format_ranks(const std::vector<int>& ranks) { return "[" + c10::Join(", ", ranks) + "]"; }
+std::string format_ranks(const std::vector<int>& ranks) {
+  // Appended piecewise: "[" + Join(...) + "]" trips GCC 12's -Wrestrict false positive in C++20.
+  std::string out = "[";
+  out += c10::Join(", ", ranks);
+  out += ']';
+  return out;
+}
 
 }  // namespace commgrad
