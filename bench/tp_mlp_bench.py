@@ -6,11 +6,13 @@ A Megatron-style parallel MLP written the usual way (autograd Functions for
 forward + backward of [tokens, hidden] float32, a barrier before each step,
 the per-step maximum over ranks, median and p10/p90 on rank 0.
 
-    commgrad-run -n 2 /usr/bin/python3 bench/tp_mlp_bench.py   # TP = 2, 1 thread per rank
-    /usr/bin/python3 bench/tp_mlp_bench.py --threads 2          # TP = 1, 2 threads
+    commgrad-run -n 2 .venv/bin/python bench/tp_mlp_bench.py   # TP = 2, 1 thread per rank
+    .venv/bin/python bench/tp_mlp_bench.py --threads 2          # TP = 1, 2 threads
 
-Needs python3-torch (Debian: apt-get install python3-torch, for the system
-Python /usr/bin/python3).
+Run it with the python whose torch is the LibTorch the C++ program was built
+against: the project's .venv (torch 2.15, the default line, made by
+scripts/deps.sh) or, for the system line, Debian's /usr/bin/python3 with
+python3-torch (1.13).
 """
 
 import argparse

@@ -21,12 +21,16 @@ else
 fi
 sanitizer_line=${lines[-1]}
 
+minutes() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 summaries=()
 total_passed=0 total_failed=0 total_skipped=0 status=0
 for line in "${lines[@]}"; do
   echo "== LibTorch line '$line': dependencies and build"
+  t0=$SECONDS
   COMMGRAD_TORCH=$line scripts/deps.sh
+  t1=$SECONDS
   COMMGRAD_TORCH=$line scripts/build.sh
+  t2=$SECONDS
   dir=$(COMMGRAD_TORCH=$line bash -c 'source scripts/lib.sh; echo "$build_dir"')
   echo "== LibTorch line '$line': $("$dir/bin/commgrad-run" --version)"
   log=$dir/ctest-summary.log
@@ -36,19 +40,21 @@ for line in "${lines[@]}"; do
   rc=${PIPESTATUS[0]}
   set -e
   ((rc == 0)) || status=1
+  t3=$SECONDS
   # "100% tests passed, 0 tests failed out of 401"; skipped tests are listed with "(Skipped)".
   read -r failed total < <(sed -n 's/.* tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/\1 \2/p' "$log" | tail -1)
   skipped=$(grep -c '(Skipped)' "$log" || true)
   failed=${failed:-0} total=${total:-0}
   passed=$((total - failed - skipped))
-  summaries+=("LibTorch line '$line' ($("$dir/bin/commgrad-run" --version)): $passed passed, $failed failed, $skipped skipped (ctest exit $rc)")
+  summaries+=("LibTorch line '$line' ($("$dir/bin/commgrad-run" --version)): $passed passed, $failed failed, $skipped skipped (ctest exit $rc); deps $(minutes $((t1 - t0))), build $(minutes $((t2 - t1))), tests $(minutes $((t3 - t2)))")
   total_passed=$((total_passed + passed)) total_failed=$((total_failed + failed)) total_skipped=$((total_skipped + skipped))
 
   if [[ $line == "$sanitizer_line" && "${COMMGRAD_TEST_SANITIZER:-1}" != 0 && $# -eq 0 ]]; then
     # The shm transport's in-process tests under AddressSanitizer + UBSan, in
     # a tree of their own (a few minutes).
+    t4=$SECONDS
     if cmake --build "$dir" --target check-shm-asan; then
-      summaries+=("LibTorch line '$line': shm tests under ASan+UBSan passed")
+      summaries+=("LibTorch line '$line': shm tests under ASan+UBSan passed ($(minutes $((SECONDS - t4))))")
     else
       summaries+=("LibTorch line '$line': shm tests under ASan+UBSan FAILED")
       status=1 total_failed=$((total_failed + 1))
@@ -59,5 +65,6 @@ done
 echo
 echo "== summary"
 printf '%s\n' "${summaries[@]}"
+echo "== total time $(minutes "$SECONDS")"
 echo "commgrad: $total_passed passed, $total_failed failed, $total_skipped skipped"
 exit $status

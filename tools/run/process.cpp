@@ -82,8 +82,8 @@ ResolvedProgram resolve_program(const std::string& program) {
   while (start <= search.size()) {
     std::size_t end = search.find(':', start);
     if (end == std::string::npos) end = search.size();
-    std::string dir = search.substr(start, end - start);
-    if (dir.empty()) dir = ".";  // an empty PATH entry means the current directory
+    // An empty PATH entry means the current directory.
+    const std::string dir = end > start ? search.substr(start, end - start) : std::string(".");
     const std::string candidate = dir + "/" + program;
     const int err = check_executable(candidate);
     if (err == 0) {
