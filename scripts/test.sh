@@ -42,7 +42,7 @@ for line in "${lines[@]}"; do
   ((rc == 0)) || status=1
   t3=$SECONDS
   # "100% tests passed, 0 tests failed out of 401"; skipped tests are listed with "(Skipped)".
-  read -r failed total < <(sed -n 's/.* tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/\1 \2/p' "$log" | tail -1)
+  read -r failed total < <(sed -n 's/.* tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/\1 \2/p' "$log" | tail -1) || true
   skipped=$(grep -c '(Skipped)' "$log" || true)
   failed=${failed:-0} total=${total:-0}
   passed=$((total - failed - skipped))

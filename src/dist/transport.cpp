@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -97,6 +98,17 @@ std::string host_identity() {
 }
 
 namespace detail {
+
+NcclVersions nccl_versions() {
+  NcclVersions v;
+#if COMMGRAD_HAVE_NCCL
+  v.header = NCCL_VERSION_CODE;
+  // The library libtorch_cuda linked (loaded with it), looked up at run time.
+  using GetVersion = int (*)(int*);
+  if (auto get = reinterpret_cast<GetVersion>(dlsym(RTLD_DEFAULT, "ncclGetVersion"))) get(&v.library);
+#endif
+  return v;
+}
 
 TransportPtr create_transport(const TransportConfig& c) {
   try {

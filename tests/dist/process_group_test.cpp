@@ -201,6 +201,15 @@ TEST(ProcessGroup, BuildInfoNamesVersionLibTorchAndTransports) {
   EXPECT_EQ(std::count(info.transports.begin(), info.transports.end(), "nccl"), COMMGRAD_HAVE_NCCL);
 }
 
+// commgrad compiles against the NCCL header of the NCCL that LibTorch loads
+// (a CUDA toolkit on the include path may carry an older one).
+TEST(ProcessGroup, NcclHeaderMatchesTheLibraryLibTorchLoads) {
+  if (!COMMGRAD_HAVE_NCCL) GTEST_SKIP() << "this LibTorch has no NCCL (" << build_info().to_string() << ")";
+  const auto v = detail::nccl_versions();
+  ASSERT_GT(v.library, 0) << "ncclGetVersion not found in the process";
+  EXPECT_EQ(v.header / 100, v.library / 100) << "nccl.h " << v.header << ", libnccl " << v.library;
+}
+
 TEST(ProcessGroup, CheckMacroNamesOpRankGroupAndShapes) {
   spawn_ranks(2, [](Group& g) {
     auto x = at::zeros({3, 5});

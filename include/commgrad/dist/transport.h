@@ -49,5 +49,15 @@ struct TransportConfig {
 /// rank when the connection fails.
 TransportPtr create_transport(const TransportConfig& config);
 
+/// NCCL's version (NCCL_VERSION_CODE, e.g. 23007 for 2.30.7) as commgrad
+/// was compiled against (`header`) and as the library LibTorch loaded
+/// reports it (`library`); both 0 in a build without NCCL. They must agree
+/// in major and minor: c10d's NCCL options hold NCCL structs by value.
+struct NcclVersions {
+  int header = 0;
+  int library = 0;
+};
+NcclVersions nccl_versions();
+
 }  // namespace detail
 }  // namespace commgrad
