@@ -39,14 +39,32 @@ for line in "${lines[@]}"; do
   (cd "$dir" && ctest --output-on-failure -j "${COMMGRAD_TEST_JOBS:-2}" "$@") | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e
-  ((rc == 0)) || status=1
-  t3=$SECONDS
   # "100% tests passed, 0 tests failed out of 401"; skipped tests are listed with "(Skipped)".
   read -r failed total < <(sed -n 's/.* tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/\1 \2/p' "$log" | tail -1) || true
   skipped=$(grep -c '(Skipped)' "$log" || true)
   failed=${failed:-0} total=${total:-0}
+  flaky=""
+  if ((rc != 0 && failed > 0 && failed <= 3)); then
+    # A few failures on a loaded 2-core machine: run just those once more,
+    # alone. Tests that pass then are reported by name as flaky (never
+    # silently); a test that fails twice fails the run.
+    flaky=$(sed -n '/The following tests FAILED:/,$ s/^[[:space:]]*[0-9]* - \(.*\) (Failed.*/\1/p' "$log" | paste -sd, -)
+    echo "== LibTorch line '$line': rerunning the failed tests once: $flaky"
+    set +e
+    (cd "$dir" && ctest --rerun-failed --output-on-failure) | tee "$dir/ctest-rerun.log"
+    rerun_rc=${PIPESTATUS[0]}
+    set -e
+    if ((rerun_rc == 0)); then
+      rc=0 failed=0
+    else
+      flaky=""
+    fi
+  fi
+  ((rc == 0)) || status=1
+  t3=$SECONDS
   passed=$((total - failed - skipped))
   summaries+=("LibTorch line '$line' ($("$dir/bin/commgrad-run" --version)): $passed passed, $failed failed, $skipped skipped (ctest exit $rc); deps $(minutes $((t1 - t0))), build $(minutes $((t2 - t1))), tests $(minutes $((t3 - t2)))")
+  [[ -z $flaky ]] || summaries+=("LibTorch line '$line': FLAKY (failed, then passed when rerun alone): $flaky")
   total_passed=$((total_passed + passed)) total_failed=$((total_failed + failed)) total_skipped=$((total_skipped + skipped))
 
   if [[ $line == "$sanitizer_line" && "${COMMGRAD_TEST_SANITIZER:-1}" != 0 && $# -eq 0 ]]; then
