@@ -10,22 +10,26 @@
 #include <torch/cuda.h>
 
 namespace commgrad {
+namespace {
+
+// cuda:(local_rank mod devices), or cpu without CUDA devices.
+c10::Device device_of(int local_rank) {
+  const int devices = cuda_device_count();
+  if (devices == 0) return c10::Device(c10::DeviceType::CPU);
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(local_rank % devices));
+}
+
+}  // namespace
 
 int cuda_device_count() { return static_cast<int>(torch::cuda::device_count()); }
 
-c10::Device device() {
-  const int devices = cuda_device_count();
-  if (devices == 0) return c10::Device(c10::DeviceType::CPU);
-  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(local_rank() % devices));
-}
+c10::Device device() { return device_of(local_rank()); }
 
 namespace detail {
 
 void select_cuda_device(int local_rank) {
-  const int devices = cuda_device_count();
-  if (devices == 0) return;
-  const c10::Device d(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(local_rank % devices));
-  c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(d);
+  const c10::Device d = device_of(local_rank);
+  if (d.is_cuda()) c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(d);
 }
 
 }  // namespace detail

@@ -51,9 +51,9 @@ const detail::TransportPtr& Group::transport_ptr() const {
 }
 
 detail::TransportBase& Group::transport(c10::DeviceType device) const {
+  detail::TransportBase& cpu = transport();  // throws for a rank outside the group
+  if (device != c10::DeviceType::CUDA) return cpu;
   const auto& s = checked();
-  if (device != c10::DeviceType::CUDA) return transport();
-  TORCH_CHECK(s.rank >= 0, "[commgrad] ", describe(), ": this rank is not a member of the group");
   TORCH_CHECK(s.cuda_transport, "[commgrad] ", describe(),
               ": got a CUDA tensor, but this process saw no CUDA device when the group was created");
   return *s.cuda_transport;
@@ -69,11 +69,9 @@ std::string Group::describe() const {
   if (s.rank < 0) {
     return c10::str("rank ", s.global_rank, " (not a member) group '", s.name, "' of ranks ", format_ranks(s.ranks));
   }
-  if (!s.cuda_backend.empty() && s.cuda_backend != s.backend) {
-    return c10::str("rank ", s.rank, "/", s.ranks.size(), " group '", s.name, "' (", s.backend, ", cuda: ",
-                    s.cuda_backend, ")");
-  }
-  return c10::str("rank ", s.rank, "/", s.ranks.size(), " group '", s.name, "' (", s.backend, ")");
+  const bool own_cuda = !s.cuda_backend.empty() && s.cuda_backend != s.backend;
+  const std::string transports = own_cuda ? c10::str(s.backend, ", cuda: ", s.cuda_backend) : s.backend;
+  return c10::str("rank ", s.rank, "/", s.ranks.size(), " group '", s.name, "' (", transports, ")");
 }
 
 void check_member(const char* op, const Group& group) {

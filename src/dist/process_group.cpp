@@ -110,9 +110,9 @@ bool all_same(const std::vector<std::string>& v) {
 
 // Connects a member's transports: the one of CPU tensors (state.backend) and,
 // where this process sees CUDA devices, the one of CUDA tensors (Gloo's
-// object is shared when it carries both). `requested` is the backend asked
-// for; `prefix` keys the transports' stores.
-void connect_transports(detail::GroupState& state, const std::string& requested, const std::string& prefix) {
+// object is shared when it carries both), as state.requested_backend asks;
+// `prefix` keys the transports' stores.
+void connect_transports(detail::GroupState& state, const std::string& prefix) {
   detail::TransportConfig config;
   config.backend = state.backend;
   config.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/transport", state.root_store);
@@ -123,7 +123,8 @@ void connect_transports(detail::GroupState& state, const std::string& requested,
   config.group_name = state.name;
   state.transport = detail::create_transport(config);
 
-  state.cuda_backend = resolve_cuda_backend(requested, state.launch.local_world_size, cuda_device_count());
+  state.cuda_backend =
+      resolve_cuda_backend(state.requested_backend, state.launch.local_world_size, cuda_device_count());
   if (state.cuda_backend.empty()) return;
   if (state.cuda_backend == state.backend) {
     state.cuda_transport = state.transport;
@@ -183,7 +184,7 @@ Group make_world_group(const InitOptions& options) {
   state->backend = resolve_backend(backend, hosts);
   detail::select_cuda_device(env.local_rank);
   state->requested_backend = backend;
-  connect_transports(*state, backend, "commgrad/world");
+  connect_transports(*state, "commgrad/world");
   return Group(std::move(state));
 }
 
@@ -270,7 +271,7 @@ Group new_group(const std::vector<int>& ranks, const NewGroupOptions& options) {
   state->launch = ps.launch;
   state->requested_backend = options.backend().empty() ? ps.requested_backend : options.backend();
   state->backend = options.backend().empty() ? ps.backend : resolve_backend(options.backend(), state->hosts);
-  if (state->rank >= 0) connect_transports(*state, state->requested_backend, prefix);
+  if (state->rank >= 0) connect_transports(*state, prefix);
   return Group(std::move(state));
 }
 

@@ -29,9 +29,11 @@ std::string active_blas() {
   // PyPI's x86-64 wheels link MKL into libtorch_cpu itself; their build
   // configuration says so.
   const std::string config = at::show_config();
-  const auto at = config.find("BLAS_INFO=");
+  const std::string key = "BLAS_INFO=";
+  const auto at = config.find(key);
   if (at != std::string::npos) {
-    const std::string name = config.substr(at + 10, config.find_first_of(", \n", at + 10) - at - 10);
+    const size_t from = at + key.size();
+    const std::string name = config.substr(from, config.find_first_of(", \n", from) - from);
     if (name == "mkl") return "MKL (built into LibTorch)";
     return name + " (built into LibTorch)";
   }
