@@ -16,6 +16,7 @@
 // the other ranks fail immediately with its reason instead of timing out.
 
 #include "commgrad/backend/shm_process_group.h"
+#include "commgrad/util/env.h"
 
 #include "detail/shm_comm.h"
 #include "detail/shm_executor.h"
@@ -155,15 +156,7 @@ struct Staged {
 };
 
 // A non-negative integer from the environment; -1 when unset.
-int64_t env_int(const char* name, const char* unit) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return -1;
-  char* end = nullptr;
-  const long long parsed = std::strtoll(v, &end, 10);
-  TORCH_CHECK(end != v && *end == '\0' && parsed >= 0, "[commgrad] shm: ", name, "='", v, "' is not a number of ",
-              unit);
-  return parsed;
-}
+int64_t env_int(const char* name, const char* unit) { return env::get_count(name, unit).value_or(-1); }
 
 int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 

@@ -4,6 +4,7 @@
 // 1/8 above their size, so a step whose shapes vary a little still hits.
 
 #include "commgrad/util/buffer_pool.h"
+#include "commgrad/util/env.h"
 
 #include "commgrad/detail/torch_compat.h"
 
@@ -43,13 +44,8 @@ void* map_block(size_t bytes) {
 }
 
 size_t limit_from_environment() {
-  const char* v = std::getenv("COMMGRAD_BUFFER_POOL_MB");
-  if (v == nullptr || *v == '\0') return kDefaultLimitMiB << 20;
-  char* end = nullptr;
-  const long long mib = std::strtoll(v, &end, 10);
-  TORCH_CHECK(end != v && *end == '\0' && mib >= 0, "[commgrad] COMMGRAD_BUFFER_POOL_MB must be a number of MiB >= 0, got '",
-              v, "'");
-  return static_cast<size_t>(mib) << 20;
+  const auto mib = env::get_count("COMMGRAD_BUFFER_POOL_MB", "MiB");
+  return static_cast<size_t>(mib.value_or(kDefaultLimitMiB)) << 20;
 }
 
 struct Block {

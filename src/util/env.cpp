@@ -1,0 +1,68 @@
+// The list of environment variables commgrad reads, and the one reader.
+
+#include "commgrad/util/env.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+
+namespace commgrad::env {
+
+const std::vector<Variable>& variables() {
+  static const std::vector<Variable> list = {
+      // Launch: torchrun's conventions (commgrad-run sets the same), then Open MPI's, then Slurm's.
+      {"RANK", "0..WORLD_SIZE-1", "this process's rank in the world (torchrun, commgrad-run)"},
+      {"WORLD_SIZE", "integer >= 1", "number of ranks in the world"},
+      {"LOCAL_RANK", "0..LOCAL_WORLD_SIZE-1", "rank among the ranks of this host; picks cuda:LOCAL_RANK"},
+      {"LOCAL_WORLD_SIZE", "integer >= 1", "number of ranks on this host"},
+      {"MASTER_ADDR", "host name or address", "where rank 0 serves the rendezvous store"},
+      {"MASTER_PORT", "1..65535", "the rendezvous store's port"},
+      {"OMPI_COMM_WORLD_RANK", "integer", "rank under mpirun (read when RANK is unset)"},
+      {"OMPI_COMM_WORLD_SIZE", "integer", "world size under mpirun"},
+      {"OMPI_COMM_WORLD_LOCAL_RANK", "integer", "local rank under mpirun"},
+      {"OMPI_COMM_WORLD_LOCAL_SIZE", "integer", "ranks on this host under mpirun"},
+      {"SLURM_PROCID", "integer", "rank under srun (read when RANK and OMPI_* are unset)"},
+      {"SLURM_NTASKS", "integer", "world size under srun"},
+      {"SLURM_LOCALID", "integer", "local rank under srun"},
+      {"SLURM_NTASKS_PER_NODE", "integer (regular layouts)", "ranks on this host under srun"},
+      // Behaviour.
+      {"COMMGRAD_BACKEND", "auto, gloo, shm, nccl", "transport for init_process_group(\"auto\") (default auto)"},
+      {"COMMGRAD_TIMEOUT", "seconds > 0", "group timeout when the program sets none (default 300)"},
+      {"COMMGRAD_DEBUG", "1 or CHECK, TRACE, INFO", "1/CHECK: cross-rank check of every collective; TRACE: "
+                                                    "the check and a log line per collective; INFO: more log lines"},
+      {"COMMGRAD_BUFFER_POOL_MB", "MiB >= 0", "memory the buffer pool keeps for reuse (0 turns it off)"},
+      {"COMMGRAD_SHM_CHUNK_BYTES", "bytes >= 0", "shm: pipeline chunk of large collectives (default 256 KiB)"},
+      {"COMMGRAD_SHM_SPIN_US", "microseconds >= 0", "shm: how long a waiting rank spins before it sleeps"},
+      {"COMMGRAD_SHM_ASYNC_BYTES", "bytes >= 0",
+       "shm: collectives from this size run on the worker thread (default 1 MiB); smaller ones finish in the call"},
+      {"COMMGRAD_SHM_EAGER_WORKER", "0 or 1", "shm: start async collectives at once (default: when cores are spare)"},
+      {"GLOO_SOCKET_IFNAME", "interface[,interface...]", "network interfaces Gloo binds to, as in PyTorch"},
+  };
+  return list;
+}
+
+std::optional<std::string> get(const std::string& name) {
+  const auto& list = variables();
+  const bool listed =
+      std::any_of(list.begin(), list.end(), [&](const Variable& v) { return name == v.name; });
+  TORCH_INTERNAL_ASSERT(listed, "commgrad reads the environment variable ", name,
+                        ", which is missing from commgrad::env::variables()");
+  const char* value = std::getenv(name.c_str());
+  if (value == nullptr) return std::nullopt;
+  return std::string(value);
+}
+
+std::optional<int64_t> get_count(const std::string& name, const char* unit) {
+  const auto value = get(name);
+  if (!value || value->empty()) return std::nullopt;
+  errno = 0;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value->c_str(), &end, 10);
+  TORCH_CHECK(end != value->c_str() && *end == '\0' && errno == 0 && parsed >= 0, "[commgrad] environment: ", name,
+              "='", *value, "' is not a number of ", unit, " (expected an integer >= 0)");
+  return parsed;
+}
+
+}  // namespace commgrad::env
