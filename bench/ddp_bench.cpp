@@ -60,10 +60,7 @@ double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-void barrier() {
-  std::vector<torch::Tensor> t{torch::zeros({1})};
-  commgrad::world().transport().allreduce(t)->wait();
-}
+void barrier() { commgrad::ops::barrier(); }
 
 // A trainable model with its optimizer and the data of one step.
 struct Variant {

@@ -131,10 +131,9 @@ int main(int argc, char** argv) {
     }
     for (int epoch = 1; epoch <= epochs; ++epoch) {
       const double local = train_epoch(model, opt, data, rank, n, device);
-      std::vector<torch::Tensor> loss{torch::full({1}, local, torch::kDouble)};
-      commgrad::world().transport().allreduce(loss)->wait();
+      const auto loss = commgrad::ops::all_reduce(torch::full({1}, local, torch::kDouble));
       if (rank == 0) {
-        std::printf("epoch %d/%d: loss %.6f\n", epoch, epochs, loss[0].item<double>() / n);
+        std::printf("epoch %d/%d: loss %.6f\n", epoch, epochs, loss.item<double>() / n);
         std::fflush(stdout);
       }
     }

@@ -275,12 +275,9 @@ void Comm::check_peers(const Call& call, WaitOn on, int peer) {
     // A pid from another pid namespace (another container) means nothing
     // here: such a peer is only caught by the timeout.
     if (block.pid_namespace != segment_->rank_block(rank_).pid_namespace || process_alive(pid)) continue;
-    // seq_ belongs to the collectives' thread: point-to-point waits do not name it.
-    const std::string what =
-        on == WaitOn::kBarrier
-            ? c10::str("rank ", q, " (pid ", pid, ") died; this rank was waiting for it in ", call.op,
-                       " (collective #", seq_ - 1, ")")
-            : c10::str("rank ", q, " (pid ", pid, ") died; this rank was waiting for it in ", call.op);
+    // The caller (ops::raw) names the collective's number in its group; a
+    // second, transport-level counter here would only confuse.
+    const std::string what = c10::str("rank ", q, " (pid ", pid, ") died; this rank was waiting for it in ", call.op);
     abort(c10::str(what, ", found by rank ", rank_));
     commgrad::detail::throw_dist_error(c10::str("[commgrad] ", call.op, " ", context_, ": ", what));
   }

@@ -25,6 +25,7 @@
 #include "commgrad/ops/raw.h"
 #include "commgrad/tp/mappings.h"
 #include "commgrad/tp/parallel_state.h"
+#include "commgrad/util/names.h"
 #include "commgrad/util/print.h"
 
 #include <ATen/ATen.h>
@@ -44,22 +45,6 @@ namespace {
 
 constexpr const char* kOp = "check_gradients";
 constexpr uint64_t kLossSeed = 0x5eed;
-
-std::string shape_str(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i > 0 ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    default: return c10::toString(t);
-  }
-}
 
 void default_tolerance(at::ScalarType dtype, double& atol, double& rtol) {
   switch (dtype) {
@@ -97,10 +82,10 @@ struct Pair {
 int64_t layout_dim(const Group& g, const Layout& layout, const at::Tensor& t, const std::string& what) {
   const int64_t nd = t.dim();
   COMMGRAD_CHECK(nd > 0 && layout.dim >= -nd && layout.dim < nd, kOp, g, what, ": layout ", layout.describe(),
-                 " does not fit ", shape_str(t.sizes()));
+                 " does not fit ", shape_name(t.sizes()));
   COMMGRAD_CHECK(layout.stride == 1, kOp, g, what, ": strided layouts are for parameters, not inputs or outputs");
   const int64_t d = layout.dim < 0 ? layout.dim + nd : layout.dim;
-  COMMGRAD_CHECK(t.size(d) % g.size() == 0, kOp, g, what, " ", shape_str(t.sizes()), ": dim ", d,
+  COMMGRAD_CHECK(t.size(d) % g.size() == 0, kOp, g, what, " ", shape_name(t.sizes()), ": dim ", d,
                  " is not divisible by the tensor-parallel size ", g.size());
   return d;
 }
@@ -135,7 +120,7 @@ std::string GradCheckResult::table() const {
   size_t name_w = 6, shape_w = 5, layout_w = 6;
   for (const auto& t : tensors) {
     name_w = std::max(name_w, t.name.size());
-    shape_w = std::max(shape_w, shape_str(t.shape).size());
+    shape_w = std::max(shape_w, shape_name(t.shape).size());
     layout_w = std::max(layout_w, t.layout.size());
   }
   std::ostringstream os;
@@ -160,7 +145,7 @@ std::string GradCheckResult::table() const {
   };
   row("tensor", "shape", "layout", "max abs", "max rel", "atol / rtol", "");
   for (const auto& t : tensors) {
-    row(t.name, shape_str(t.shape), t.layout, sci(t.max_abs_error), sci(t.max_rel_error),
+    row(t.name, shape_name(t.shape), t.layout, sci(t.max_abs_error), sci(t.max_rel_error),
         sci(t.atol, 0) + " / " + sci(t.rtol, 0), t.ok ? "ok" : "MISMATCH" + (t.note.empty() ? "" : " (" + t.note + ")"));
   }
   const auto bad = failures();
@@ -212,8 +197,8 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
       full[d] *= s.group.defined() ? s.group.size() : g.size();
     }
     COMMGRAD_CHECK(at::IntArrayRef(full) == r->sizes(), kOp, g, "parallel parameter '", p.key(), "' ",
-                   shape_str(p.value().sizes()), " (", s.spec.describe(), ") is ", shape_str(full),
-                   " in full, but reference '", rname, "' is ", shape_str(r->sizes()));
+                   shape_name(p.value().sizes()), " (", s.spec.describe(), ") is ", shape_name(full),
+                   " in full, but reference '", rname, "' is ", shape_name(r->sizes()));
     ref_names.push_back(rname);
     used.insert(rname);
   }
@@ -261,7 +246,7 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
     const int64_t d = options.output_layout().dim;
     COMMGRAD_CHECK(nd > 0 && d >= -nd && d < nd && options.output_layout().stride == 1, kOp, g, "output layout ",
                    options.output_layout().describe(), " does not fit the parallel output ",
-                   shape_str(par_out_local.sizes()));
+                   shape_name(par_out_local.sizes()));
     par_out = tp::detail::gather_along(par_out_local, options.output_layout().dim, g, kOp);
   }
   const at::Tensor par_loss = loss_fn(par_out);
@@ -315,7 +300,7 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
     if (!e.parallel.defined() || !e.reference.defined()) {
       if (rep.note.empty()) rep.note = e.parallel.defined() ? "undefined on the reference side" : "undefined";
     } else if (e.parallel.sizes() != e.reference.sizes()) {
-      rep.note = c10::str("shape ", shape_str(e.parallel.sizes()), " vs ", shape_str(e.reference.sizes()));
+      rep.note = c10::str("shape ", shape_name(e.parallel.sizes()), " vs ", shape_name(e.reference.sizes()));
     } else {
       const auto r = e.reference.to(at::kDouble);
       abs_err = e.parallel.numel() == 0 ? 0.0 : (e.parallel.to(at::kDouble) - r).abs().max().item<double>();

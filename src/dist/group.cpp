@@ -59,25 +59,25 @@ detail::TransportBase& Group::transport(c10::DeviceType device) const {
   return *s.cuda_transport;
 }
 
+const detail::TransportCapabilities& Group::capabilities(c10::DeviceType device) const {
+  transport(device);  // the same checks: a member, with a transport for `device`
+  const auto& s = checked();
+  return device == c10::DeviceType::CUDA ? s.cuda_capabilities : s.capabilities;
+}
+
 const std::string& Group::cuda_backend_name() const { return checked().cuda_backend; }
 
 uint64_t Group::next_sequence() const { return state_->sequence.fetch_add(1); }
 
-std::string Group::describe() const {
-  if (!state_) return "(no group)";
-  const auto& s = *state_;
+std::string Group::describe() const { return state_ ? detail::describe(*state_) : std::string("(no group)"); }
+
+std::string detail::describe(const GroupState& s) {
   if (s.rank < 0) {
     return c10::str("rank ", s.global_rank, " (not a member) group '", s.name, "' of ranks ", format_ranks(s.ranks));
   }
   const bool own_cuda = !s.cuda_backend.empty() && s.cuda_backend != s.backend;
   const std::string transports = own_cuda ? c10::str(s.backend, ", cuda: ", s.cuda_backend) : s.backend;
   return c10::str("rank ", s.rank, "/", s.ranks.size(), " group '", s.name, "' (", transports, ")");
-}
-
-void check_member(const char* op, const Group& group) {
-  TORCH_CHECK(group.defined(), "[commgrad] ", op, ": the group handle is empty (was init_process_group() called?)");
-  COMMGRAD_CHECK(group.is_member(), op, group, "this rank is not a member of the group; only ranks ",
-                 format_ranks(group.ranks()), " may call collectives on it");
 }
 
 }  // namespace commgrad

@@ -6,13 +6,21 @@
 // ourselves (instead of TCPStore's own worker wait) lets a timeout say how
 // many ranks joined and exactly which are missing. The host identities tell
 // each group whether all its members share a host (loopback devices, shm).
+//
+// Group creation ends with the same kind of store barrier among the members,
+// after every transport has connected: a rank that dropped a group the moment
+// it had connected could otherwise close its Gloo pairs while a slower member
+// was still connecting to it (that member then fails with "Connection closed
+// by peer" while the others carry on). PyTorch's new_group ends the same way.
 
 #include "commgrad/dist/process_group.h"
 
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/device.h"
+#include "commgrad/dist/terminate_handler.h"
 #include "commgrad/dist/transport.h"
 #include "commgrad/util/blas.h"
+#include "commgrad/util/env.h"
 #include "commgrad/util/logging.h"
 #include "commgrad/util/print.h"
 
@@ -39,11 +47,11 @@ thread_local Group t_world;  // a ScopedWorld's world, for in-process harnesses
 
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) {
   if (requested.count() > 0) return requested;
-  if (const char* v = std::getenv("COMMGRAD_TIMEOUT")) {
+  if (const auto v = env::get("COMMGRAD_TIMEOUT")) {
     char* end = nullptr;
-    const double seconds = std::strtod(v, &end);
-    TORCH_CHECK(end != v && *end == '\0' && seconds > 0, "commgrad: COMMGRAD_TIMEOUT='", v,
-                "' is not a positive number of seconds");
+    const double seconds = std::strtod(v->c_str(), &end);
+    TORCH_CHECK(end != v->c_str() && *end == '\0' && seconds > 0, "[commgrad] init_process_group: COMMGRAD_TIMEOUT='",
+                *v, "' is not a positive number of seconds");
     return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
   }
   return kDefaultTimeout;
@@ -51,7 +59,10 @@ std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) {
 
 std::string seconds(std::chrono::milliseconds ms) { return c10::str(ms.count() / 1000.0, "s"); }
 
-std::string join_key(int rank) { return "commgrad/world/join/" + std::to_string(rank); }
+// "[commgrad] init_process_group rank r/n: ", for errors before the world group exists.
+std::string init_prefix(const LaunchEnvironment& env) {
+  return c10::str("[commgrad] init_process_group rank ", env.rank, "/", env.world_size, ": ");
+}
 
 detail::StorePtr connect_store(const LaunchEnvironment& env, std::chrono::milliseconds timeout) {
   if (env.world_size == 1) return c10::make_intrusive<c10d::HashStore>();
@@ -64,42 +75,55 @@ detail::StorePtr connect_store(const LaunchEnvironment& env, std::chrono::millis
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
   } catch (const std::exception& e) {
     if (env.rank == 0) {
-      detail::throw_dist_error(c10::str("commgrad: rank 0 could not host the rendezvous store at ", env.master_addr,
+      detail::throw_dist_error(c10::str(init_prefix(env), "could not host the rendezvous store at ", env.master_addr,
                                         ":", env.master_port, " (is the port in use?): ", e.what()));
     }
-    detail::throw_dist_error(c10::str("commgrad: rank ", env.rank, " could not reach the rendezvous store at ",
+    detail::throw_dist_error(c10::str(init_prefix(env), "could not reach the rendezvous store at ",
                                       env.master_addr, ":", env.master_port, " within ", seconds(timeout),
                                       " (did rank 0 start?): ", e.what()));
   }
 }
 
-// Waits until every rank has written its join key; returns the host
-// identities by rank.
-std::vector<std::string> join(const detail::StorePtr& store, const LaunchEnvironment& env,
-                              std::chrono::milliseconds timeout) {
-  const std::string me = host_identity();
-  store->set(join_key(env.rank), std::vector<uint8_t>(me.begin(), me.end()));
-  store->add("commgrad/world/joined", 1);
+// Store barrier: rank `rank` of `size` writes `payload` under `key`/<rank>
+// and waits until all `size` have. Returns every rank's payload, by rank, or
+// the ranks missing at the deadline (`missing` non-empty, nothing returned).
+std::vector<std::string> arrive_and_wait(const detail::StorePtr& store, const std::string& key, int rank, int size,
+                                         const std::string& payload, std::chrono::milliseconds timeout,
+                                         std::vector<int>& missing) {
+  auto rank_key = [&](int r) { return c10::str(key, "/", r); };
+  store->set(rank_key(rank), std::vector<uint8_t>(payload.begin(), payload.end()));
+  store->add(key + "/count", 1);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
-  while (store->add("commgrad/world/joined", 0) < env.world_size) {
+  while (store->add(key + "/count", 0) < size) {
     if (std::chrono::steady_clock::now() > deadline) {
-      std::vector<int> missing;
-      for (int r = 0; r < env.world_size; ++r) {
-        if (!store->check({join_key(r)})) missing.push_back(r);
+      for (int r = 0; r < size; ++r) {
+        if (!store->check({rank_key(r)})) missing.push_back(r);
       }
-      detail::throw_timeout_error(c10::str("commgrad: rendezvous timed out after ", seconds(timeout), ": ",
-                                           env.world_size - missing.size(), " of ", env.world_size,
-                                           " ranks joined; missing ranks: ", format_ranks(missing), " (store ", env.master_addr,
-                                           ":", env.master_port, ")"));
+      if (!missing.empty()) return {};
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
-  std::vector<std::string> hosts;
-  for (int r = 0; r < env.world_size; ++r) {
-    const auto bytes = store->get(join_key(r));
-    hosts.emplace_back(bytes.begin(), bytes.end());
+  std::vector<std::string> payloads;
+  for (int r = 0; r < size; ++r) {
+    const auto bytes = store->get(rank_key(r));
+    payloads.emplace_back(bytes.begin(), bytes.end());
+  }
+  return payloads;
+}
+
+// Waits until every rank has joined; returns the host identities by rank.
+std::vector<std::string> join(const detail::StorePtr& store, const LaunchEnvironment& env,
+                              std::chrono::milliseconds timeout) {
+  std::vector<int> missing;
+  auto hosts = arrive_and_wait(store, "commgrad/world/join", env.rank, env.world_size, host_identity(), timeout,
+                               missing);
+  if (!missing.empty()) {
+    detail::throw_timeout_error(c10::str(init_prefix(env), "rendezvous timed out after ", seconds(timeout), ": ",
+                                         env.world_size - missing.size(), " of ", env.world_size,
+                                         " ranks joined; missing ranks: ", format_ranks(missing), " (store ",
+                                         env.master_addr, ":", env.master_port, ")"));
   }
   return hosts;
 }
@@ -111,8 +135,9 @@ bool all_same(const std::vector<std::string>& v) {
 // Connects a member's transports: the one of CPU tensors (state.backend) and,
 // where this process sees CUDA devices, the one of CUDA tensors (Gloo's
 // object is shared when it carries both), as state.requested_backend asks;
-// `prefix` keys the transports' stores.
-void connect_transports(detail::GroupState& state, const std::string& prefix) {
+// `prefix` keys the transports' stores. Returns once every member has
+// connected (see the top of the file).
+void connect_transports(detail::GroupState& state, const std::string& prefix, const char* op) {
   detail::TransportConfig config;
   config.backend = state.backend;
   config.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/transport", state.root_store);
@@ -121,18 +146,31 @@ void connect_transports(detail::GroupState& state, const std::string& prefix) {
   config.timeout = state.timeout;
   config.single_host = all_same(state.hosts);
   config.group_name = state.name;
-  state.transport = detail::create_transport(config);
+  config.op = op;
+  auto cpu = detail::create_transport(config);
+  state.transport = cpu.backend;
+  state.capabilities = cpu.capabilities;
 
   state.cuda_backend =
       resolve_cuda_backend(state.requested_backend, state.launch.local_world_size, cuda_device_count());
-  if (state.cuda_backend.empty()) return;
   if (state.cuda_backend == state.backend) {
     state.cuda_transport = state.transport;
-    return;
+    state.cuda_capabilities = state.capabilities;
+  } else if (!state.cuda_backend.empty()) {
+    config.backend = state.cuda_backend;
+    config.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/cuda-transport", state.root_store);
+    auto cuda = detail::create_transport(config);
+    state.cuda_transport = cuda.backend;
+    state.cuda_capabilities = cuda.capabilities;
   }
-  config.backend = state.cuda_backend;
-  config.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/cuda-transport", state.root_store);
-  state.cuda_transport = detail::create_transport(config);
+
+  std::vector<int> missing;
+  arrive_and_wait(state.root_store, prefix + "/connected", state.rank, config.size, "", state.timeout, missing);
+  if (!missing.empty()) {
+    detail::throw_timeout_error(c10::str("[commgrad] ", op, " ", detail::describe(state),
+                                         ": group ranks ", format_ranks(missing), " did not finish connecting within ",
+                                         seconds(state.timeout)));
+  }
 }
 
 }  // namespace
@@ -141,7 +179,7 @@ Group make_world_group(const InitOptions& options) {
   LaunchEnvironment env;
   if (options.store()) {
     TORCH_CHECK(options.rank() >= 0 && options.world_size() >= 1 && options.rank() < options.world_size(),
-                "commgrad: init_process_group with an explicit store needs rank in [0, world_size) and "
+                "[commgrad] init_process_group: an explicit store needs rank in [0, world_size) and "
                 "world_size >= 1; got rank ",
                 options.rank(), ", world_size ", options.world_size());
     env.rank = options.rank();
@@ -150,11 +188,11 @@ Group make_world_group(const InitOptions& options) {
     env.local_world_size = env.world_size;
   } else {
     TORCH_CHECK(options.rank() < 0 && options.world_size() < 0,
-                "commgrad: rank and world_size options need an explicit store; without one they come from the "
+                "[commgrad] init_process_group: rank and world_size options need an explicit store; without one they come from the "
                 "launcher's environment");
     env = LaunchEnvironment::from_env();
     if (env.launcher == Launcher::kNone) {
-      std::cerr << "commgrad: no launcher variables (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, SLURM_*); "
+      std::cerr << "[commgrad] init_process_group: no launcher variables (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, SLURM_*); "
                    "running as a single process (world size 1)\n";
     }
   }
@@ -180,11 +218,12 @@ Group make_world_group(const InitOptions& options) {
   state->launch = env;
   // COMMGRAD_BACKEND lets a launch script pick the transport of an unchanged program.
   std::string backend = options.backend();
-  if (backend == "auto" && std::getenv("COMMGRAD_BACKEND") != nullptr) backend = std::getenv("COMMGRAD_BACKEND");
+  if (backend == "auto") backend = env::get("COMMGRAD_BACKEND").value_or(backend);
   state->backend = resolve_backend(backend, hosts);
   detail::select_cuda_device(env.local_rank);
   state->requested_backend = backend;
-  connect_transports(*state, "commgrad/world");
+  if (options.terminate_handler()) install_terminate_handler();
+  connect_transports(*state, "commgrad/world", "init_process_group");
   return Group(std::move(state));
 }
 
@@ -192,7 +231,7 @@ Group init_process_group(const InitOptions& options) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     TORCH_CHECK(!g_world.defined(),
-                "commgrad: init_process_group() called twice; call destroy_process_group() first");
+                "[commgrad] init_process_group: called twice; call destroy_process_group() first");
   }
   Group world = make_world_group(options);
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -230,7 +269,7 @@ Group world() {
   if (t_world.defined()) return t_world;
   std::lock_guard<std::mutex> lock(g_mutex);
   TORCH_CHECK(g_world.defined(),
-              "commgrad: the process group is not initialised; call commgrad::init_process_group() first");
+              "[commgrad] world: the process group is not initialised; call commgrad::init_process_group() first");
   return g_world;
 }
 
@@ -271,7 +310,7 @@ Group new_group(const std::vector<int>& ranks, const NewGroupOptions& options) {
   state->launch = ps.launch;
   state->requested_backend = options.backend().empty() ? ps.requested_backend : options.backend();
   state->backend = options.backend().empty() ? ps.backend : resolve_backend(options.backend(), state->hosts);
-  if (state->rank >= 0) connect_transports(*state, prefix);
+  if (state->rank >= 0) connect_transports(*state, prefix, "new_group");
   return Group(std::move(state));
 }
 

@@ -5,6 +5,7 @@
 #include "commgrad/backend/shm_process_group.h"
 #include "commgrad/config.h"
 #include "commgrad/dist/build_info.h"
+#include "commgrad/util/env.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -44,8 +45,8 @@ detail::TransportPtr create_gloo(const detail::TransportConfig& c) {
   // GLOO_SOCKET_IFNAME picks interfaces as in PyTorch; a single-host group
   // stays on loopback (works without a resolvable hostname); otherwise bind
   // to the address this host's name resolves to.
-  if (const char* ifnames = std::getenv("GLOO_SOCKET_IFNAME")) {
-    for (const auto& name : split(ifnames, ',')) {
+  if (const auto ifnames = env::get("GLOO_SOCKET_IFNAME")) {
+    for (const auto& name : split(*ifnames, ',')) {
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
     }
   } else if (c.single_host) {
@@ -56,6 +57,32 @@ detail::TransportPtr create_gloo(const detail::TransportConfig& c) {
   return c10::make_intrusive<c10d::ProcessGroupGloo>(c.store, c.rank, c.size, options);
 }
 
+// The shm transport and the table of what it offers beyond c10d.
+detail::Transport create_shm(const detail::TransportConfig& c) {
+  auto shm = c10::make_intrusive<backend::ShmProcessGroup>(
+      c.store, c.rank, c.size, backend::ShmOptions().timeout(c.timeout).group_name(c.group_name));
+  backend::ShmProcessGroup* pg = shm.get();  // owned by the Transport returned with the table
+  detail::TransportCapabilities caps;
+  caps.allreduce_out = [pg](at::Tensor& in, at::Tensor& out, const c10d::AllreduceOptions& o) {
+    return pg->allreduce_out(in, out, o);
+  };
+  caps.reduce_out = [pg](at::Tensor& in, at::Tensor& out, const c10d::ReduceOptions& o) {
+    return pg->reduce_out(in, out, o);
+  };
+  caps.reduce_scatter = [pg](at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) {
+    return pg->_reduce_scatter_base(out, in, o);
+  };
+  caps.reduces_16bit = true;  // shm_reduce.cpp accumulates float16/bfloat16 in float32
+  caps.completes_on_call_below = pg->options().async_bytes();
+  return {std::move(shm), std::move(caps)};
+}
+
+// "[commgrad] <op> rank r/n group 'g' (<backend>): " for a transport being created.
+std::string connect_prefix(const detail::TransportConfig& c) {
+  return c10::str("[commgrad] ", c.op, " rank ", c.rank, "/", c.size, " group '", c.group_name, "' (", c.backend,
+                  "): ");
+}
+
 }  // namespace
 
 std::vector<std::string> available_backends() { return build_info().transports; }
@@ -63,23 +90,23 @@ std::vector<std::string> available_backends() { return build_info().transports; 
 std::string resolve_backend(const std::string& requested, const std::vector<std::string>& hosts) {
   const auto all = available_backends();
   TORCH_CHECK(requested == "auto" || std::find(all.begin(), all.end(), requested) != all.end(),
-              "commgrad: backend '", requested, "' is not available in this build; available: auto, ",
+              "[commgrad] resolve_backend: backend '", requested, "' is not available in this build; available: auto, ",
               c10::Join(", ", all));
   if (requested == "auto" || requested == "nccl") return all_same(hosts) ? "shm" : "gloo";
   TORCH_CHECK(requested != "shm" || all_same(hosts),
-              "commgrad: backend 'shm' needs every rank of the group on one host, but its ranks run on ",
+              "[commgrad] resolve_backend: backend 'shm' needs every rank of the group on one host, but its ranks run on ",
               std::set<std::string>(hosts.begin(), hosts.end()).size(), " hosts; use 'gloo' (or 'auto')");
   return requested;
 }
 
 std::string resolve_cuda_backend(const std::string& requested, int local_ranks, int cuda_devices) {
   if (cuda_devices == 0) {
-    TORCH_CHECK(requested != "nccl", "commgrad: backend 'nccl' needs a CUDA device, and this process sees none");
+    TORCH_CHECK(requested != "nccl", "[commgrad] resolve_cuda_backend: backend 'nccl' needs a CUDA device, and this process sees none");
     return "";
   }
   if (requested == "nccl") {
-    TORCH_CHECK(COMMGRAD_HAVE_NCCL, "commgrad: backend 'nccl' is not available in this build (its LibTorch has no NCCL)");
-    TORCH_CHECK(local_ranks <= cuda_devices, "commgrad: backend 'nccl' needs a GPU for each of the ", local_ranks,
+    TORCH_CHECK(COMMGRAD_HAVE_NCCL, "[commgrad] resolve_cuda_backend: backend 'nccl' is not available in this build (its LibTorch has no NCCL)");
+    TORCH_CHECK(local_ranks <= cuda_devices, "[commgrad] resolve_cuda_backend: backend 'nccl' needs a GPU for each of the ", local_ranks,
                 " ranks on this host, but this process sees ", cuda_devices,
                 "; use 'auto' to carry CUDA tensors over Gloo instead");
     return "nccl";
@@ -110,13 +137,10 @@ NcclVersions nccl_versions() {
   return v;
 }
 
-TransportPtr create_transport(const TransportConfig& c) {
+Transport create_transport(const TransportConfig& c) {
   try {
-    if (c.backend == "gloo") return create_gloo(c);
-    if (c.backend == "shm") {
-      return c10::make_intrusive<backend::ShmProcessGroup>(
-          c.store, c.rank, c.size, backend::ShmOptions().timeout(c.timeout).group_name(c.group_name));
-    }
+    if (c.backend == "gloo") return {create_gloo(c), {}};
+    if (c.backend == "shm") return create_shm(c);
 #if COMMGRAD_HAVE_NCCL
     if (c.backend == "nccl") {
       // The communicator is created on the first collective, on the device
@@ -124,18 +148,17 @@ TransportPtr create_transport(const TransportConfig& c) {
       // NCCL's own watchdog enforces the group's timeout.
       auto options = c10d::ProcessGroupNCCL::Options::create();
       options->timeout = c.timeout;
-      return c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, c.rank, c.size, options);
+      return {c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, c.rank, c.size, options), {}};
     }
 #endif
   } catch (const c10::Error& e) {
-    throw_dist_error(c10::str("commgrad: rank ", c.rank, " of group '", c.group_name, "' could not connect its ",
-                              c.backend, " transport to the other ", c.size - 1,
-                              " ranks within the timeout: ", e.what_without_backtrace()));
+    throw_dist_error(c10::str(connect_prefix(c), "could not connect its ", c.backend, " transport to the other ",
+                              c.size - 1, " ranks within the timeout: ", e.what_without_backtrace()));
   } catch (const std::exception& e) {
-    throw_dist_error(c10::str("commgrad: rank ", c.rank, " of group '", c.group_name, "' could not connect its ",
-                              c.backend, " transport to the other ", c.size - 1, " ranks: ", e.what()));
+    throw_dist_error(c10::str(connect_prefix(c), "could not connect its ", c.backend, " transport to the other ",
+                              c.size - 1, " ranks: ", e.what()));
   }
-  TORCH_CHECK(false, "commgrad: unknown backend '", c.backend, "'");
+  TORCH_CHECK(false, connect_prefix(c), "unknown backend '", c.backend, "'");
 }
 
 }  // namespace detail

@@ -18,14 +18,17 @@
 
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/process_group.h"
+#include "commgrad/ops/raw.h"
 #include "detail/reducer.h"
+
+#include <algorithm>
 
 #include <ATen/ATen.h>
 
 #include <sstream>
 #include <unordered_set>
 
-namespace commgrad {
+namespace commgrad::dp {
 namespace detail {
 namespace {
 
@@ -47,29 +50,23 @@ std::string describe_tensor(const char* kind, const std::string& name, const at:
   return c10::str(kind, " '", name, "' ", t.sizes(), " ", t.scalar_type(), t.requires_grad() ? "" : " (no grad)");
 }
 
+// Every rank's 64-bit `value`, by group rank.
+std::vector<int64_t> all_gather_value(const Group& group, int64_t value) {
+  const auto all = ops::raw::all_gather(at::full({1}, value, at::kLong), {}, group).wait();
+  return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + group.size());
+}
+
 // Every rank's `mine`, by group rank.
 std::vector<std::string> all_gather_strings(const Group& group, const std::string& mine) {
   const int n = group.size();
-  auto length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-  std::vector<at::Tensor> in{length};
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int r = 0; r < n; ++r) out[0].push_back(at::empty({1}, at::kLong));
-  group.transport().allgather(out, in)->wait();
-  int64_t longest = 1;
-  std::vector<int64_t> lengths;
-  for (const auto& t : out[0]) {
-    lengths.push_back(t.item<int64_t>());
-    longest = std::max(longest, lengths.back());
-  }
+  const auto lengths = all_gather_value(group, static_cast<int64_t>(mine.size()));
+  const int64_t longest = std::max<int64_t>(1, *std::max_element(lengths.begin(), lengths.end()));
   auto bytes = at::zeros({longest}, at::kByte);
   std::copy(mine.begin(), mine.end(), bytes.data_ptr<uint8_t>());
-  std::vector<at::Tensor> bytes_in{bytes};
-  std::vector<std::vector<at::Tensor>> bytes_out(1);
-  for (int r = 0; r < n; ++r) bytes_out[0].push_back(at::empty({longest}, at::kByte));
-  group.transport().allgather(bytes_out, bytes_in)->wait();
+  const auto gathered = ops::raw::all_gather(bytes, {}, group).wait();
   std::vector<std::string> all;
   for (int r = 0; r < n; ++r) {
-    const auto* data = bytes_out[0][r].data_ptr<uint8_t>();
+    const auto* data = gathered.data_ptr<uint8_t>() + r * longest;
     all.emplace_back(data, data + lengths[r]);
   }
   return all;
@@ -90,14 +87,8 @@ void verify_replicas(const Group& group, const std::vector<NamedTensor>& params,
   for (const auto& b : buffers) signature += describe_tensor("buffer", b.first, b.second) + "\n";
   if (group.size() == 1) return;
 
-  auto hash = at::full({1}, static_cast<int64_t>(fnv1a(signature)), at::kLong);
-  std::vector<at::Tensor> in{hash};
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int r = 0; r < group.size(); ++r) out[0].push_back(at::empty({1}, at::kLong));
-  group.transport().allgather(out, in)->wait();
-  bool agree = true;
-  for (const auto& h : out[0]) agree = agree && h.item<int64_t>() == hash.item<int64_t>();
-  if (agree) return;
+  const auto hashes = all_gather_value(group, static_cast<int64_t>(fnv1a(signature)));
+  if (std::all_of(hashes.begin(), hashes.end(), [&](int64_t h) { return h == hashes.front(); })) return;
 
   const auto all = all_gather_strings(group, signature);
   const auto reference = split_lines(all[0]);
@@ -145,8 +136,7 @@ void broadcast_from_first(const Group& group, const std::vector<at::Tensor>& ten
     chunk_bytes.back() += bytes;
   }
   const bool root = group.rank() == 0;
-  std::vector<at::Tensor> flats;
-  std::vector<WorkPtr> works;
+  std::vector<ops::raw::Pending> received;
   for (size_t c = 0; c < chunks.size(); ++c) {
     auto flat = at::empty({std::max<int64_t>(chunk_bytes[c], 1)}, at::TensorOptions(at::kByte).device(device));
     if (root) {
@@ -155,20 +145,16 @@ void broadcast_from_first(const Group& group, const std::vector<at::Tensor>& ten
         flat.narrow(0, piece.offset, bytes.numel()).copy_(bytes);
       }
     }
-    std::vector<at::Tensor> io{flat};
-    c10d::BroadcastOptions options;
-    options.rootRank = 0;
-    works.push_back(group.transport(flat.device().type()).broadcast(io, options));
-    flats.push_back(flat);
+    received.push_back(ops::raw::broadcast(flat, ops::BroadcastOptions().src(0), group));
   }
   for (size_t c = 0; c < chunks.size(); ++c) {
-    works[c]->wait();
+    const at::Tensor flat = received[c].wait();
     if (root) continue;
     for (const auto& piece : chunks[c]) {
       const auto& t = tensors[piece.tensor];
       const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
       if (bytes == 0) continue;
-      t.copy_(flats[c].narrow(0, piece.offset, bytes).view(t.scalar_type()).reshape(t.sizes()));
+      t.copy_(flat.narrow(0, piece.offset, bytes).view(t.scalar_type()).reshape(t.sizes()));
     }
   }
 }
@@ -269,4 +255,4 @@ void DistributedDataParallel::sync_buffers() { reducer().sync_buffers(); }
 std::vector<DdpBucketInfo> DistributedDataParallel::buckets() const { return reducer().bucket_info(); }
 DdpStepStats DistributedDataParallel::last_step() const { return reducer().last_step(); }
 
-}  // namespace commgrad
+}  // namespace commgrad::dp

@@ -53,7 +53,7 @@
 #include <chrono>
 #include <map>
 
-namespace commgrad::detail {
+namespace commgrad::dp::detail {
 namespace {
 
 constexpr const char* kOp = "DistributedDataParallel";
@@ -330,27 +330,24 @@ void DdpReducer::finalize_backward() {
   // 2. Which parameters did any rank use (find_unused_parameters only).
   std::vector<int32_t> global_use;
   at::Tensor use_counts;
-  WorkPtr use_work;
+  ops::raw::Pending use_pending;
   if (find_unused) {
     use_counts = at::empty({static_cast<int64_t>(params_.size())}, at::kInt);
     auto* counts = use_counts.data_ptr<int32_t>();
     for (size_t i = 0; i < params_.size(); ++i) counts[i] = used_since_sync_[i] ? 1 : 0;
-    if (group_.size() > 1) {
-      std::vector<at::Tensor> tensors{use_counts};
-      use_work = group_.transport().allreduce(tensors);
-    }
+    use_pending = ops::raw::all_reduce_(use_counts, {}, group_);
   }
 
   // 3. Wait for every bucket in order and let its hook finish.
   for (size_t b = 0; b < buckets_.size(); ++b) {
     auto& work = buckets_[b].work;
     try {
-      if (work.work) work.work->wait();
+      if (work.pending.defined()) work.pending.wait();
       if (work.then) work.then();
     } catch (const std::exception& e) {
       if (!error) {
         try {
-          throw_dist_error(c10::str("[commgrad] ", kOp, " ", group_.describe(), ": reducing ", bucket_context(b),
+          commgrad::detail::throw_dist_error(c10::str("[commgrad] ", kOp, " ", group_.describe(), ": reducing ", bucket_context(b),
                                     " failed. If a rank skipped parameters in backward, construct "
                                     "DistributedDataParallel with find_unused_parameters(true). Cause: ",
                                     e.what()));
@@ -361,9 +358,9 @@ void DdpReducer::finalize_backward() {
     }
     work = CommWork{};
   }
-  if (use_work) {
+  if (use_pending.defined()) {
     try {
-      use_work->wait();
+      use_pending.wait();
     } catch (...) {
       if (!error) error = std::current_exception();
     }
@@ -422,7 +419,7 @@ void DdpReducer::write_back(const std::vector<int32_t>& global_use) {
 void DdpReducer::wait_all_quietly() {
   for (auto& b : buckets_) {
     try {
-      if (b.work.work) b.work.work->wait();
+      if (b.work.pending.defined()) b.work.pending.wait();
     } catch (const std::exception& e) {
       COMMGRAD_LOG(kWarn, kOp, " ", group_.describe(), ": ignoring a failed bucket reduction: ", e.what());
     }
@@ -449,4 +446,4 @@ void DdpReducer::abandon_backward() {
   }
 }
 
-}  // namespace commgrad::detail
+}  // namespace commgrad::dp::detail

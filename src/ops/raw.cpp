@@ -17,15 +17,26 @@
 //   - all_gather with different sizes per rank: pad to the largest size,
 //     all-gather, trim (volume n * max instead of the sum of the sizes).
 //   - float16/bfloat16 reductions: reduced in float32 and cast back (Gloo has
-//     no bfloat16; float32 also keeps the sum accurate). Data-movement ops
+//     no bfloat16; float32 also keeps the sum accurate), except on a transport
+//     that accumulates them in float32 itself (shm). Data-movement ops
 //     carry any dtype Gloo lacks as raw bytes, at no cost.
+// Where the transport offers more than c10d's calls (out-of-place reductions,
+// a native reduce-scatter: Group::capabilities()), the ops use it.
 // Ops along a dim other than 0 move that dim to the front first, so every
 // rank's part is one contiguous block (one copy in, one copy out).
 
-#include "detail/common.h"
+#include "detail/raw.h"
 
-#include "commgrad/backend/shm_process_group.h"
+#include "detail/call.h"
+#include "detail/checks.h"
+#include "detail/fingerprint.h"
+#include "detail/pending.h"
+#include "detail/wire.h"
+
+#include "commgrad/dist/check.h"
+#include "commgrad/dist/process_group.h"
 #include "commgrad/util/buffer_pool.h"
+#include "commgrad/util/names.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/StringUtil.h>
@@ -39,12 +50,13 @@ namespace {
 using commgrad::detail::WorkPtr;
 using detail::Call;
 using detail::check_dim;
+using detail::check_divisible;
 using detail::check_fingerprint;
 using detail::check_peer;
 using detail::check_sizes;
 using detail::check_tensor;
 using detail::CrossCheck;
-using detail::describe_tensor;
+using detail::reduce_wire;
 using detail::wire;
 using detail::wire_scale;
 
@@ -94,28 +106,6 @@ std::vector<int64_t> scaled(const std::vector<int64_t>& v, int64_t factor) {
   return out;
 }
 
-// The tensor the transport reduces: complex travels as pairs of reals.
-at::Tensor reduce_wire(const at::Tensor& buffer) {
-  at::AutoDispatchBelowADInplaceOrView untracked;  // see wire()
-  return at::isComplexType(buffer.scalar_type()) ? at::view_as_real(buffer).view({-1}) : buffer.view({-1});
-}
-
-// The group's transport of CPU tensors when it is commgrad's shm (which has
-// out-of-place and native forms the raw ops use), else nullptr.
-backend::ShmProcessGroup* shm_transport(const Group& group) {
-  return dynamic_cast<backend::ShmProcessGroup*>(&group.transport());
-}
-// The same for the transport that carries `x` (CUDA tensors never travel on shm).
-backend::ShmProcessGroup* shm_transport(const Call& call, const at::Tensor& x) {
-  return x.is_cpu() ? shm_transport(call.group) : nullptr;
-}
-
-// Divisibility of dim `dim` of x by the group size.
-void check_divisible(const Call& call, const at::Tensor& x, int64_t dim) {
-  COMMGRAD_CHECK(x.size(dim) % call.size == 0, call.op, call.group, "dim ", dim, " of ", describe_tensor(x),
-                 " has size ", x.size(dim), ", which is not divisible by the group size ", call.size);
-}
-
 // Gloo's all_gather into `flat` ([n, per] in wire elements) of `in` (flat wire view).
 WorkPtr gather_all(const Call& call, const at::Tensor& flat_wire, const at::Tensor& in_wire) {
   std::vector<std::vector<at::Tensor>> outputs(1);
@@ -138,20 +128,22 @@ Pending all_reduce(const at::Tensor& x, const AllReduceOptions& options, const G
   at::NoGradGuard no_grad;  // raw ops build no autograd graph
   Call call("all_reduce", group);
   check_tensor(call, x);
-  const auto dtype = detail::reduce_dtype(call, x.scalar_type(), options.op());
+  const auto dtype = detail::reduce_dtype(call, x, options.op());
   call.start();
-  check_fingerprint(call, c10::str("all_reduce(", describe_tensor(x), ", op=", options.op(), ")"));
+  check_fingerprint(call, c10::str("all_reduce(", tensor_name(x), ", op=", options.op(), ")"));
   const auto out_dtype = x.scalar_type();
   const int n = call.size;
   const bool avg = options.op() == ReduceOp::kAvg;
   c10d::AllreduceOptions opts;
   opts.reduceOp = detail::to_c10d(options.op());
-  auto* shm = shm_transport(call, x);
-  if (shm != nullptr && n > 1 && dtype == out_dtype && x.is_contiguous() && x.numel() > 0) {
-    // The shm transport reduces straight from the input into the result:
-    // no staging copy, so the op costs what the raw in-place call costs.
+  const auto& reduce_out = call.capabilities(x).allreduce_out;
+  if (reduce_out && n > 1 && dtype == out_dtype && x.is_contiguous() && x.numel() > 0) {
+    // The transport reduces straight from the input into the result: no
+    // staging copy, so the op costs what the raw in-place call costs.
     auto out = pooled_empty(x.sizes(), x.options());
-    auto work = shm->allreduce_out(reduce_wire(x), reduce_wire(out), opts);
+    auto in_wire = reduce_wire(x);
+    auto out_wire = reduce_wire(out);
+    auto work = reduce_out(in_wire, out_wire, opts);
     return call.pending({work}, [out, n, avg]() mutable { return avg ? out.div_(n) : out; });
   }
   auto buffer = pooled_copy(x, dtype);
@@ -168,22 +160,24 @@ Pending all_reduce_(at::Tensor& x, const AllReduceOptions& options, const Group&
   at::NoGradGuard no_grad;  // raw ops build no autograd graph
   Call call("all_reduce_", group);
   check_tensor(call, x);
-  const auto dtype = detail::reduce_dtype(call, x.scalar_type(), options.op());
+  const auto dtype = detail::reduce_dtype(call, x, options.op());
   COMMGRAD_CHECK(x.is_contiguous(), call.op, call.group, "the in-place form needs a contiguous tensor, got ",
-                 describe_tensor(x), " with strides ", x.strides());
-  COMMGRAD_CHECK(dtype == x.scalar_type(), call.op, call.group, "the in-place form cannot reduce ",
-                 describe_tensor(x), " (it is reduced in float32); use ops::raw::all_reduce");
+                 tensor_name(x), " with strides ", x.strides());
   call.start();
-  check_fingerprint(call, c10::str("all_reduce(", describe_tensor(x), ", op=", options.op(), ")"));
+  check_fingerprint(call, c10::str("all_reduce(", tensor_name(x), ", op=", options.op(), ")"));
   at::Tensor target = x;
+  // float16/bfloat16 on a transport that cannot reduce them in float32 goes
+  // through a float32 copy, written back when done.
+  at::Tensor buffer = dtype == x.scalar_type() ? target : pooled_copy(x, dtype);
   const int n = call.size;
   const bool avg = options.op() == ReduceOp::kAvg;
-  auto finish = [target, n, avg]() mutable {
-    if (avg && n > 1) target.div_(n);
+  auto finish = [target, buffer, n, avg]() mutable {
+    if (avg && n > 1) buffer.div_(n);
+    if (!buffer.is_same(target)) target.copy_(buffer);
     return target;
   };
   if (call.size == 1 || x.numel() == 0) return call.ready(finish());
-  std::vector<at::Tensor> tensors{reduce_wire(target)};
+  std::vector<at::Tensor> tensors{reduce_wire(buffer)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = detail::to_c10d(options.op());
   return call.pending({call.transport(tensors[0]).allreduce(tensors, opts)}, finish);
@@ -202,13 +196,13 @@ Pending all_gather(const at::Tensor& x, const AllGatherOptions& options, const G
   if (uneven) {
     check_sizes(call, "sizes", sizes, -1, x, dim);
     COMMGRAD_CHECK(sizes[call.rank] == x.size(dim), call.op, call.group, "sizes ", at::IntArrayRef(sizes), " say this rank brings ",
-                   sizes[call.rank], " along dim ", dim, ", but its tensor is ", describe_tensor(x));
+                   sizes[call.rank], " along dim ", dim, ", but its tensor is ", tensor_name(x));
   } else {
     sizes.assign(n, x.size(dim));
   }
   call.start();
   check_fingerprint(call,
-                    c10::str("all_gather(", describe_tensor(x, uneven ? dim : -1), ", dim=", dim,
+                    c10::str("all_gather(", tensor_name(x, uneven ? dim : -1), ", dim=", dim,
                              uneven ? ", sizes)" : ")"),
                     uneven ? sizes : std::vector<int64_t>{}, {}, uneven ? CrossCheck::kEqualLists : CrossCheck::kNone);
   const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
@@ -250,7 +244,7 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
   Call call("reduce_scatter", group);
   check_tensor(call, x);
   const int64_t dim = check_dim(call, x, options.dim());
-  detail::reduce_dtype(call, x.scalar_type(), options.op());
+  detail::reduce_dtype(call, x, options.op());
   const int n = call.size;
   std::vector<int64_t> sizes = options.sizes();
   const bool uneven = !sizes.empty();
@@ -262,7 +256,7 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
   }
   call.start();
   check_fingerprint(call,
-                    c10::str("reduce_scatter(", describe_tensor(x), ", dim=", dim, ", op=", options.op(),
+                    c10::str("reduce_scatter(", tensor_name(x), ", dim=", dim, ", op=", options.op(),
                              uneven ? ", sizes)" : ")"),
                     uneven ? sizes : std::vector<int64_t>{}, {}, uneven ? CrossCheck::kEqualLists : CrossCheck::kNone);
   const int64_t mine = sizes[call.rank];
@@ -273,16 +267,16 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
   const int64_t scale = wire_scale(x.scalar_type()) * inner;
   at::Tensor src = front(x, dim);
   const ReduceOp op = options.op();
-  auto* shm = shm_transport(call, x);
-  if (shm != nullptr && !uneven && at::isFloatingType(x.scalar_type()) && op != ReduceOp::kProduct) {
-    // The shm transport reduce-scatters natively: each rank reduces its own
-    // part straight from the others' inputs (no all_to_all, no local sum).
+  const auto& native = call.capabilities(x).reduce_scatter;
+  if (native && !uneven && at::isFloatingType(x.scalar_type()) && op != ReduceOp::kProduct) {
+    // The transport reduce-scatters natively: each rank reduces its own part
+    // straight from the others' inputs (no all_to_all, no local sum).
     auto out = pooled_empty(front_sizes(x, dim, mine), x.options());
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = detail::to_c10d(op);
     auto out_wire = reduce_wire(out);
     auto src_wire = reduce_wire(src);
-    auto work = shm->_reduce_scatter_base(out_wire, src_wire, opts);
+    auto work = native(out_wire, src_wire, opts);
     return call.pending({work}, [out, op, dim, n]() mutable {
       if (op == ReduceOp::kAvg) out.div_(n);
       return unfront(out, dim);
@@ -315,7 +309,7 @@ Pending broadcast(const at::Tensor& x, const BroadcastOptions& options, const Gr
   check_tensor(call, x);
   check_peer(call, "src", options.src());
   call.start();
-  check_fingerprint(call, c10::str("broadcast(", describe_tensor(x), ", src=", options.src(), ")"));
+  check_fingerprint(call, c10::str("broadcast(", tensor_name(x), ", src=", options.src(), ")"));
   const bool root = call.rank == options.src();
   auto buffer = root ? pooled_copy(x) : pooled_empty(x.sizes(), x.options());
   if (call.size == 1 || x.numel() == 0) return call.ready(buffer);
@@ -330,9 +324,9 @@ Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& g
   Call call("reduce", group);
   check_tensor(call, x);
   check_peer(call, "dst", options.dst());
-  const auto dtype = detail::reduce_dtype(call, x.scalar_type(), options.op());
+  const auto dtype = detail::reduce_dtype(call, x, options.op());
   call.start();
-  check_fingerprint(call, c10::str("reduce(", describe_tensor(x), ", dst=", options.dst(), ", op=", options.op(), ")"));
+  check_fingerprint(call, c10::str("reduce(", tensor_name(x), ", dst=", options.dst(), ", op=", options.op(), ")"));
   const bool root = call.rank == options.dst();
   const bool avg = options.op() == ReduceOp::kAvg;
   const auto out_dtype = x.scalar_type();
@@ -340,11 +334,13 @@ Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& g
   c10d::ReduceOptions opts;
   opts.reduceOp = detail::to_c10d(options.op());
   opts.rootRank = options.dst();
-  auto* shm = shm_transport(call, x);
-  if (shm != nullptr && n > 1 && dtype == out_dtype && x.is_contiguous() && x.numel() > 0) {
+  const auto& reduce_out = call.capabilities(x).reduce_out;
+  if (reduce_out && n > 1 && dtype == out_dtype && x.is_contiguous() && x.numel() > 0) {
     // As all_reduce: the root reduces straight from the inputs into its result.
     auto out = pooled_empty(x.sizes(), x.options());
-    auto work = shm->reduce_out(reduce_wire(x), reduce_wire(out), opts);
+    auto in_wire = reduce_wire(x);
+    auto out_wire = reduce_wire(out);
+    auto work = reduce_out(in_wire, out_wire, opts);
     return call.pending({work}, [out, root, avg, n]() mutable {
       if (!root) return out.zero_();
       return avg ? out.div_(n) : out;
@@ -371,7 +367,7 @@ Pending scatter(const at::Tensor& x, const ScatterOptions& options, const Group&
   const int64_t dim = check_dim(call, x, options.dim());
   check_divisible(call, x, dim);
   call.start();
-  check_fingerprint(call, c10::str("scatter(", describe_tensor(x), ", src=", options.src(), ", dim=", dim, ")"));
+  check_fingerprint(call, c10::str("scatter(", tensor_name(x), ", src=", options.src(), ", dim=", dim, ")"));
   const int n = call.size;
   const int64_t part = x.size(dim) / n;
   if (n == 1) return call.ready(pooled_copy(x));
@@ -397,7 +393,7 @@ Pending gather(const at::Tensor& x, const GatherOptions& options, const Group& g
   check_peer(call, "dst", options.dst());
   const int64_t dim = check_dim(call, x, options.dim());
   call.start();
-  check_fingerprint(call, c10::str("gather(", describe_tensor(x), ", dst=", options.dst(), ", dim=", dim, ")"));
+  check_fingerprint(call, c10::str("gather(", tensor_name(x), ", dst=", options.dst(), ", dim=", dim, ")"));
   const int n = call.size;
   const bool root = call.rank == options.dst();
   if (n == 1) return call.ready(pooled_copy(x));
@@ -449,7 +445,7 @@ Pending all_to_all(const at::Tensor& x, const AllToAllOptions& options, const Gr
     out_splits.assign(received.data_ptr<int64_t>(), received.data_ptr<int64_t>() + n);
   }
   call.start();
-  check_fingerprint(call, c10::str("all_to_all(", describe_tensor(x, even ? -1 : dim), ", dim=", dim,
+  check_fingerprint(call, c10::str("all_to_all(", tensor_name(x, even ? -1 : dim), ", dim=", dim,
                                    even ? ")" : ", splits)"),
                     even ? std::vector<int64_t>{} : in_splits, even ? std::vector<int64_t>{} : out_splits,
                     even ? CrossCheck::kNone : CrossCheck::kTransposed);
@@ -525,11 +521,11 @@ Pending recv(at::IntArrayRef sizes, const RecvOptions& options, const Group& gro
   return recv_tagged(sizes, options, group, options.tag());
 }
 
+Group resolve_group(const Group& group) { return group.defined() ? group : world(); }
+
 bool completes_on_call(const Group& group, int64_t bytes) {
   const Group g = resolve_group(group);
-  if (g.size() == 1) return true;
-  const auto* shm = shm_transport(g);
-  return shm != nullptr && bytes < shm->options().async_bytes();
+  return g.size() == 1 || bytes < g.capabilities().completes_on_call_below;
 }
 
 }  // namespace commgrad::ops::raw

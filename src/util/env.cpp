@@ -32,7 +32,7 @@ const std::vector<Variable>& variables() {
       {"COMMGRAD_TIMEOUT", "seconds > 0", "group timeout when the program sets none (default 300)"},
       {"COMMGRAD_DEBUG", "1 or CHECK, TRACE, INFO", "1/CHECK: cross-rank check of every collective; TRACE: "
                                                     "the check and a log line per collective; INFO: more log lines"},
-      {"COMMGRAD_BUFFER_POOL_MB", "MiB >= 0", "memory the buffer pool keeps for reuse (0 turns it off)"},
+      {"COMMGRAD_BUFFER_POOL_MB", "MiB >= 0", "freed collective buffers the pool keeps for reuse (default 512; 0 keeps none)"},
       {"COMMGRAD_SHM_CHUNK_BYTES", "bytes >= 0", "shm: pipeline chunk of large collectives (default 256 KiB)"},
       {"COMMGRAD_SHM_SPIN_US", "microseconds >= 0", "shm: how long a waiting rank spins before it sleeps"},
       {"COMMGRAD_SHM_ASYNC_BYTES", "bytes >= 0",

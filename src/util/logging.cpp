@@ -1,5 +1,7 @@
 #include "commgrad/util/logging.h"
 
+#include "commgrad/util/env.h"
+
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -9,22 +11,36 @@
 namespace commgrad {
 namespace {
 
-LogLevel read_level() {
-  const char* v = std::getenv("COMMGRAD_DEBUG");
-  if (v == nullptr) return LogLevel::kWarn;
-  if (strcasecmp(v, "TRACE") == 0) return LogLevel::kTrace;
-  if (strcasecmp(v, "INFO") == 0) return LogLevel::kInfo;
-  return LogLevel::kWarn;
+// COMMGRAD_DEBUG, read once: the log level and whether collectives check
+// their fingerprints across ranks (docs/launching.md lists the values).
+struct DebugSetting {
+  LogLevel level = LogLevel::kWarn;
+  bool checks = false;
+};
+
+DebugSetting read_debug_setting() {
+  DebugSetting d;
+  const auto v = env::get("COMMGRAD_DEBUG");
+  if (!v) return d;
+  const char* s = v->c_str();
+  if (strcasecmp(s, "TRACE") == 0) d.level = LogLevel::kTrace;
+  if (strcasecmp(s, "INFO") == 0) d.level = LogLevel::kInfo;
+  d.checks = std::strcmp(s, "1") == 0 || strcasecmp(s, "CHECK") == 0 || strcasecmp(s, "TRACE") == 0;
+  return d;
+}
+
+const DebugSetting& debug_setting() {
+  static const DebugSetting setting = read_debug_setting();
+  return setting;
 }
 
 std::atomic<int> g_rank{-1};
 
 }  // namespace
 
-LogLevel log_level() {
-  static const LogLevel level = read_level();
-  return level;
-}
+LogLevel log_level() { return debug_setting().level; }
+
+bool debug_checks_requested() { return debug_setting().checks; }
 
 void set_log_rank(int rank) { g_rank.store(rank); }
 int log_rank() { return g_rank.load(); }

@@ -7,6 +7,7 @@
 // the widest one, and rows wrap at 80 columns under the opening bracket.
 
 #include "commgrad/util/print.h"
+#include "commgrad/util/names.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/StringUtil.h>
@@ -155,21 +156,8 @@ std::string tensor_str(const at::Tensor& t, int indent, bool summarize, const Fo
   return out + "]";
 }
 
-std::string dtype_name(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kLong: return "torch.int64";
-    case at::kInt: return "torch.int32";
-    case at::kShort: return "torch.int16";
-    case at::kChar: return "torch.int8";
-    case at::kByte: return "torch.uint8";
-    case at::kBool: return "torch.bool";
-    default: return std::string("torch.") + c10::toString(type);
-  }
-}
+// Python's repr of a dtype: "torch.float32".
+std::string torch_dtype_name(at::ScalarType type) { return std::string("torch.") + dtype_name(type); }
 
 std::string shape_tuple(at::IntArrayRef sizes) {
   std::string s = "(";
@@ -209,7 +197,7 @@ std::string format_tensor(const at::Tensor& t) {
   if (data.scalar_type() == at::kHalf || data.scalar_type() == at::kBFloat16) data = data.to(at::kFloat);
   if (t.numel() == 0) {
     if (t.dim() != 1) suffixes.push_back("size=" + shape_tuple(t.sizes()));
-    if (t.scalar_type() != at::kFloat) suffixes.push_back("dtype=" + dtype_name(t.scalar_type()));
+    if (t.scalar_type() != at::kFloat) suffixes.push_back("dtype=" + torch_dtype_name(t.scalar_type()));
     body = "[]";
   } else {
     const bool summarize = t.numel() > kThreshold;
@@ -217,7 +205,7 @@ std::string format_tensor(const at::Tensor& t) {
     body = tensor_str(data, indent, summarize, f);
     const auto type = t.scalar_type();
     if (type != at::kFloat && type != at::kLong && type != at::kBool) {
-      suffixes.push_back("dtype=" + dtype_name(type));
+      suffixes.push_back("dtype=" + torch_dtype_name(type));
     }
   }
   if (t.grad_fn()) {

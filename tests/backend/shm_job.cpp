@@ -4,8 +4,9 @@
 //   shm_job ops [backend]  every rank checks a few collectives and point-to-point
 //                          messages on the world group (backend: "shm", "auto", ...)
 //                          and prints "rank r ok (<backend>)"
-//   shm_job kill           rank 1 is SIGKILLed in the middle of a stream of
-//                          all-reduces; the other ranks print the error they get
+//   shm_job kill [ops]     rank 1 is SIGKILLed in the middle of a stream of
+//                          all-reduces (transport calls, or ops::all_reduce with
+//                          "ops"); the other ranks print the error they get
 //                          and exit with 3 (they ignore SIGTERM, so the launcher's
 //                          teardown cannot hide whether they noticed)
 //
@@ -14,6 +15,7 @@
 
 #include <commgrad/backend.h>
 #include <commgrad/dist/process_group.h>
+#include <commgrad/ops/collectives.h>
 
 #include <ATen/ATen.h>
 
@@ -77,7 +79,7 @@ int run_ops(const std::string& backend) {
   return failures == 0 ? 0 : 1;
 }
 
-int run_kill() {
+int run_kill(bool via_ops) {
   signal(SIGTERM, SIG_IGN);
   commgrad::Group world = commgrad::init_process_group(commgrad::InitOptions().backend("shm"));
   print_segment(world);
@@ -92,7 +94,11 @@ int run_kill() {
   try {
     std::vector<at::Tensor> t{at::ones({1 << 20})};
     for (int i = 0; std::chrono::steady_clock::now() - start < std::chrono::seconds(60); ++i) {
-      pg.allreduce(t)->wait();
+      if (via_ops) {
+        commgrad::ops::all_reduce(t[0]);
+      } else {
+        pg.allreduce(t)->wait();
+      }
     }
   } catch (const std::exception& e) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -111,11 +117,11 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "ops";
   try {
     if (mode == "ops") return run_ops(argc > 2 ? argv[2] : "shm");
-    if (mode == "kill") return run_kill();
+    if (mode == "kill") return run_kill(argc > 2 && std::string(argv[2]) == "ops");
   } catch (const std::exception& e) {
     std::cerr << "shm_job: " << e.what() << std::endl;
     return 1;
   }
-  std::cerr << "usage: shm_job ops [backend] | shm_job kill\n";
+  std::cerr << "usage: shm_job ops [backend] | shm_job kill [ops]\n";
   return 2;
 }

@@ -85,5 +85,28 @@ TEST(ShmFailure, KillNineOfARankMidCollectiveIsReportedAndLeavesNothingBehind) {
   EXPECT_NE(access(("/dev/shm" + segment).c_str(), F_OK), 0) << segment << " was left in /dev/shm";
 }
 
+// Through ops::all_reduce the error has one prefix and one collective number
+// (the collective's number in its group), not the transport's as well.
+TEST(ShmFailure, KilledRankDuringOpsNamesOneCollectiveNumber) {
+  auto r = run_process({launcher_path(), "-n", "3", "--grace", "15", "--timeout", "90", job(), "kill", "ops"},
+                       shm_env(), std::chrono::seconds(120));
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;
+  for (int q : {0, 2}) {
+    const auto lines = lines_with_prefix(r.err, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " failed after ");
+    ASSERT_EQ(lines.size(), 1u) << r.err;
+    const std::string& line = lines[0];
+    EXPECT_TRUE(contains(line, "rank 1 (pid ")) << line;
+    EXPECT_TRUE(contains(line, "[commgrad] all_reduce rank " + std::to_string(q) + "/3 group 'world' (shm): collective #"))
+        << line;
+    auto count = [&](const std::string& part) {
+      size_t n = 0;
+      for (auto at = line.find(part); at != std::string::npos; at = line.find(part, at + 1)) ++n;
+      return n;
+    };
+    EXPECT_EQ(count("collective #"), 1u) << line;
+    EXPECT_EQ(count("[commgrad]"), 1u) << line;
+  }
+}
+
 }  // namespace
 }  // namespace commgrad::testing

@@ -7,6 +7,7 @@
 #include "commgrad/dist/device.h"
 #include "commgrad/dist/transport.h"
 #include "commgrad/dist/process_group.h"
+#include "commgrad/dist/terminate_handler.h"
 #include "commgrad/util/blas.h"
 #include "harness/spawn_ranks.h"
 
@@ -126,6 +127,37 @@ TEST(ProcessGroup, WorldBeforeInitIsAClearError) {
 TEST(ProcessGroup, EmptyGroupHandleIsAClearError) {
   EXPECT_THAT(message_of([] { Group().rank(); }), HasSubstr("use of an empty Group handle"));
   EXPECT_THAT(message_of([] { check_member("broadcast", Group()); }), HasSubstr("broadcast: the group handle is empty"));
+}
+
+// The handler is process-wide: ctest runs each case in a process of its own.
+TEST(ProcessGroup, TerminateHandlerIsInstalledByInitUnlessTurnedOff) {
+  if (terminate_handler_installed()) GTEST_SKIP() << "installed by an earlier test in this process";
+  make_world_group(InitOptions().store(c10::make_intrusive<c10d::HashStore>()).rank(0).world_size(1)
+                       .terminate_handler(false));
+  EXPECT_FALSE(terminate_handler_installed());
+  make_world_group(InitOptions().store(c10::make_intrusive<c10d::HashStore>()).rank(0).world_size(1));
+  EXPECT_TRUE(terminate_handler_installed());
+}
+
+TEST(ProcessGroup, TransportsSayWhatTheyOfferBeyondC10d) {
+  for (const std::string backend : {"gloo", "shm"}) {
+    spawn_ranks(2, [&](Group& g) {
+      const auto& caps = g.capabilities();
+      const bool shm = backend == "shm";
+      EXPECT_EQ(static_cast<bool>(caps.allreduce_out), shm) << backend;
+      EXPECT_EQ(static_cast<bool>(caps.reduce_out), shm) << backend;
+      EXPECT_EQ(static_cast<bool>(caps.reduce_scatter), shm) << backend;
+      EXPECT_EQ(caps.reduces_16bit, shm) << backend;
+      EXPECT_EQ(caps.completes_on_call_below > 0, shm) << backend;
+      if (!shm) return;
+      // The table reaches the transport it came with.
+      auto in = at::full({4}, g.rank() + 1.0f);
+      auto out = at::empty({4});
+      caps.allreduce_out(in, out, c10d::AllreduceOptions())->wait();
+      EXPECT_TRUE(at::equal(out, at::full({4}, 3.0f)));
+      EXPECT_TRUE(at::equal(in, at::full({4}, g.rank() + 1.0f)));
+    }, testing::SpawnOptions().backend(backend));
+  }
 }
 
 TEST(ProcessGroup, ExplicitStoreNeedsValidRankAndSize) {

@@ -368,15 +368,15 @@ TEST(DdpTest, BucketAllReducesCompleteWhileBackwardIsStillRunning) {
                                          .first_bucket_cap_mb(1.0 / (1024 * 1024))
                                          .bucket_cap_mb(100.0 / (1024 * 1024)));
     std::vector<std::string> events;
-    detail::WorkPtr first_work;
+    ops::raw::Pending first_work;
     auto plain = allreduce_hook();
     ddp.register_comm_hook([&](GradBucket& b) {
       events.push_back("launch bucket " + std::to_string(b.index()));
       auto work = plain(b);
-      if (b.index() == 0) first_work = work.work;
+      if (b.index() == 0) first_work = work.pending;
       return work;
     });
-    bucket0_done = [&] { return first_work && first_work->isCompleted(); };
+    bucket0_done = [&] { return first_work.defined() && first_work.is_completed(); };
     // The wait sits between fc1 and fc2: backward reaches it after fc3's and
     // fc2's gradients, before fc1's.
     auto x = torch::randn({4, 4}, torch::requires_grad());
@@ -526,18 +526,25 @@ TEST_P(DdpHooks, CompressionHooksMatchThePlainAllReduce) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, DdpHooks, ::testing::Values("gloo", "shm"));
 
-TEST(DdpTest, Bfloat16SumOnGlooIsExactForSmallIntegers) {
-  for (int n : {2, 3}) {
-    spawn_ranks(n, [&](Group& group) {
-      for (int64_t numel : {1, 5, 17}) {
-        auto values = (torch::arange(numel) % 7 + group.rank()).to(torch::kBFloat16);
-        auto work = detail::sum_bfloat16_by_alltoall(values, group);
-        if (work.work) work.work->wait();
-        if (work.then) work.then();
-        const auto want = (torch::arange(numel) % 7) * n + n * (n - 1) / 2;
-        EXPECT_TRUE(torch::equal(values.to(torch::kLong), want)) << "numel " << numel;
-      }
-    });
+// 16-bit buckets go through ops::raw::all_reduce_ on every transport (in
+// float32 on Gloo, natively on shm): exact for small integers either way.
+TEST(DdpTest, SixteenBitBucketsSumExactlyOnEveryTransport) {
+  for (const char* backend : {"gloo", "shm"}) {
+    for (int n : {2, 3}) {
+      spawn_ranks(n, [&](Group& group) {
+        for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+          for (int64_t numel : {1, 5, 17}) {
+            auto values = (torch::arange(numel) % 7 + group.rank()).to(dtype);
+            GradBucket bucket(0, 1, values, {values}, {"v"}, group);
+            auto work = allreduce_hook()(bucket);
+            if (work.pending.defined()) work.pending.wait();
+            if (work.then) work.then();
+            const auto want = (torch::arange(numel) % 7) * n + n * (n - 1) / 2;
+            EXPECT_TRUE(torch::equal(values.to(torch::kLong), want)) << backend << " " << dtype << " numel " << numel;
+          }
+        }
+      }, SpawnOptions().backend(backend));
+    }
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include "commgrad/detail/torch_compat.h"
 #include "commgrad/dist/environment.h"
+#include "commgrad/dist/transport.h"
 
 #include <atomic>
 #include <chrono>
@@ -28,14 +29,19 @@ struct GroupState {
   StorePtr root_store;          // the job's store, unprefixed (sub-groups prefix it)
   LaunchEnvironment launch;     // the world's launch environment
   TransportPtr transport;       // null when not a member
+  TransportCapabilities capabilities;  // what `transport` offers beyond c10d
   // Where this process has CUDA devices: the transport of CUDA tensors
   // ("nccl" when every local rank has a GPU of its own, else "gloo", which
   // carries CUDA tensors too; c10d 2.x also keeps one backend per device type).
   std::string cuda_backend;     // empty without CUDA devices
   TransportPtr cuda_transport;  // may be `transport` itself (Gloo)
+  TransportCapabilities cuda_capabilities;
   std::atomic<uint64_t> sequence{0};      // collectives issued on this group
   std::atomic<uint64_t> subgroups{0};     // new_group calls made on this (world) group
 };
+
+/// Group::describe() of a group's state.
+std::string describe(const GroupState& state);
 }  // namespace detail
 
 /// A handle to a process group; cheap to copy (copies share the group).
@@ -78,6 +84,9 @@ class Group {
   /// The transport of tensors on `device`: CUDA tensors travel on the
   /// group's CUDA transport (see cuda_backend_name()), all others on transport().
   detail::TransportBase& transport(c10::DeviceType device) const;
+  /// What the transport of tensors on `device` offers beyond c10d's
+  /// interface (out-of-place reductions, ...): ask this, not the transport's type.
+  const detail::TransportCapabilities& capabilities(c10::DeviceType device = c10::DeviceType::CPU) const;
   /// "nccl" or "gloo": what carries this group's CUDA tensors; empty where
   /// the process sees no CUDA device.
   const std::string& cuda_backend_name() const;

@@ -32,6 +32,10 @@ struct InitOptions {
   TORCH_ARG(detail::StorePtr, store) = {};
   TORCH_ARG(int, rank) = -1;
   TORCH_ARG(int, world_size) = -1;
+  /// Install commgrad's terminate handler (dist/terminate_handler.h): when a
+  /// transport thread ends the process with an exception nobody can catch, it
+  /// names the last collective started and the likely cause first.
+  TORCH_ARG(bool, terminate_handler) = true;
 };
 
 /// Joins the job described by the environment (see environment.h) and

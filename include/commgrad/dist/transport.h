@@ -3,7 +3,11 @@
 
 #include "commgrad/detail/torch_compat.h"
 
+#include <ATen/core/Tensor.h>
+
 #include <chrono>
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -34,6 +38,37 @@ std::string host_identity();
 
 namespace detail {
 
+/// What a transport can do beyond c10d's Backend interface. The layers above
+/// ask this table, never the transport's type (NCCL's transports are tables of
+/// functions in the same way); create_transport() fills it for the transport it
+/// creates. An empty function means "not offered": use the plain c10d call.
+/// The functions refer to the transport they came with and are valid while it lives.
+struct TransportCapabilities {
+  using AllreduceOut = std::function<WorkPtr(at::Tensor& in, at::Tensor& out, const c10d::AllreduceOptions&)>;
+  using ReduceOut = std::function<WorkPtr(at::Tensor& in, at::Tensor& out, const c10d::ReduceOptions&)>;
+  using ReduceScatter = std::function<WorkPtr(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions&)>;
+
+  /// Reduces `in` into `out` (same shape and dtype, both contiguous): no staging copy.
+  AllreduceOut allreduce_out;
+  /// The same for reduce; only the root's `out` holds the result.
+  ReduceOut reduce_out;
+  /// Reduce-scatters contiguous `in` (n equal parts) into `out` (one part)
+  /// natively, for floating-point dtypes and every reduction but PRODUCT.
+  ReduceScatter reduce_scatter;
+  /// Reduces float16 and bfloat16 natively, accumulating in float32 (so a
+  /// float32 copy would only cost time).
+  bool reduces_16bit = false;
+  /// Collectives below this many bytes are finished when the call returns
+  /// (0: none are), so waiting for them later can overlap nothing.
+  int64_t completes_on_call_below = 0;
+};
+
+/// A connected transport and what it can do.
+struct Transport {
+  TransportPtr backend;
+  TransportCapabilities capabilities;
+};
+
 /// Everything a transport needs to connect its ranks.
 struct TransportConfig {
   std::string backend;                 // already resolved (no "auto")
@@ -43,11 +78,12 @@ struct TransportConfig {
   std::chrono::milliseconds timeout{0};
   bool single_host = true;             // every member on this host
   std::string group_name;              // for error messages
+  const char* op = "new_group";        // the call that creates it, for error messages
 };
 
 /// Creates and connects the transport; throws an error naming the group and
 /// rank when the connection fails.
-TransportPtr create_transport(const TransportConfig& config);
+Transport create_transport(const TransportConfig& config);
 
 /// NCCL's version (NCCL_VERSION_CODE, e.g. 23007 for 2.30.7) as commgrad
 /// was compiled against (`header`) and as the library LibTorch loaded

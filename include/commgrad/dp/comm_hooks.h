@@ -3,8 +3,8 @@
 // gradients is summed over the data-parallel group (plain all-reduce, or
 // compressed to fp16 / bf16 on the wire).
 
-#include "commgrad/detail/torch_compat.h"
 #include "commgrad/dist/group.h"
+#include "commgrad/ops/raw.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-namespace commgrad {
+namespace commgrad::dp {
 
 /// One bucket of gradients, as a communication hook sees it.
 ///
@@ -23,8 +23,8 @@ namespace commgrad {
 /// has to *sum* it over `group()` and leave the sum in `buffer()`.
 ///
 /// Example (inside a hook):
-///   std::vector<at::Tensor> io{bucket.buffer()};
-///   return commgrad::CommWork{bucket.group().transport().allreduce(io), nullptr};
+///   auto buffer = bucket.buffer();
+///   return commgrad::dp::CommWork{commgrad::ops::raw::all_reduce_(buffer, {}, bucket.group()), nullptr};
 class GradBucket {
  public:
   GradBucket(size_t index, size_t count, at::Tensor buffer, std::vector<at::Tensor> gradients,
@@ -58,24 +58,25 @@ class GradBucket {
   Group group_;
 };
 
-/// What a hook returns: the collective it started (may be null) and what to
+/// What a hook returns: the collective it started (may be empty) and what to
 /// do once that collective has finished.
 ///
-/// DistributedDataParallel waits on `work` and then runs `then` at the end of
-/// backward, bucket by bucket in order, on every rank. `then` may start and
+/// DistributedDataParallel waits on `pending` and then runs `then` at the end
+/// of backward, bucket by bucket in order, on every rank. `then` may start and
 /// wait on further collectives (all ranks run the same `then`s in the same
 /// order), and must leave the summed gradients in the bucket's buffer.
+/// Hooks reach the wire through commgrad::ops::raw, so their collectives get
+/// the debug check, the error context and the transport's fast paths.
 ///
 /// Example (sum a float64 copy, write it back when done):
 ///   auto wide = bucket.buffer().to(at::kDouble);
-///   std::vector<at::Tensor> io{wide};
 ///   auto buffer = bucket.buffer();
-///   return commgrad::CommWork{bucket.group().transport().allreduce(io), [buffer, wide] { buffer.copy_(wide); }};
+///   return commgrad::dp::CommWork{commgrad::ops::raw::all_reduce_(wide, {}, bucket.group()),
+///                                 [buffer, wide] { buffer.copy_(wide); }};
 struct CommWork {
-  /// The transport's handle of the collective in flight; null when the hook
-  /// finished synchronously.
-  detail::WorkPtr work;
-  /// Runs after `work` completes (optional), e.g. decompression.
+  /// The raw collective in flight; empty when the hook finished synchronously.
+  ops::raw::Pending pending;
+  /// Runs after `pending` completes (optional), e.g. decompression.
   std::function<void()> then;
 };
 
@@ -88,38 +89,41 @@ struct CommWork {
 ///   ddp.register_comm_hook([&](commgrad::GradBucket& b) { ++calls; return plain(b); });
 using CommHook = std::function<CommWork(GradBucket& bucket)>;
 
-/// The default: one in-place SUM all-reduce of the bucket buffer.
-/// On transports without bfloat16 all-reduce (Gloo in LibTorch 1.13), bf16
-/// buckets are summed as bf16_compress_hook() does.
+/// The default: one in-place SUM all-reduce of the bucket buffer
+/// (ops::raw::all_reduce_, which reduces float16/bfloat16 buckets in float32
+/// where the transport cannot accumulate them in float32 itself).
 ///
 /// Example:
-///   ddp.register_comm_hook(commgrad::allreduce_hook());
+///   ddp.register_comm_hook(commgrad::dp::allreduce_hook());
 CommHook allreduce_hook();
 
 /// Compresses the bucket to float16 for the wire (half the bytes of fp32),
 /// all-reduces it and writes the result back in the bucket's dtype. Large
 /// values can overflow fp16 (max 65504): DDP divides before the sum when it
-/// averages, as PyTorch's fp16_compress_hook does.
+/// averages, as PyTorch's fp16_compress_hook does. On a transport that
+/// cannot accumulate 16-bit types in float32 (Gloo) the sum still travels
+/// as float32 (ops/raw.h), so there it saves no bytes, only keeps the
+/// rounding of the compressed hook.
 ///
 /// Example:
-///   ddp.register_comm_hook(commgrad::fp16_compress_hook());
+///   ddp.register_comm_hook(commgrad::dp::fp16_compress_hook());
 CommHook fp16_compress_hook();
 
 /// Compresses the bucket to bfloat16 for the wire (fp32's range, 8 bits of
-/// mantissa). Where the transport all-reduces bf16 (NCCL, shm) that is one
-/// all-reduce; on Gloo, which cannot, it is a reduce-scatter built from
-/// all-to-all (each rank sums its chunk in fp32) followed by an all-gather:
-/// the same bytes per rank as a ring all-reduce of bf16.
+/// mantissa); the same as fp16_compress_hook otherwise.
 ///
 /// Example:
-///   ddp.register_comm_hook(commgrad::bf16_compress_hook());
+///   ddp.register_comm_hook(commgrad::dp::bf16_compress_hook());
 CommHook bf16_compress_hook();
 
-namespace detail {
-/// Sums a flat bf16 tensor over `group` in place with all-to-all + all-gather
-/// (for transports without bf16 all-reduce). The returned work is the
-/// all-to-all; `then` finishes the job.
-CommWork sum_bfloat16_by_alltoall(const at::Tensor& flat, const Group& group);
-}  // namespace detail
+}  // namespace commgrad::dp
 
+namespace commgrad {
+// The names before the dp namespace existed.
+using dp::allreduce_hook;
+using dp::bf16_compress_hook;
+using dp::CommHook;
+using dp::CommWork;
+using dp::fp16_compress_hook;
+using dp::GradBucket;
 }  // namespace commgrad

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-namespace commgrad {
+namespace commgrad::dp {
 
 namespace detail {
 class DdpReducer;
@@ -29,7 +29,7 @@ class DdpReducer;
 /// How the gradients of the ranks are combined.
 ///
 /// Example:
-///   commgrad::DistributedDataParallelOptions().reduction(commgrad::GradReduction::kSum)
+///   commgrad::dp::DistributedDataParallelOptions().reduction(commgrad::dp::GradReduction::kSum)
 enum class GradReduction {
   kAverage,  ///< mean over the group (like PyTorch's DDP)
   kSum,      ///< sum over the group
@@ -38,7 +38,7 @@ enum class GradReduction {
 /// Options of DistributedDataParallel.
 ///
 /// Example:
-///   commgrad::DistributedDataParallelOptions(dp_group).bucket_cap_mb(8).find_unused_parameters(true)
+///   commgrad::dp::DistributedDataParallelOptions(dp_group).bucket_cap_mb(8).find_unused_parameters(true)
 struct DistributedDataParallelOptions {
   /// `group` is the data-parallel group; an undefined group means the world.
   /* implicit */ DistributedDataParallelOptions(Group group = Group()) : group_(std::move(group)) {}
@@ -112,7 +112,7 @@ struct DdpStepStats {
 ///
 /// Example:
 ///   auto model = std::make_shared<Net>();
-///   commgrad::DistributedDataParallel ddp(model);        // world group
+///   commgrad::dp::DistributedDataParallel ddp(model);        // world group
 ///   torch::optim::SGD opt(model->parameters(), 0.1);
 ///   for (auto& [x, y] : my_shard_of_each_batch) {
 ///     opt.zero_grad();
@@ -173,7 +173,7 @@ class DistributedDataParallel {
   /// on every rank, before the first backward.
   ///
   /// Example:
-  ///   ddp.register_comm_hook(commgrad::bf16_compress_hook());
+  ///   ddp.register_comm_hook(commgrad::dp::bf16_compress_hook());
   void register_comm_hook(CommHook hook);
 
   /// Broadcasts the module's buffers from the group's first rank now.
@@ -190,4 +190,13 @@ class DistributedDataParallel {
   std::shared_ptr<detail::DdpReducer> reducer_;
 };
 
+}  // namespace commgrad::dp
+
+namespace commgrad {
+// The names before the dp namespace existed.
+using dp::DdpBucketInfo;
+using dp::DdpStepStats;
+using dp::DistributedDataParallel;
+using dp::DistributedDataParallelOptions;
+using dp::GradReduction;
 }  // namespace commgrad

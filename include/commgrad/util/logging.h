@@ -14,6 +14,10 @@ enum class LogLevel { kWarn = 0, kInfo = 1, kTrace = 2 };
 /// The level in force.
 LogLevel log_level();
 
+/// True when COMMGRAD_DEBUG asks for the cross-rank check of every
+/// collective (1, CHECK or TRACE; read once, with the level). See ops/debug.h.
+bool debug_checks_requested();
+
 /// The rank that prefixes log lines (set by init_process_group; -1 before).
 void set_log_rank(int rank);
 int log_rank();

@@ -17,7 +17,7 @@ namespace torch::autograd {
 struct Node;
 }
 
-namespace commgrad::detail {
+namespace commgrad::dp::detail {
 
 /// A named tensor of the module (parameter or buffer).
 using NamedTensor = std::pair<std::string, at::Tensor>;
@@ -110,4 +110,4 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
   DdpStepStats last_step_;
 };
 
-}  // namespace commgrad::detail
+}  // namespace commgrad::dp::detail

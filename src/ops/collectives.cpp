@@ -1,5 +1,6 @@
-// The differentiable collectives: one autograd Function per op, in the
-// style of c10d's Functional.cpp. Each public op starts its raw collective
+// The differentiable collectives (ops/collectives.h, and their async forms
+// of ops/async.h): one autograd Function per op, in the style of c10d's
+// Functional.cpp. Each public op starts its raw collective
 // (raw.cpp: checks, transport, workarounds) and hands the in-flight result to
 // its Function, whose forward waits for it; the async forms do the same
 // inside AsyncTensor::wait(), so the autograd node exists only once the
@@ -19,10 +20,12 @@
 // gradient in flight live in an OpState capsule shared with the
 // WaitForGradient node. Backward returns one entry per forward argument.
 
-#include "detail/common.h"
-
-#include "commgrad/ops/async.h"
 #include "commgrad/ops/collectives.h"
+
+#include "detail/raw.h"
+
+#include "commgrad/dist/check.h"
+#include "commgrad/ops/async.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -355,20 +358,35 @@ struct RecvFn : torch::autograd::Function<RecvFn> {
 
 // ~~~ finishing each op (shared by the sync and async forms) ~~~
 
-#define COMMGRAD_FINISH(name, Fn, Options)                                                           \
-  at::Tensor finish_##name(const at::Tensor& x, raw::Pending& p, const Options& o, const Group& g) { \
-    return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return Fn::apply(r, p, o, s); }); \
-  }
-COMMGRAD_FINISH(all_gather, AllGatherFn, AllGatherOptions)
-COMMGRAD_FINISH(reduce_scatter, ReduceScatterFn, ReduceScatterOptions)
-COMMGRAD_FINISH(reduce, ReduceFn, ReduceOptions)
-COMMGRAD_FINISH(scatter, ScatterFn, ScatterOptions)
-COMMGRAD_FINISH(gather, GatherFn, GatherOptions)
-COMMGRAD_FINISH(all_to_all, AllToAllFn, AllToAllOptions)
-#undef COMMGRAD_FINISH
+at::Tensor finish_all_gather(const at::Tensor& x, raw::Pending& p, const AllGatherOptions& o, const Group& g) {
+  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return AllGatherFn::apply(r, p, o, s); });
+}
+
+at::Tensor finish_reduce_scatter(const at::Tensor& x, raw::Pending& p, const ReduceScatterOptions& o,
+                                 const Group& g) {
+  return maybe_apply(x, p, g,
+                     [&](const at::Tensor& r, const OpStatePtr& s) { return ReduceScatterFn::apply(r, p, o, s); });
+}
 
 at::Tensor finish_broadcast(const at::Tensor& x, raw::Pending& p, const BroadcastOptions& o, const Group& g) {
-  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return BroadcastFn::apply(r, p, o.src(), s); });
+  return maybe_apply(x, p, g,
+                     [&](const at::Tensor& r, const OpStatePtr& s) { return BroadcastFn::apply(r, p, o.src(), s); });
+}
+
+at::Tensor finish_reduce(const at::Tensor& x, raw::Pending& p, const ReduceOptions& o, const Group& g) {
+  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return ReduceFn::apply(r, p, o, s); });
+}
+
+at::Tensor finish_scatter(const at::Tensor& x, raw::Pending& p, const ScatterOptions& o, const Group& g) {
+  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return ScatterFn::apply(r, p, o, s); });
+}
+
+at::Tensor finish_gather(const at::Tensor& x, raw::Pending& p, const GatherOptions& o, const Group& g) {
+  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return GatherFn::apply(r, p, o, s); });
+}
+
+at::Tensor finish_all_to_all(const at::Tensor& x, raw::Pending& p, const AllToAllOptions& o, const Group& g) {
+  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return AllToAllFn::apply(r, p, o, s); });
 }
 
 at::Tensor finish_send(const at::Tensor& x, raw::Pending& p, const SendOptions& o, const Group& g) {
@@ -392,27 +410,98 @@ at::Tensor finish_recv(raw::Pending& p, const RecvOptions& o, const Group& g) {
 }  // namespace
 
 // ~~~ public ops ~~~
+//
+// Each op resolves its group once, starts the raw collective and finishes
+// it now (sync) or inside AsyncTensor::wait() (async), under the grad mode
+// of the call.
 
-#define COMMGRAD_DEFINE_OP(name, Options)                                                             \
-  at::Tensor name(const at::Tensor& x, const Options& options, const Group& group) {                 \
-    const Group g = raw::resolve_group(group);                                                        \
-    auto p = raw::name(x, options, g);                                                                \
-    return finish_##name(x, p, options, g);                                                           \
-  }                                                                                                   \
-  AsyncTensor name##_async(const at::Tensor& x, const Options& options, const Group& group) {        \
-    const Group g = raw::resolve_group(group);                                                        \
-    return make_async(raw::name(x, options, g),                                                       \
-                      [x, options, g](raw::Pending& p) { return finish_##name(x, p, options, g); }); \
-  }
-COMMGRAD_DEFINE_OP(all_reduce, AllReduceOptions)
-COMMGRAD_DEFINE_OP(all_gather, AllGatherOptions)
-COMMGRAD_DEFINE_OP(reduce_scatter, ReduceScatterOptions)
-COMMGRAD_DEFINE_OP(broadcast, BroadcastOptions)
-COMMGRAD_DEFINE_OP(reduce, ReduceOptions)
-COMMGRAD_DEFINE_OP(scatter, ScatterOptions)
-COMMGRAD_DEFINE_OP(gather, GatherOptions)
-COMMGRAD_DEFINE_OP(send, SendOptions)
-#undef COMMGRAD_DEFINE_OP
+at::Tensor all_reduce(const at::Tensor& x, const AllReduceOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  auto p = raw::all_reduce(x, options, g);
+  return finish_all_reduce(x, p, options, g);
+}
+
+AsyncTensor all_reduce_async(const at::Tensor& x, const AllReduceOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  return make_async(raw::all_reduce(x, options, g), [x, options, g](raw::Pending& p) { return finish_all_reduce(x, p, options, g); });
+}
+
+at::Tensor all_gather(const at::Tensor& x, const AllGatherOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  auto p = raw::all_gather(x, options, g);
+  return finish_all_gather(x, p, options, g);
+}
+
+AsyncTensor all_gather_async(const at::Tensor& x, const AllGatherOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  return make_async(raw::all_gather(x, options, g), [x, options, g](raw::Pending& p) { return finish_all_gather(x, p, options, g); });
+}
+
+at::Tensor reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  auto p = raw::reduce_scatter(x, options, g);
+  return finish_reduce_scatter(x, p, options, g);
+}
+
+AsyncTensor reduce_scatter_async(const at::Tensor& x, const ReduceScatterOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  return make_async(raw::reduce_scatter(x, options, g), [x, options, g](raw::Pending& p) { return finish_reduce_scatter(x, p, options, g); });
+}
+
+at::Tensor broadcast(const at::Tensor& x, const BroadcastOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  auto p = raw::broadcast(x, options, g);
+  return finish_broadcast(x, p, options, g);
+}
+
+AsyncTensor broadcast_async(const at::Tensor& x, const BroadcastOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  return make_async(raw::broadcast(x, options, g), [x, options, g](raw::Pending& p) { return finish_broadcast(x, p, options, g); });
+}
+
+at::Tensor reduce(const at::Tensor& x, const ReduceOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  auto p = raw::reduce(x, options, g);
+  return finish_reduce(x, p, options, g);
+}
+
+AsyncTensor reduce_async(const at::Tensor& x, const ReduceOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  return make_async(raw::reduce(x, options, g), [x, options, g](raw::Pending& p) { return finish_reduce(x, p, options, g); });
+}
+
+at::Tensor scatter(const at::Tensor& x, const ScatterOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  auto p = raw::scatter(x, options, g);
+  return finish_scatter(x, p, options, g);
+}
+
+AsyncTensor scatter_async(const at::Tensor& x, const ScatterOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  return make_async(raw::scatter(x, options, g), [x, options, g](raw::Pending& p) { return finish_scatter(x, p, options, g); });
+}
+
+at::Tensor gather(const at::Tensor& x, const GatherOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  auto p = raw::gather(x, options, g);
+  return finish_gather(x, p, options, g);
+}
+
+AsyncTensor gather_async(const at::Tensor& x, const GatherOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  return make_async(raw::gather(x, options, g), [x, options, g](raw::Pending& p) { return finish_gather(x, p, options, g); });
+}
+
+at::Tensor send(const at::Tensor& x, const SendOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  auto p = raw::send(x, options, g);
+  return finish_send(x, p, options, g);
+}
+
+AsyncTensor send_async(const at::Tensor& x, const SendOptions& options, const Group& group) {
+  const Group g = raw::resolve_group(group);
+  return make_async(raw::send(x, options, g), [x, options, g](raw::Pending& p) { return finish_send(x, p, options, g); });
+}
 
 at::Tensor all_to_all(const at::Tensor& x, const AllToAllOptions& options, const Group& group) {
   const Group g = raw::resolve_group(group);

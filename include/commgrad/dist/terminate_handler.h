@@ -1,0 +1,34 @@
+#pragma once
+// The process-wide terminate handler that names the last collective.
+//
+// Some transport failures cannot be caught: Gloo enforces in its I/O thread
+// that a peer sends no more bytes than this rank posted, and the uncaught
+// exception terminates the process. commgrad remembers the last collective
+// each process started (before it reaches the transport), and this handler,
+// installed by init_process_group() unless InitOptions::terminate_handler is
+// false, prints it and the likely cause to stderr, then hands over to the
+// handler that was installed before it (which prints the exception and
+// aborts). See docs/errors.md.
+
+#include <cstdint>
+#include <memory>
+
+namespace commgrad {
+
+namespace detail {
+struct GroupState;
+}  // namespace detail
+
+/// Installs the handler (std::set_terminate); idempotent, thread-safe.
+void install_terminate_handler();
+
+/// True once install_terminate_handler() has run in this process.
+bool terminate_handler_installed();
+
+namespace detail {
+/// Records the collective `op` #`sequence` on `group` as the last one this
+/// process started (the handler names it). Called by ops for every collective.
+void note_collective_started(const char* op, uint64_t sequence, const std::shared_ptr<GroupState>& group);
+}  // namespace detail
+
+}  // namespace commgrad

@@ -1,0 +1,84 @@
+// The terminate handler that names the last collective (see the header).
+
+#include "commgrad/dist/terminate_handler.h"
+
+#include "commgrad/dist/group.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <exception>
+#include <iostream>
+#include <mutex>
+#include <string>
+
+namespace commgrad {
+namespace {
+
+// The last collective this process started.
+struct Started {
+  const char* op = nullptr;
+  uint64_t sequence = 0;
+  std::weak_ptr<detail::GroupState> group;  // not kept alive by this record
+};
+std::mutex g_started_mutex;
+Started g_started;
+std::terminate_handler g_previous = nullptr;
+std::atomic<bool> g_installed{false};
+
+// Names the last collective started when the process is terminated (by an
+// exception nobody could catch, e.g. in a transport's I/O thread), then lets
+// the previous handler print the exception and abort.
+[[noreturn]] void terminate_with_context() {
+  std::string what = "an uncaught exception";
+  if (const auto e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      what = ex.what();
+    } catch (...) {
+    }
+  }
+  Started last;
+  if (g_started_mutex.try_lock()) {  // never block a dying process
+    last = g_started;
+    g_started_mutex.unlock();
+  }
+  if (last.op != nullptr) {
+    const auto state = last.group.lock();
+    std::cerr << "[commgrad] " << last.op << " " << (state ? Group(state).describe() : std::string("(group gone)"))
+              << ": the process is terminating (" << what << "); the last collective it started is #"
+              << last.sequence;
+    if (what.find("op.preamble.length <= op.nbytes") != std::string::npos) {
+      std::cerr << ". Gloo aborts like this when another rank called a collective with more data than this rank; "
+                   "set COMMGRAD_DEBUG=1 on every rank to check each collective across ranks and raise an error on "
+                   "all of them instead";
+    }
+    std::cerr << std::endl;
+  }
+  if (g_previous != nullptr) g_previous();
+  std::abort();
+}
+
+}  // namespace
+
+void install_terminate_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    g_previous = std::set_terminate(terminate_with_context);
+    g_installed.store(true);
+  });
+}
+
+bool terminate_handler_installed() { return g_installed.load(); }
+
+namespace detail {
+
+void note_collective_started(const char* op, uint64_t sequence, const std::shared_ptr<GroupState>& group) {
+  std::lock_guard<std::mutex> lock(g_started_mutex);
+  g_started.op = op;
+  g_started.sequence = sequence;
+  g_started.group = group;
+}
+
+}  // namespace detail
+}  // namespace commgrad

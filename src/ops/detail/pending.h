@@ -1,0 +1,36 @@
+#pragma once
+// What a raw::Pending refers to (internal to commgrad_ops).
+
+#include "commgrad/detail/torch_compat.h"
+#include "commgrad/dist/group.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <exception>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace commgrad::ops::detail {
+
+/// The transport's work handles of one raw call and the local step that
+/// turns their buffers into the result.
+struct PendingState {
+  const char* op = "";
+  Group group;
+  uint64_t sequence = 0;
+  std::vector<commgrad::detail::WorkPtr> works;
+  std::function<at::Tensor()> finish;  // runs once, after every work finished (may wait on more)
+  at::Tensor result;                   // set by finish (or directly)
+  bool done = false;
+  std::string error;                   // set when a work failed
+};
+
+/// An exception's message without LibTorch's C++ backtrace.
+std::string message_of(const std::exception& e);
+
+/// Waits for `work`, one step of collective #`sequence` (`op` on `group`);
+/// a failure throws the same error as raw::Pending::wait().
+void wait_step(const char* op, const Group& group, uint64_t sequence, const commgrad::detail::WorkPtr& work);
+
+}  // namespace commgrad::ops::detail

@@ -1,0 +1,21 @@
+#pragma once
+// What raw.cpp offers the other ops sources beyond ops/raw.h: the backward
+// halves of the differentiable send/recv pair and the tag spaces.
+
+#include "commgrad/ops/raw.h"
+
+#include <c10/core/ScalarType.h>
+
+namespace commgrad::ops::detail {
+
+/// Tag spaces of the point-to-point messages: user tags, the debug headers,
+/// and gradients (which so never match a forward message).
+constexpr int kMaxUserTag = 1 << 24;
+constexpr int kHeaderTagBase = 1 << 24;
+constexpr int kGradTagBase = 1 << 25;
+
+/// Sends / receives the gradient of the differentiable send/recv pair.
+raw::Pending send_gradient(const at::Tensor& grad, int dst, int tag, const Group& group);
+raw::Pending recv_gradient(at::IntArrayRef sizes, at::ScalarType dtype, int src, int tag, const Group& group);
+
+}  // namespace commgrad::ops::detail
