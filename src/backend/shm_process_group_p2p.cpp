@@ -4,9 +4,8 @@
 // created on first use, so a send that waits for a slow receiver holds up
 // no traffic with anyone else. When nothing is queued before it, it runs on
 // the calling thread if the message fits into the mailbox (send) or is
-// already waiting (recv). Unlike a
-// collective, a rejected send or recv throws on its own rank only: there
-// is no collective for the peer to fail.
+// already waiting (recv). Unlike a collective, a rejected send or recv
+// throws on its own rank only: there is no collective for the peer to fail.
 
 #include "commgrad/backend/shm_process_group.h"
 
