@@ -48,8 +48,9 @@ class ShmProcessGroup::Checks {
   const char* op() const { return op_; }
 
   /// Rejects the call unless `ok`, with the message c10::str(message...).
+  /// Always inlined, as the macro it replaces was: a test and a branch.
   template <typename... Message>
-  void require(bool ok, const Message&... message) const {
+  C10_ALWAYS_INLINE void require(bool ok, const Message&... message) const {
     if (C10_UNLIKELY(!ok)) group_.reject(op_, static_cast<int>(kind_), c10::str(message...));
   }
 
