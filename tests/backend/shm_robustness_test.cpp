@@ -105,6 +105,15 @@ TEST(ShmErrors, UnsupportedArgumentsAreClearErrors) {
     std::vector<at::Tensor> two{at::ones({3}), at::ones({3})};
     EXPECT_NE(error_of([&] { r.shm->allreduce(two)->wait(); }).find("exactly one tensor per call, got 2"),
               std::string::npos);
+    // The whole message, for a tensor of a list (named with its index).
+    std::vector<std::vector<at::Tensor>> gathered{{at::empty({3}), at::Tensor()}};
+    std::vector<at::Tensor> mine{at::ones({3})};
+    const std::string undefined = error_of([&] { r.shm->allgather(gathered, mine)->wait(); });
+    EXPECT_NE(undefined.find("[commgrad] allgather rank " + std::to_string(r.rank) +
+                             "/2 group 'shm' (shm): output 1 must be a defined CPU tensor with strided layout, "
+                             "got an undefined tensor"),
+              std::string::npos)
+        << undefined;
     at::Tensor flat = at::empty({7});
     at::Tensor in = at::ones({3});
     EXPECT_NE(error_of([&] { r.shm->_allgather_base(flat, in)->wait(); }).find("expected world size x input = 2 x 3"),

@@ -2,9 +2,8 @@
 // `shm`: a c10d process group for the ranks of one host, carried by one
 // shared-memory segment per group instead of TCP loopback.
 
+#include "commgrad/backend/shm_options.h"
 #include "commgrad/detail/torch_compat.h"
-
-#include <torch/arg.h>
 
 #include <chrono>
 #include <cstdint>
@@ -19,45 +18,6 @@ namespace detail {
 class Comm;
 class Executor;
 }  // namespace detail
-
-/// Settings of a ShmProcessGroup. Every rank of a group must use the same
-/// chunk_bytes and mailbox_bytes (the segment's layout depends on them).
-///
-/// Example:
-///   auto options = commgrad::backend::ShmOptions().timeout(std::chrono::seconds(60)).group_name("tp0");
-struct ShmOptions {
-  /// How long a collective may wait for its peers before it fails, naming them.
-  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
-  /// Bytes each rank stages per pipeline step; larger tensors are pipelined
-  /// in chunks. 0: $COMMGRAD_SHM_CHUNK_BYTES, else 256 KiB. The segment holds
-  /// 3 x size x chunk_bytes of buffers.
-  TORCH_ARG(int64_t, chunk_bytes) = 0;
-  /// Ring bytes of each point-to-point mailbox (one per ordered pair of
-  /// ranks). 0: 16 MiB shared out over the pairs, 4 KiB to 1 MiB each.
-  TORCH_ARG(int64_t, mailbox_bytes) = 0;
-  /// Collectives on tensors of at least this many bytes run on the group's
-  /// worker thread and return at once (overlap with compute); smaller ones,
-  /// when nothing is queued before them, run on the calling thread and
-  /// return completed (no thread hand-off: microseconds matter there).
-  /// -1: $COMMGRAD_SHM_ASYNC_BYTES, else 1 MiB.
-  TORCH_ARG(int64_t, async_bytes) = -1;
-  /// Whether the worker thread starts a queued collective at once (eager:
-  /// it overlaps the caller's compute) or leaves a lone queued collective to
-  /// whoever waits for it, starting it only when more work is queued behind
-  /// it, someone polls or asks for its Future, or after 10 ms (lazy: no
-  /// thread hand-off and no context switch mid-collective). -1: eager when
-  /// every rank of the group can have a core for its worker (2 x size <= the
-  /// CPUs this process may use), else lazy, unless $COMMGRAD_SHM_EAGER_WORKER
-  /// is 0 or 1; 0 lazy; 1 eager.
-  TORCH_ARG(int, eager_worker) = -1;
-  /// Longest spin, in microseconds, before a waiting rank sleeps on a futex
-  /// (the spin adapts below it: it shrinks while peers keep arriving late).
-  /// -1: $COMMGRAD_SHM_SPIN_US, else 50 when the group's ranks fit on this
-  /// process's CPUs, else 0 (ranks outnumber cores: never spin).
-  TORCH_ARG(int, spin_us) = -1;
-  /// Name used in error messages ("world", "tp0", ...).
-  TORCH_ARG(std::string, group_name) = "";
-};
 
 /// A c10d process group (c10d::ProcessGroup in LibTorch 1.13, c10d::Backend
 /// in 2.x) for CPU tensors of ranks that share a host. Collectives reduce
@@ -156,13 +116,15 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
 
  private:
   struct Job;
+  class Checks;  // a collective's argument checks (src/backend/detail/shm_checks.h)
   c10::intrusive_ptr<c10d::Work> submit_collective(const char* op, c10d::OpType type, std::vector<at::Tensor> outputs,
                                                    int64_t bytes, std::chrono::milliseconds timeout, Job job);
   [[noreturn]] void reject(const char* op, int kind, const std::string& message);
   // allreduce_out (root -1) and reduce_out: checks, then one Comm::reduce.
-  c10::intrusive_ptr<c10d::Work> submit_reduce_out(const char* op, int kind, const at::Tensor& input,
+  c10::intrusive_ptr<c10d::Work> submit_reduce_out(const Checks& check, const at::Tensor& input,
                                                    const at::Tensor& output, const c10d::ReduceOp& reduce_op,
                                                    std::chrono::milliseconds timeout, int root);
+  // send and recv (shm_process_group_p2p.cpp).
   detail::Executor& peer_executor(bool sending, int peer);
   // The one tensor of a send or recv with `peer` (its `role`), checked.
   const at::Tensor& p2p_tensor(const char* op, const std::vector<at::Tensor>& tensors, int peer,

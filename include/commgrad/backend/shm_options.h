@@ -1,0 +1,52 @@
+#pragma once
+// The settings of a `shm` group (ShmProcessGroup, in shm_process_group.h,
+// which includes this header).
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace commgrad::backend {
+
+/// Settings of a ShmProcessGroup. Every rank of a group must use the same
+/// chunk_bytes and mailbox_bytes (the segment's layout depends on them).
+///
+/// Example:
+///   auto options = commgrad::backend::ShmOptions().timeout(std::chrono::seconds(60)).group_name("tp0");
+struct ShmOptions {
+  /// How long a collective may wait for its peers before it fails, naming them.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
+  /// Bytes each rank stages per pipeline step; larger tensors are pipelined
+  /// in chunks. 0: $COMMGRAD_SHM_CHUNK_BYTES, else 256 KiB. The segment holds
+  /// 3 x size x chunk_bytes of buffers.
+  TORCH_ARG(int64_t, chunk_bytes) = 0;
+  /// Ring bytes of each point-to-point mailbox (one per ordered pair of
+  /// ranks). 0: 16 MiB shared out over the pairs, 4 KiB to 1 MiB each.
+  TORCH_ARG(int64_t, mailbox_bytes) = 0;
+  /// Collectives on tensors of at least this many bytes run on the group's
+  /// worker thread and return at once (overlap with compute); smaller ones,
+  /// when nothing is queued before them, run on the calling thread and
+  /// return completed (no thread hand-off: microseconds matter there).
+  /// -1: $COMMGRAD_SHM_ASYNC_BYTES, else 1 MiB.
+  TORCH_ARG(int64_t, async_bytes) = -1;
+  /// Whether the worker thread starts a queued collective at once (eager:
+  /// it overlaps the caller's compute) or leaves a lone queued collective to
+  /// whoever waits for it, starting it only when more work is queued behind
+  /// it, someone polls or asks for its Future, or after 10 ms (lazy: no
+  /// thread hand-off and no context switch mid-collective). -1: eager when
+  /// every rank of the group can have a core for its worker (2 x size <= the
+  /// CPUs this process may use), else lazy, unless $COMMGRAD_SHM_EAGER_WORKER
+  /// is 0 or 1; 0 lazy; 1 eager.
+  TORCH_ARG(int, eager_worker) = -1;
+  /// Longest spin, in microseconds, before a waiting rank sleeps on a futex
+  /// (the spin adapts below it: it shrinks while peers keep arriving late).
+  /// -1: $COMMGRAD_SHM_SPIN_US, else 50 when the group's ranks fit on this
+  /// process's CPUs, else 0 (ranks outnumber cores: never spin).
+  TORCH_ARG(int, spin_us) = -1;
+  /// Name used in error messages ("world", "tp0", ...).
+  TORCH_ARG(std::string, group_name) = "";
+};
+
+}  // namespace commgrad::backend

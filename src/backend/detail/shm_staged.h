@@ -1,0 +1,31 @@
+#pragma once
+// The tensors a ShmProcessGroup job hands the engine: which ones it takes
+// (is_cpu_dense) and how they reach it (Staged). Header-only: both sit on
+// the path of every call.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace commgrad::backend::detail {
+
+/// Whether the engine takes `t` at all: defined, on the CPU, strided.
+inline bool is_cpu_dense(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided;
+}
+
+/// A tensor as the engine sees it: contiguous memory, copied back into the
+/// caller's tensor afterwards when that one is not contiguous.
+struct Staged {
+  at::Tensor user;
+  at::Tensor buffer;
+
+  explicit Staged(const at::Tensor& t) : user(t), buffer(t.is_contiguous() ? t : t.contiguous()) {}
+  uint8_t* data() const { return static_cast<uint8_t*>(buffer.data_ptr()); }
+  int64_t bytes() const { return static_cast<int64_t>(buffer.nbytes()); }
+  void finish() const {
+    if (!buffer.is_same(user)) user.copy_(buffer);
+  }
+};
+
+}  // namespace commgrad::backend::detail

@@ -1,0 +1,55 @@
+// Resolving ShmOptions: what each default (0 or -1) becomes, read from the
+// environment through commgrad::env or derived from the group's size.
+
+#include "detail/shm_options.h"
+
+#include "commgrad/util/env.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <thread>
+
+namespace commgrad::backend::detail {
+namespace {
+
+// A non-negative integer from the environment; -1 when unset.
+int64_t env_int(const char* name, const char* unit) { return env::get_count(name, unit).value_or(-1); }
+
+int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+}  // namespace
+
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+ShmOptions resolve(ShmOptions o, int size) {
+  int64_t chunk = o.chunk_bytes() > 0 ? o.chunk_bytes() : env_int("COMMGRAD_SHM_CHUNK_BYTES", "bytes");
+  if (chunk <= 0) chunk = 256 * 1024;
+  o.chunk_bytes(std::max<int64_t>(round_up(chunk, 64), 64 * static_cast<int64_t>(size)));
+  int64_t mailbox = o.mailbox_bytes();
+  if (mailbox <= 0 && size > 1) {
+    mailbox = std::clamp<int64_t>((16 << 20) / (static_cast<int64_t>(size) * (size - 1)), 4096, 1 << 20);
+  }
+  o.mailbox_bytes(round_up(std::max<int64_t>(mailbox, 64), 64));
+  if (o.spin_us() < 0) {
+    const int64_t env = env_int("COMMGRAD_SHM_SPIN_US", "microseconds");
+    o.spin_us(env >= 0 ? static_cast<int>(env) : (size <= usable_cpus() ? 50 : 0));
+  }
+  if (o.async_bytes() < 0) {
+    const int64_t env = env_int("COMMGRAD_SHM_ASYNC_BYTES", "bytes");
+    o.async_bytes(env >= 0 ? env : int64_t{1} << 20);
+  }
+  if (o.eager_worker() < 0) {
+    const int64_t env = env_int("COMMGRAD_SHM_EAGER_WORKER", "0 or 1");
+    o.eager_worker(env >= 0 ? (env != 0 ? 1 : 0) : (2 * size <= usable_cpus() ? 1 : 0));
+  }
+  if (o.group_name().empty()) o.group_name("shm");
+  return o;
+}
+
+}  // namespace commgrad::backend::detail

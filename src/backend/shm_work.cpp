@@ -1,0 +1,79 @@
+// ShmWork: the Work of a ShmProcessGroup call, completed by the executor
+// job that runs it (completing), with its Future made on first request.
+
+#include "detail/shm_work.h"
+
+#include "detail/shm_executor.h"
+
+namespace commgrad::backend::detail {
+
+void ShmWork::complete(const std::exception_ptr& error) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    error_ = error;
+    done_ = true;
+    future = future_;
+  }
+  if (future) settle(*future);
+  finish(error);
+}
+
+// A caller that waits before the worker thread has started the job runs
+// it itself (see Executor::run_until); otherwise the worker must get to it.
+// A Work that is not completed belongs to a live group: the group's
+// destructor drains its queue.
+bool ShmWork::wait(std::chrono::milliseconds timeout) {
+  if (executor_ != nullptr && !c10d::Work::isCompleted() && !executor_->run_until(ticket_)) executor_->wake();
+  return c10d::Work::wait(timeout);
+}
+
+// A caller that polls instead of waiting gets the job started.
+bool ShmWork::isCompleted() {
+  const bool done = c10d::Work::isCompleted();
+  if (!done && executor_ != nullptr) executor_->wake();
+  return done;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> ShmWork::getFuture() {
+  if (executor_ != nullptr && !c10d::Work::isCompleted()) executor_->wake();  // callbacks need progress
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  bool settle_now = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!future_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+      settle_now = done_;
+    }
+    future = future_;
+  }
+  if (settle_now) settle(*future);
+  return future;
+}
+
+void ShmWork::settle(c10::ivalue::Future& future) {
+  if (error_) {
+    future.setError(error_);
+  } else {
+    future.markCompleted(c10::IValue(outputs_));
+  }
+}
+
+std::function<void()> completing(c10::intrusive_ptr<ShmWork> work, Comm* comm, const char* op,
+                                 std::chrono::milliseconds limit, std::function<void(Comm&, const Call&)> run) {
+  return [work = std::move(work), comm, op, limit, run = std::move(run)] {
+    Call call;
+    call.op = op;
+    call.timeout = limit;
+    call.deadline = std::chrono::steady_clock::now() + limit;
+    std::exception_ptr error;
+    try {
+      run(*comm, call);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    work->complete(error);
+  };
+}
+
+}  // namespace commgrad::backend::detail
