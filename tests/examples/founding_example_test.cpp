@@ -131,7 +131,7 @@ TEST(Rendezvous, UnreachableStoreIsAClearError) {
                                                {"MASTER_PORT", std::to_string(free_port())},
                                                {"COMMGRAD_TIMEOUT", "1.5"}}));
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.err, HasSubstr("rank 1 could not reach the rendezvous store at 127.0.0.1:"));
+  EXPECT_THAT(r.err, HasSubstr("[commgrad] init_process_group rank 1/2: could not reach the rendezvous store at 127.0.0.1:"));
   EXPECT_LT(r.seconds, 20);
 }
 
