@@ -118,7 +118,7 @@ at::Generator RngTracker::generator(const std::string& name) const {
   if (it == state_->streams.end()) {
     std::string known;
     for (const auto& entry : state_->streams) known += (known.empty() ? "" : ", ") + entry.first;
-    TORCH_CHECK(false, "[commgrad] RngTracker: stream '", name, "' was not added (known: ",
+    TORCH_CHECK(false, "[commgrad] RngTracker::generator: stream '", name, "' was not added (known: ",
                 known.empty() ? std::string("none") : known,
                 "); call tp::model_parallel_manual_seed() or RngTracker::add() first");
   }

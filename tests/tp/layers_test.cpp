@@ -442,7 +442,20 @@ TEST(TpLayerModules, FullStateDictIsTheSameAtEveryTpSize) {
       // A wrong full shape is refused.
       auto bad = full;
       bad["fc1.weight"] = torch::zeros({4 * n + 1, 5});
-      EXPECT_THAT(error_of([&] { tp::load_full_state_dict(*other, bad); }), HasSubstr("'fc1.weight' is float32["));
+      EXPECT_THAT(error_of([&] { tp::load_full_state_dict(*other, bad); }),
+                  HasSubstr(c10::str("[commgrad] load_full_state_dict rank ", g.rank(), "/", n,
+                                     " group 'world' (gloo): 'fc1.weight' is float32[")));
+      auto missing = full;
+      missing.erase("fc2.bias");
+      EXPECT_THAT(error_of([&] { tp::load_full_state_dict(*other, missing); }),
+                  HasSubstr(c10::str("[commgrad] load_full_state_dict rank ", g.rank(), "/", n,
+                                     " group 'world' (gloo): the state dict has no entry 'fc2.bias'")));
+      // Without a group (shard_tensor takes a rank and a size) the error names the op only.
+      EXPECT_THAT(error_of([&] { tp::shard_tensor(torch::zeros({4}), tp::ShardSpec::partitioned(1), 0, 2); }),
+                  HasSubstr("[commgrad] shard_tensor: partition dim 1 is out of range for float32[4]"));
+      EXPECT_THAT(error_of([&] { tp::gather_shards(torch::zeros({4}), tp::ShardSpec::partitioned(1), g); }),
+                  HasSubstr(c10::str("[commgrad] gather_shards rank ", g.rank(), "/", n,
+                                     " group 'world' (gloo): partition dim 1 is out of range for float32[4]")));
     });
   }
 }
