@@ -80,16 +80,18 @@ void ParallelSelfAttentionImpl::reset() {
                  g.size(), "): the heads are split across the ranks");
   COMMGRAD_CHECK(options.attention_dropout() >= 0.0 && options.attention_dropout() <= 1.0, op, g,
                  "attention_dropout must be in [0, 1], got ", options.attention_dropout());
+  options.seed(resolve_seed(options.seed(), g));
+  const uint64_t seed = *options.seed();
   qkv = register_module("qkv", ColumnParallelLinear(ColumnParallelLinearOptions(h, 3 * h, g)
                                                         .bias(options.bias())
                                                         .sequence_parallel(options.sequence_parallel())
                                                         .stride(3)
-                                                        .seed(options.seed())));
+                                                        .seed(seed)));
   dense = register_module("dense", RowParallelLinear(RowParallelLinearOptions(h, h, g)
                                                          .bias(options.bias())
                                                          .input_is_parallel(true)
                                                          .sequence_parallel(options.sequence_parallel())
-                                                         .seed(options.seed() + 1)));
+                                                         .seed(seed + 1)));
 }
 
 void ParallelSelfAttentionImpl::pretty_print(std::ostream& stream) const {

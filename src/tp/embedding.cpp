@@ -14,6 +14,7 @@
 
 #include "commgrad/tp/mappings.h"
 #include "commgrad/tp/parallel_state.h"
+#include "commgrad/tp/random.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -49,12 +50,13 @@ void VocabParallelEmbeddingImpl::reset() {
   vocab_end_ = vocab_start_ + local;
   weight = register_parameter("weight", at::empty({local, options.embedding_dim()}));
   set_shard_spec("weight", ShardSpec::partitioned(0), g);
+  options.seed(resolve_seed(options.seed(), g));
   reset_parameters();
 }
 
 void VocabParallelEmbeddingImpl::reset_parameters() {
   const Group& g = options.group();
-  auto full = init_embedding(options.num_embeddings(), options.embedding_dim(), options.seed());
+  auto full = init_embedding(options.num_embeddings(), options.embedding_dim(), options.seed().value());
   at::NoGradGuard no_grad;
   weight.copy_(shard_tensor(full, ShardSpec::partitioned(0), g.rank(), g.size()));
 }

@@ -29,6 +29,7 @@
 #include "commgrad/ops/raw.h"
 #include "commgrad/tp/mappings.h"
 #include "commgrad/tp/parallel_state.h"
+#include "commgrad/tp/random.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -156,12 +157,13 @@ void ColumnParallelLinearImpl::reset() {
     bias = register_parameter("bias", at::empty({local_out}));
     set_shard_spec("bias", spec, g);
   }
+  options.seed(resolve_seed(options.seed(), g));
   reset_parameters();
 }
 
 void ColumnParallelLinearImpl::reset_parameters() {
   const Group& g = options.group();
-  auto full = init_linear(options.in_features(), options.out_features(), options.bias(), options.seed());
+  auto full = init_linear(options.in_features(), options.out_features(), options.bias(), options.seed().value());
   const auto spec = ShardSpec::partitioned(0, options.stride());
   at::NoGradGuard no_grad;
   weight.copy_(shard_tensor(full.weight, spec, g.rank(), g.size()));
@@ -227,12 +229,13 @@ void RowParallelLinearImpl::reset() {
     set_shard_spec("bias", options.sequence_parallel() ? ShardSpec::sequence_parallel() : ShardSpec::replicated(),
                    g);
   }
+  options.seed(resolve_seed(options.seed(), g));
   reset_parameters();
 }
 
 void RowParallelLinearImpl::reset_parameters() {
   const Group& g = options.group();
-  auto full = init_linear(options.in_features(), options.out_features(), options.bias(), options.seed());
+  auto full = init_linear(options.in_features(), options.out_features(), options.bias(), options.seed().value());
   at::NoGradGuard no_grad;
   weight.copy_(shard_tensor(full.weight, ShardSpec::partitioned(1), g.rank(), g.size()));
   if (bias.defined()) bias.copy_(full.bias);

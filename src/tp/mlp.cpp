@@ -9,6 +9,7 @@
 #include "commgrad/tp/mlp.h"
 
 #include "commgrad/tp/parallel_state.h"
+#include "commgrad/tp/random.h"
 
 #include <ATen/ATen.h>
 
@@ -24,17 +25,19 @@ ParallelMLPImpl::ParallelMLPImpl(ParallelMLPOptions options_) : options(std::mov
 void ParallelMLPImpl::reset() {
   options.group(resolve_tp_group(options.group(), "ParallelMLP"));
   const Group& g = options.group();
+  options.seed(resolve_seed(options.seed(), g));
+  const uint64_t seed = *options.seed();
   fc1 = register_module("fc1", ColumnParallelLinear(ColumnParallelLinearOptions(options.hidden_size(),
                                                                                 options.ffn_hidden_size(), g)
                                                         .bias(options.bias())
                                                         .sequence_parallel(options.sequence_parallel())
-                                                        .seed(options.seed())));
+                                                        .seed(seed)));
   fc2 = register_module("fc2", RowParallelLinear(RowParallelLinearOptions(options.ffn_hidden_size(),
                                                                           options.hidden_size(), g)
                                                      .bias(options.bias())
                                                      .input_is_parallel(true)
                                                      .sequence_parallel(options.sequence_parallel())
-                                                     .seed(options.seed() + 1)));
+                                                     .seed(seed + 1)));
 }
 
 void ParallelMLPImpl::pretty_print(std::ostream& stream) const {

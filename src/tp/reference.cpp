@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
 namespace commgrad::tp {
 
@@ -23,6 +24,16 @@ namespace {
 
 torch::nn::LayerNorm make_layernorm(int64_t hidden_size, double eps) {
   return torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden_size}).eps(eps));
+}
+
+// The seed given, else one draw_seed(), kept in the options (so reset() from
+// clone() draws nothing). Called before any torch::nn::Linear is built: those
+// draw their own (overwritten) initialisation from the same generator, and a
+// reference built after torch::manual_seed(k) must draw what its parallel
+// layer at TP = 1 draws.
+uint64_t own_seed(std::optional<uint64_t>& seed) {
+  if (!seed) seed = draw_seed();
+  return *seed;
 }
 
 }  // namespace
@@ -43,10 +54,11 @@ MLPReferenceImpl::MLPReferenceImpl(ParallelMLPOptions options_) : options(std::m
 
 void MLPReferenceImpl::reset() {
   const int64_t h = options.hidden_size(), ffn = options.ffn_hidden_size();
+  const uint64_t seed = own_seed(options.seed());
   fc1 = register_module("fc1", torch::nn::Linear(torch::nn::LinearOptions(h, ffn).bias(options.bias())));
   fc2 = register_module("fc2", torch::nn::Linear(torch::nn::LinearOptions(ffn, h).bias(options.bias())));
-  init_reference_linear(fc1, options.seed());
-  init_reference_linear(fc2, options.seed() + 1);
+  init_reference_linear(fc1, seed);
+  init_reference_linear(fc2, seed + 1);
 }
 
 void MLPReferenceImpl::pretty_print(std::ostream& stream) const {
@@ -65,13 +77,14 @@ TransformerLayerReferenceImpl::TransformerLayerReferenceImpl(ParallelTransformer
 
 void TransformerLayerReferenceImpl::reset() {
   const int64_t h = options.hidden_size();
+  const uint64_t seed = own_seed(options.seed());
   ln1 = register_module("ln1", make_layernorm(h, options.layernorm_eps()));
   attention = register_module(
       "attention", SelfAttentionReference(ParallelSelfAttentionOptions(h, options.num_heads())
                                               .attention_dropout(options.attention_dropout())
-                                              .seed(options.seed())));
+                                              .seed(seed)));
   ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
-  mlp = register_module("mlp", MLPReference(ParallelMLPOptions(h, options.ffn_hidden_size()).seed(options.seed() + 2)));
+  mlp = register_module("mlp", MLPReference(ParallelMLPOptions(h, options.ffn_hidden_size()).seed(seed + 2)));
 }
 
 void TransformerLayerReferenceImpl::pretty_print(std::ostream& stream) const {
@@ -97,10 +110,11 @@ void SelfAttentionReferenceImpl::reset() {
   const int64_t h = options.hidden_size(), heads = options.num_heads();
   TORCH_CHECK(h >= 1 && heads >= 1 && h % heads == 0, "[commgrad] SelfAttentionReference: hidden_size (", h,
               ") must be a positive multiple of num_heads (", heads, ")");
+  const uint64_t seed = own_seed(options.seed());
   qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(h, 3 * h).bias(options.bias())));
   dense = register_module("dense", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(options.bias())));
-  init_reference_linear(qkv, options.seed());
-  init_reference_linear(dense, options.seed() + 1);
+  init_reference_linear(qkv, seed);
+  init_reference_linear(dense, seed + 1);
 }
 
 void SelfAttentionReferenceImpl::pretty_print(std::ostream& stream) const {

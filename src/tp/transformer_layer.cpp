@@ -60,16 +60,18 @@ void ParallelTransformerLayerImpl::reset() {
   const Group& g = options.group();
   COMMGRAD_CHECK(options.hidden_dropout() >= 0.0 && options.hidden_dropout() <= 1.0, op, g,
                  "hidden_dropout must be in [0, 1], got ", options.hidden_dropout());
+  options.seed(resolve_seed(options.seed(), g));
+  const uint64_t seed = *options.seed();
   const int64_t h = options.hidden_size();
   ln1 = register_module("ln1", make_layernorm(h, options.layernorm_eps()));
   attention = register_module("attention", ParallelSelfAttention(ParallelSelfAttentionOptions(h, options.num_heads(), g)
                                                                      .attention_dropout(options.attention_dropout())
                                                                      .sequence_parallel(options.sequence_parallel())
-                                                                     .seed(options.seed())));
+                                                                     .seed(seed)));
   ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
   mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(h, options.ffn_hidden_size(), g)
                                                .sequence_parallel(options.sequence_parallel())
-                                               .seed(options.seed() + 2)));
+                                               .seed(seed + 2)));
   const ShardSpec spec = options.sequence_parallel() ? ShardSpec::sequence_parallel() : ShardSpec::replicated();
   for (const char* name : {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias"}) set_shard_spec(name, spec, g);
 }

@@ -336,15 +336,16 @@ TEST(TpLayerErrors, IndivisibleSizesAndWrongShapes) {
                                                    tp::CrossEntropyOptions().group(g));
                 }),
                 HasSubstr("must have the shape of logits float32[2, 3] without its last (vocabulary) dim"));
-    // Every error above was raised before any communication: the group still works.
-    auto y = tp::ParallelMLP(tp::ParallelMLPOptions(4, 8, g))(torch::ones({2, 4}));
+    // Every error above was raised on every rank alike, before any communication but the seed
+    // broadcast of the unseeded ParallelMLP (which every rank made): the group still works.
+    auto y = tp::ParallelMLP(tp::ParallelMLPOptions(4, 8, g).seed(1))(torch::ones({2, 4}));
     EXPECT_EQ(y.sizes(), (std::vector<int64_t>{2, 4}));
   });
 }
 
 TEST(TpLayerErrors, CheckerRejectsMismatchedParameters) {
   spawn_ranks(2, [](Group& g) {
-    tp::ColumnParallelLinear par(tp::ColumnParallelLinearOptions(4, 6, g));
+    tp::ColumnParallelLinear par(tp::ColumnParallelLinearOptions(4, 6, g).seed(0));
     auto wrong_shape = reference_linear(4, 8, true, 0);
     auto x = torch::ones({2, 4});
     EXPECT_THAT(error_of([&] { check::check_gradients(check::subject(par), check::subject(wrong_shape), {x}, g); }),

@@ -25,6 +25,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace commgrad::tp {
 
@@ -50,7 +51,10 @@ struct ParallelSelfAttentionOptions {
   /// Input and output are this rank's chunk of the sequence (dim 0).
   TORCH_ARG(bool, sequence_parallel) = false;
   /// qkv is initialised from `seed`, dense from `seed + 1` (see init_linear()).
-  TORCH_ARG(uint64_t, seed) = 0;
+  /// Without one (the default) the layer draws one seed from LibTorch's
+  /// default CPU generator, the same on every rank of the group, as
+  /// ColumnParallelLinearOptions::seed() describes; options.seed() then holds it.
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
 };
 
 /// Multi-head self-attention with the heads split across the TP group.
@@ -80,7 +84,7 @@ class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttent
   /// Size of one head (hidden_size / num_heads).
   int64_t head_dim() const;
 
-  /// The options, with the group resolved.
+  /// The options, with the group and the seed resolved.
   ParallelSelfAttentionOptions options;
   /// Fused Q, K, V projection of this rank's heads (h -> 3h/n).
   ColumnParallelLinear qkv{nullptr};

@@ -9,6 +9,15 @@
 //   MLPReference             of ParallelMLP (mlp.h)
 //   SelfAttentionReference   of ParallelSelfAttention (attention.h)
 //   TransformerLayerReference of ParallelTransformerLayer (transformer_layer.h)
+//
+// Seeds: the options' seed when given. Without one a reference draws one
+// seed with draw_seed() (random.h) before building anything, as its parallel
+// layer does, so after torch::manual_seed(k) a reference built without a
+// seed holds the parameters of the parallel layer built without one at any
+// TP size after torch::manual_seed(k) on every rank. (The reference's own
+// torch::nn::Linear layers then draw their default initialisation, which is
+// overwritten, so the generator ends up further on than after the parallel
+// layer.) options.seed() then holds the seed.
 
 #include "commgrad/tp/attention.h"
 #include "commgrad/tp/mlp.h"
@@ -46,6 +55,7 @@ class MLPReferenceImpl : public torch::nn::Cloneable<MLPReferenceImpl> {
   void pretty_print(std::ostream& stream) const override;
   at::Tensor forward(const at::Tensor& input);
 
+  /// The options, with the seed resolved.
   ParallelMLPOptions options;
   torch::nn::Linear fc1{nullptr};
   torch::nn::Linear fc2{nullptr};
@@ -73,6 +83,7 @@ class SelfAttentionReferenceImpl : public torch::nn::Cloneable<SelfAttentionRefe
   /// x: [s, b, h] -> [s, b, h].
   at::Tensor forward(const at::Tensor& input);
 
+  /// The options, with the seed resolved.
   ParallelSelfAttentionOptions options;
   torch::nn::Linear qkv{nullptr};
   torch::nn::Linear dense{nullptr};
@@ -96,6 +107,7 @@ class TransformerLayerReferenceImpl : public torch::nn::Cloneable<TransformerLay
   /// x: [s, b, h] -> [s, b, h].
   at::Tensor forward(const at::Tensor& input);
 
+  /// The options, with the seed resolved.
   ParallelTransformerLayerOptions options;
   torch::nn::LayerNorm ln1{nullptr};
   SelfAttentionReference attention{nullptr};

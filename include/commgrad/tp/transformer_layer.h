@@ -31,6 +31,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace commgrad::tp {
 
@@ -60,7 +61,10 @@ struct ParallelTransformerLayerOptions {
   TORCH_ARG(double, layernorm_eps) = 1e-5;
   /// attention from `seed` (qkv `seed`, dense `seed + 1`), mlp from
   /// `seed + 2` (fc1 `seed + 2`, fc2 `seed + 3`); LayerNorms start at 1 and 0.
-  TORCH_ARG(uint64_t, seed) = 0;
+  /// Without one (the default) the layer draws one seed from LibTorch's
+  /// default CPU generator, the same on every rank of the group, as
+  /// ColumnParallelLinearOptions::seed() describes; options.seed() then holds it.
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
 };
 
 /// Pre-LayerNorm transformer layer over the TP group: ln1, ParallelSelfAttention,
@@ -92,7 +96,7 @@ class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransfo
 
   at::Tensor forward(const at::Tensor& input);
 
-  /// The options, with the group resolved.
+  /// The options, with the group and the seed resolved.
   ParallelTransformerLayerOptions options;
   torch::nn::LayerNorm ln1{nullptr};
   ParallelSelfAttention attention{nullptr};
