@@ -85,12 +85,17 @@ TEST(TpSeeds, LayersWithoutASeedDiffer) {
     const auto a = build(g), b = build(g);
     EXPECT_FALSE(same_state(tp::gather_full_state_dict(*a), tp::gather_full_state_dict(*b)));
   }
-  // ... at TP = 2 too, and torch::nn::Linear's constructor form with the group
-  // from the parallel state.
-  spawn_ranks(2, [](Group& world) {
-    tp::ScopedParallelState scope(tp::make_model_parallel(2, 1, world));
+  // ... in torch::nn::Linear's constructor form, the group coming from the
+  // parallel state (a world of one: new_group then connects to no peer) ...
+  spawn_ranks(1, [](Group& world) {
+    tp::ScopedParallelState scope(tp::make_model_parallel(1, 1, world));
     tp::ColumnParallelLinear a(64, 256), b(64, 256);
-    EXPECT_EQ(a->options.group().size(), 2);
+    EXPECT_FALSE(torch::equal(a->weight, b->weight));
+  });
+  // ... and at TP = 2, where the seeds are broadcast.
+  spawn_ranks(2, [](Group& g) {
+    tp::ColumnParallelLinear a(tp::ColumnParallelLinearOptions(64, 256, g));
+    tp::ColumnParallelLinear b(tp::ColumnParallelLinearOptions(64, 256, g));
     EXPECT_FALSE(torch::equal(tp::gather_full_state_dict(*a)["weight"], tp::gather_full_state_dict(*b)["weight"]));
   });
 }
