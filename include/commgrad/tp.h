@@ -10,6 +10,10 @@
 //   embedding.h       VocabParallelEmbedding
 //   cross_entropy.h   vocab_parallel_cross_entropy
 //   sharding.h        ShardSpec per parameter, full state dicts
+//   random.h          tensor-parallel random streams, tp::dropout
+//   attention.h       ParallelSelfAttention
+//   transformer_layer.h  ParallelTransformerLayer
+//   reference.h       the layers' unsplit, single-rank references
 //
 // Example:
 //   commgrad::init_process_group();
@@ -27,3 +31,4 @@
 #include "commgrad/tp/random.h"
 #include "commgrad/tp/attention.h"
 #include "commgrad/tp/transformer_layer.h"
+#include "commgrad/tp/reference.h"

@@ -1,5 +1,4 @@
-// ParallelSelfAttention (Megatron's ParallelAttention + CoreAttention) and
-// its unsplit reference.
+// ParallelSelfAttention (Megatron's ParallelAttention + CoreAttention).
 //
 // Heads are independent, so splitting them across the tensor-parallel group
 // needs communication only where the head outputs are mixed again, in the
@@ -29,9 +28,8 @@
 // sequence instead of all-reducing. The core always sees the full sequence,
 // so the causal mask is over global positions.
 //
-// The reference (SelfAttentionReference) is written independently, with
-// einsum over [s, b, heads, d] views and an additive mask, so that a layout
-// mistake in the parallel path cannot be copied into it.
+// Its reference, SelfAttentionReference (reference.h), is written
+// independently, with einsum and an additive mask.
 
 #include "commgrad/tp/attention.h"
 
@@ -60,14 +58,6 @@ void check_attention_input(const char* op, const Group& group, const at::Tensor&
 
 }  // namespace
 
-void init_reference_linear(torch::nn::Linear& linear, uint64_t seed) {
-  const auto& o = linear->options;
-  const LinearWeights full = init_linear(o.in_features(), o.out_features(), o.bias(), seed);
-  at::NoGradGuard no_grad;
-  linear->weight.copy_(full.weight);
-  if (o.bias()) linear->bias.copy_(full.bias);
-}
-
 // ~~~ ParallelSelfAttention ~~~
 
 ParallelSelfAttentionOptions::ParallelSelfAttentionOptions(int64_t hidden_size, int64_t num_heads, Group group)
@@ -90,16 +80,18 @@ void ParallelSelfAttentionImpl::reset() {
                  g.size(), "): the heads are split across the ranks");
   COMMGRAD_CHECK(options.attention_dropout() >= 0.0 && options.attention_dropout() <= 1.0, op, g,
                  "attention_dropout must be in [0, 1], got ", options.attention_dropout());
+  options.seed(resolve_seed(options.seed(), g));
+  const uint64_t seed = *options.seed();
   qkv = register_module("qkv", ColumnParallelLinear(ColumnParallelLinearOptions(h, 3 * h, g)
                                                         .bias(options.bias())
                                                         .sequence_parallel(options.sequence_parallel())
                                                         .stride(3)
-                                                        .seed(options.seed())));
+                                                        .seed(seed)));
   dense = register_module("dense", RowParallelLinear(RowParallelLinearOptions(h, h, g)
                                                          .bias(options.bias())
                                                          .input_is_parallel(true)
                                                          .sequence_parallel(options.sequence_parallel())
-                                                         .seed(options.seed() + 1)));
+                                                         .seed(seed + 1)));
 }
 
 void ParallelSelfAttentionImpl::pretty_print(std::ostream& stream) const {
@@ -140,50 +132,6 @@ at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& input) {
   }
   const at::Tensor context = at::matmul(probs, v).permute({2, 0, 1, 3}).reshape({s, b, nh * d});
   return dense(context);
-}
-
-// ~~~ SelfAttentionReference ~~~
-
-SelfAttentionReferenceImpl::SelfAttentionReferenceImpl(ParallelSelfAttentionOptions options_)
-    : options(std::move(options_)) {
-  reset();
-}
-
-void SelfAttentionReferenceImpl::reset() {
-  const int64_t h = options.hidden_size(), heads = options.num_heads();
-  TORCH_CHECK(h >= 1 && heads >= 1 && h % heads == 0, "[commgrad] SelfAttentionReference: hidden_size (", h,
-              ") must be a positive multiple of num_heads (", heads, ")");
-  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(h, 3 * h).bias(options.bias())));
-  dense = register_module("dense", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(options.bias())));
-  init_reference_linear(qkv, options.seed());
-  init_reference_linear(dense, options.seed() + 1);
-}
-
-void SelfAttentionReferenceImpl::pretty_print(std::ostream& stream) const {
-  stream << std::boolalpha << "commgrad::tp::SelfAttentionReference(hidden=" << options.hidden_size()
-         << ", heads=" << options.num_heads() << ", causal=" << options.causal() << ")";
-}
-
-at::Tensor SelfAttentionReferenceImpl::forward(const at::Tensor& input) {
-  TORCH_CHECK(input.dim() == 3 && input.size(2) == options.hidden_size(),
-              "[commgrad] SelfAttentionReference: expected input [seq, batch, hidden=", options.hidden_size(),
-              "], got ", input.sizes());
-  const int64_t s = input.size(0), b = input.size(1), h = options.hidden_size(), heads = options.num_heads();
-  const int64_t d = h / heads;
-  const at::Tensor mixed = qkv->forward(input);  // [s, b, 3h] = [Q | K | V]
-  const at::Tensor q = mixed.narrow(-1, 0, h).reshape({s, b, heads, d});
-  const at::Tensor k = mixed.narrow(-1, h, h).reshape({s, b, heads, d});
-  const at::Tensor v = mixed.narrow(-1, 2 * h, h).reshape({s, b, heads, d});
-  at::Tensor scores = at::einsum("ibhd,jbhd->bhij", {q, k}) / std::sqrt(static_cast<double>(d));
-  if (options.causal()) {
-    scores = scores + at::full({s, s}, -std::numeric_limits<double>::infinity(), scores.options()).triu(1);
-  }
-  at::Tensor probs = at::softmax(scores, -1);
-  if (is_training() && options.attention_dropout() > 0) {
-    probs = tp::dropout(probs, options.attention_dropout(), true, rng_tracker());
-  }
-  const at::Tensor context = at::einsum("bhij,jbhd->ibhd", {probs, v}).reshape({s, b, h});
-  return dense->forward(context);
 }
 
 }  // namespace commgrad::tp

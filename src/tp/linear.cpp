@@ -1,4 +1,4 @@
-// ColumnParallelLinear, RowParallelLinear and ParallelMLP.
+// ColumnParallelLinear and RowParallelLinear.
 //
 // Column-parallel (weight rows split): forward is a local matmul on a
 // replicated input, so the only communication is in backward, where the
@@ -28,8 +28,8 @@
 
 #include "commgrad/ops/raw.h"
 #include "commgrad/tp/mappings.h"
-#include "commgrad/tp/mlp.h"
 #include "commgrad/tp/parallel_state.h"
+#include "commgrad/tp/random.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -157,12 +157,13 @@ void ColumnParallelLinearImpl::reset() {
     bias = register_parameter("bias", at::empty({local_out}));
     set_shard_spec("bias", spec, g);
   }
+  options.seed(resolve_seed(options.seed(), g));
   reset_parameters();
 }
 
 void ColumnParallelLinearImpl::reset_parameters() {
   const Group& g = options.group();
-  auto full = init_linear(options.in_features(), options.out_features(), options.bias(), options.seed());
+  auto full = init_linear(options.in_features(), options.out_features(), options.bias(), options.seed().value());
   const auto spec = ShardSpec::partitioned(0, options.stride());
   at::NoGradGuard no_grad;
   weight.copy_(shard_tensor(full.weight, spec, g.rank(), g.size()));
@@ -228,12 +229,13 @@ void RowParallelLinearImpl::reset() {
     set_shard_spec("bias", options.sequence_parallel() ? ShardSpec::sequence_parallel() : ShardSpec::replicated(),
                    g);
   }
+  options.seed(resolve_seed(options.seed(), g));
   reset_parameters();
 }
 
 void RowParallelLinearImpl::reset_parameters() {
   const Group& g = options.group();
-  auto full = init_linear(options.in_features(), options.out_features(), options.bias(), options.seed());
+  auto full = init_linear(options.in_features(), options.out_features(), options.bias(), options.seed().value());
   at::NoGradGuard no_grad;
   weight.copy_(shard_tensor(full.weight, ShardSpec::partitioned(1), g.rank(), g.size()));
   if (bias.defined()) bias.copy_(full.bias);
@@ -277,38 +279,5 @@ LinearOutput RowParallelLinearImpl::forward_with_bias(const at::Tensor& input) {
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) { return forward_with_bias(input).output; }
-
-// ~~~ ParallelMLP ~~~
-
-ParallelMLPOptions::ParallelMLPOptions(int64_t hidden_size, int64_t ffn_hidden_size, Group group)
-    : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size), group_(std::move(group)) {}
-
-ParallelMLPImpl::ParallelMLPImpl(ParallelMLPOptions options_) : options(std::move(options_)) { reset(); }
-
-void ParallelMLPImpl::reset() {
-  options.group(resolve_tp_group(options.group(), "ParallelMLP"));
-  const Group& g = options.group();
-  fc1 = register_module("fc1", ColumnParallelLinear(ColumnParallelLinearOptions(options.hidden_size(),
-                                                                                options.ffn_hidden_size(), g)
-                                                        .bias(options.bias())
-                                                        .sequence_parallel(options.sequence_parallel())
-                                                        .seed(options.seed())));
-  fc2 = register_module("fc2", RowParallelLinear(RowParallelLinearOptions(options.ffn_hidden_size(),
-                                                                          options.hidden_size(), g)
-                                                     .bias(options.bias())
-                                                     .input_is_parallel(true)
-                                                     .sequence_parallel(options.sequence_parallel())
-                                                     .seed(options.seed() + 1)));
-}
-
-void ParallelMLPImpl::pretty_print(std::ostream& stream) const {
-  stream << "commgrad::tp::ParallelMLP(hidden=" << options.hidden_size() << ", ffn=" << options.ffn_hidden_size()
-         << ", tp=" << options.group().size();
-  if (!options.bias()) stream << ", bias=false";
-  if (options.sequence_parallel()) stream << ", sequence_parallel=true";
-  stream << ")";
-}
-
-at::Tensor ParallelMLPImpl::forward(const at::Tensor& input) { return fc2->forward(at::gelu(fc1->forward(input))); }
 
 }  // namespace commgrad::tp

@@ -63,8 +63,8 @@ Group make_groups(const std::vector<std::vector<int>>& layout, const char* prefi
 
 const detail::ParallelStateData& ParallelState::checked() const {
   TORCH_CHECK(data_ != nullptr,
-              "[commgrad] use of an empty tp::ParallelState; build one with tp::make_model_parallel() or "
-              "tp::initialize_model_parallel()");
+              "[commgrad] ParallelState: use of an empty tp::ParallelState; build one with "
+              "tp::make_model_parallel() or tp::initialize_model_parallel()");
   return *data_;
 }
 
@@ -83,8 +83,8 @@ std::string ParallelState::describe() const {
 ParallelState make_model_parallel(int tp, int pp, const Group& world_group) {
   const Group w = world_group.defined() ? world_group : commgrad::world();
   check_member("make_model_parallel", w);
-  TORCH_CHECK(w == commgrad::world(), "[commgrad] make_model_parallel ", w.describe(),
-              ": groups can only be cut from this thread's world group (new_group works on commgrad::world())");
+  COMMGRAD_CHECK(w == commgrad::world(), "make_model_parallel", w,
+                 "groups can only be cut from this thread's world group (new_group works on commgrad::world())");
   const int n = w.size();
   COMMGRAD_CHECK(tp >= 1 && pp >= 1, "make_model_parallel", w, "tensor_parallel_size (", tp,
                  ") and pipeline_parallel_size (", pp, ") must be at least 1");
@@ -122,9 +122,9 @@ ParallelState initialize_model_parallel(int tp, int pp) {
   const Group w = commgrad::world();
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    TORCH_CHECK(g_installed.count(w.state().get()) == 0, "[commgrad] initialize_model_parallel ", w.describe(),
-                ": model parallelism is already initialised for this world (",
-                g_installed[w.state().get()].describe(), "); call tp::destroy_model_parallel() first");
+    COMMGRAD_CHECK(g_installed.count(w.state().get()) == 0, "initialize_model_parallel", w,
+                   "model parallelism is already initialised for this world (", g_installed[w.state().get()].describe(),
+                   "); call tp::destroy_model_parallel() first");
   }
   ParallelState state = make_model_parallel(tp, pp, w);
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -155,8 +155,9 @@ bool model_parallel_is_initialized() { return current_or_empty().defined(); }
 ParallelState parallel_state() {
   ParallelState s = current_or_empty();
   TORCH_CHECK(s.defined(),
-              "[commgrad] model parallelism is not initialised: call tp::initialize_model_parallel(tp_size) "
-              "(or install a state with tp::ScopedParallelState), or pass the group explicitly");
+              "[commgrad] parallel_state: model parallelism is not initialised: call "
+              "tp::initialize_model_parallel(tp_size) (or install a state with tp::ScopedParallelState), or pass the "
+              "group explicitly");
   return s;
 }
 

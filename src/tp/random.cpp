@@ -16,6 +16,16 @@
 // seed + 2718 + tp_rank (so split activations get a different mask on each
 // rank). Both are functions of the one seed, so a run can be replayed.
 //
+// Initialisation seeds: a layer built without .seed() draws one 64-bit
+// number from LibTorch's default CPU generator, so torch::manual_seed()
+// governs it as it governs torch::nn::Linear. Each rank of the layer's TP
+// group draws (a rank that skipped the draw would be one number behind the
+// others for everything it draws afterwards), and group rank 0's number is
+// broadcast: ranks whose generators drifted (a rank that drew other numbers
+// before, or ranks that are threads sharing one generator) still build
+// shards of one full layer. Cost: one 8-byte broadcast per layer built
+// without a seed; nothing with an explicit seed or in a group of one.
+//
 // dropout() draws its Bernoulli mask into a fresh contiguous tensor of x's
 // shape with the current generator, then multiplies. The mask therefore
 // depends only on the shape and the generator's state, never on x's strides,
@@ -24,6 +34,7 @@
 #include "commgrad/tp/random.h"
 
 #include "commgrad/dist/check.h"
+#include "commgrad/ops/raw.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -118,7 +129,7 @@ at::Generator RngTracker::generator(const std::string& name) const {
   if (it == state_->streams.end()) {
     std::string known;
     for (const auto& entry : state_->streams) known += (known.empty() ? "" : ", ") + entry.first;
-    TORCH_CHECK(false, "[commgrad] RngTracker: stream '", name, "' was not added (known: ",
+    TORCH_CHECK(false, "[commgrad] RngTracker::generator: stream '", name, "' was not added (known: ",
                 known.empty() ? std::string("none") : known,
                 "); call tp::model_parallel_manual_seed() or RngTracker::add() first");
   }
@@ -190,6 +201,24 @@ void model_parallel_manual_seed(uint64_t seed, const Group& tp_group, RngTracker
   tracker.reset();
   tracker.manual_seed(seed);
   tracker.add(kModelParallelRng, seed + kTensorParallelSeedOffset + static_cast<uint64_t>(tp_group.rank()));
+}
+
+// ~~~ initialisation seeds ~~~
+
+uint64_t draw_seed() {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get<at::CPUGeneratorImpl>()->random64();
+}
+
+uint64_t resolve_seed(const std::optional<uint64_t>& seed, const Group& group) {
+  if (seed) return *seed;
+  check_member("resolve_seed", group);
+  const uint64_t mine = draw_seed();  // every rank draws: the generators advance alike
+  if (group.size() == 1) return mine;
+  const at::Tensor value = at::full({1}, static_cast<int64_t>(mine), at::kLong);
+  const at::Tensor chosen = ops::raw::broadcast(value, ops::BroadcastOptions().src(0), group).wait();
+  return static_cast<uint64_t>(chosen.item<int64_t>());
 }
 
 // ~~~ dropout ~~~

@@ -22,6 +22,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <functional>
 #include <iterator>
 
 namespace commgrad::tp {
@@ -36,10 +37,22 @@ std::ostream& operator<<(std::ostream& out, const ShardSpec& spec) { return out 
 
 namespace {
 
-int64_t wrap_dim(const at::Tensor& t, const ShardSpec& spec, const char* op) {
+// Throws "[commgrad] <op> rank r/n group 'g' (<transport>): <message>" for a
+// tensor of `group`, or "[commgrad] <op>: <message>" where there is no group
+// (shard_tensor and unshard_tensors take ranks and shards, not a group; a
+// parameter of a module that is not a ShardedModule has none).
+void fail_unless(bool cond, const char* op, const Group& group, const std::function<std::string()>& message) {
+  if (cond) return;
+  if (group.defined()) {
+    COMMGRAD_CHECK(false, op, group, message());
+  }
+  TORCH_CHECK(false, "[commgrad] ", op, ": ", message());
+}
+
+int64_t wrap_dim(const at::Tensor& t, const ShardSpec& spec, const char* op, const Group& group = Group()) {
   const int64_t nd = t.dim();
-  TORCH_CHECK(nd > 0 && spec.dim >= -nd && spec.dim < nd, "[commgrad] ", op, ": partition dim ", spec.dim,
-              " is out of range for ", detail::describe(t));
+  fail_unless(nd > 0 && spec.dim >= -nd && spec.dim < nd, op, group,
+              [&] { return c10::str("partition dim ", spec.dim, " is out of range for ", detail::describe(t)); });
   return spec.dim < 0 ? spec.dim + nd : spec.dim;
 }
 
@@ -83,7 +96,7 @@ at::Tensor unshard_tensors(const std::vector<at::Tensor>& shards, const ShardSpe
 at::Tensor gather_shards(const at::Tensor& local, const ShardSpec& spec, const Group& group) {
   if (!spec.is_partitioned()) return local;
   check_member("gather_shards", group);
-  const int64_t dim = wrap_dim(local, spec, "gather_shards");
+  const int64_t dim = wrap_dim(local, spec, "gather_shards", group);
   const at::Tensor all = ops::raw::all_gather(local.detach(), ops::AllGatherOptions().dim(dim), group).wait();
   if (spec.stride == 1) return all;
   return unshard_tensors(all.chunk(group.size(), dim), spec);
@@ -132,15 +145,17 @@ void load_full_state_dict(torch::nn::Module& module, const torch::OrderedDict<st
   const auto specs = shard_specs(module);
   torch::NoGradGuard no_grad;
   for (auto& p : module.named_parameters()) {
+    const char* op = "load_full_state_dict";
     const at::Tensor* value = full.find(p.key());
-    TORCH_CHECK(value != nullptr, "[commgrad] load_full_state_dict: the state dict has no entry '", p.key(), "'");
     const ParameterShard& s = specs[p.key()];
+    fail_unless(value != nullptr, op, s.group, [&] { return c10::str("the state dict has no entry '", p.key(), "'"); });
     const int n = s.spec.is_partitioned() ? s.group.size() : 1;
     auto expected = p.value().sizes().vec();
-    if (s.spec.is_partitioned()) expected[wrap_dim(p.value(), s.spec, "load_full_state_dict")] *= n;
-    TORCH_CHECK(value->sizes() == at::IntArrayRef(expected), "[commgrad] load_full_state_dict: '", p.key(), "' is ",
-                detail::describe(*value), ", but the parameter (", s.spec.describe(), " over ", n, " rank",
-                n > 1 ? "s" : "", ") is ", c10::IntArrayRef(expected), " in full");
+    if (s.spec.is_partitioned()) expected[wrap_dim(p.value(), s.spec, op, s.group)] *= n;
+    fail_unless(value->sizes() == at::IntArrayRef(expected), op, s.group, [&] {
+      return c10::str("'", p.key(), "' is ", detail::describe(*value), ", but the parameter (", s.spec.describe(),
+                      " over ", n, " rank", n > 1 ? "s" : "", ") is ", c10::IntArrayRef(expected), " in full");
+    });
     p.value().copy_(s.spec.is_partitioned() ? shard_tensor(*value, s.spec, s.group.rank(), n) : *value);
   }
   for (auto& b : module.named_buffers()) {

@@ -1,5 +1,6 @@
 // ParallelTransformerLayer (Megatron's ParallelTransformerLayer, pre-LN GPT
-// block) and the unsplit references of the MLP and the whole layer.
+// block). Its unsplit reference, TransformerLayerReference, is in
+// reference.cpp.
 //
 // The layer adds no communication of its own: attention and MLP each enter
 // and leave their tensor-parallel region through their column and row
@@ -59,16 +60,18 @@ void ParallelTransformerLayerImpl::reset() {
   const Group& g = options.group();
   COMMGRAD_CHECK(options.hidden_dropout() >= 0.0 && options.hidden_dropout() <= 1.0, op, g,
                  "hidden_dropout must be in [0, 1], got ", options.hidden_dropout());
+  options.seed(resolve_seed(options.seed(), g));
+  const uint64_t seed = *options.seed();
   const int64_t h = options.hidden_size();
   ln1 = register_module("ln1", make_layernorm(h, options.layernorm_eps()));
   attention = register_module("attention", ParallelSelfAttention(ParallelSelfAttentionOptions(h, options.num_heads(), g)
                                                                      .attention_dropout(options.attention_dropout())
                                                                      .sequence_parallel(options.sequence_parallel())
-                                                                     .seed(options.seed())));
+                                                                     .seed(seed)));
   ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
   mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(h, options.ffn_hidden_size(), g)
                                                .sequence_parallel(options.sequence_parallel())
-                                               .seed(options.seed() + 2)));
+                                               .seed(seed + 2)));
   const ShardSpec spec = options.sequence_parallel() ? ShardSpec::sequence_parallel() : ShardSpec::replicated();
   for (const char* name : {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias"}) set_shard_spec(name, spec, g);
 }
@@ -98,55 +101,6 @@ at::Tensor ParallelTransformerLayerImpl::forward(const at::Tensor& input) {
 
   const at::Tensor residual = input + drop(attention(ln1(input)));
   return residual + drop(mlp(ln2(residual)));
-}
-
-// ~~~ MLPReference ~~~
-
-MLPReferenceImpl::MLPReferenceImpl(ParallelMLPOptions options_) : options(std::move(options_)) { reset(); }
-
-void MLPReferenceImpl::reset() {
-  const int64_t h = options.hidden_size(), ffn = options.ffn_hidden_size();
-  fc1 = register_module("fc1", torch::nn::Linear(torch::nn::LinearOptions(h, ffn).bias(options.bias())));
-  fc2 = register_module("fc2", torch::nn::Linear(torch::nn::LinearOptions(ffn, h).bias(options.bias())));
-  init_reference_linear(fc1, options.seed());
-  init_reference_linear(fc2, options.seed() + 1);
-}
-
-void MLPReferenceImpl::pretty_print(std::ostream& stream) const {
-  stream << "commgrad::tp::MLPReference(hidden=" << options.hidden_size() << ", ffn=" << options.ffn_hidden_size()
-         << ")";
-}
-
-at::Tensor MLPReferenceImpl::forward(const at::Tensor& input) { return fc2->forward(at::gelu(fc1->forward(input))); }
-
-// ~~~ TransformerLayerReference ~~~
-
-TransformerLayerReferenceImpl::TransformerLayerReferenceImpl(ParallelTransformerLayerOptions options_)
-    : options(std::move(options_)) {
-  reset();
-}
-
-void TransformerLayerReferenceImpl::reset() {
-  const int64_t h = options.hidden_size();
-  ln1 = register_module("ln1", make_layernorm(h, options.layernorm_eps()));
-  attention = register_module(
-      "attention", SelfAttentionReference(ParallelSelfAttentionOptions(h, options.num_heads())
-                                              .attention_dropout(options.attention_dropout())
-                                              .seed(options.seed())));
-  ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
-  mlp = register_module("mlp", MLPReference(ParallelMLPOptions(h, options.ffn_hidden_size()).seed(options.seed() + 2)));
-}
-
-void TransformerLayerReferenceImpl::pretty_print(std::ostream& stream) const {
-  stream << "commgrad::tp::TransformerLayerReference(hidden=" << options.hidden_size()
-         << ", heads=" << options.num_heads() << ", ffn=" << options.ffn_hidden_size() << ")";
-}
-
-at::Tensor TransformerLayerReferenceImpl::forward(const at::Tensor& input) {
-  const RngTracker tracker = rng_tracker();
-  auto drop = [&](const at::Tensor& x) { return tp::dropout(x, options.hidden_dropout(), is_training(), tracker); };
-  const at::Tensor residual = input + drop(attention->forward(ln1->forward(input)));
-  return residual + drop(mlp->forward(ln2->forward(residual)));
 }
 
 }  // namespace commgrad::tp

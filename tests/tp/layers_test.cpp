@@ -336,15 +336,16 @@ TEST(TpLayerErrors, IndivisibleSizesAndWrongShapes) {
                                                    tp::CrossEntropyOptions().group(g));
                 }),
                 HasSubstr("must have the shape of logits float32[2, 3] without its last (vocabulary) dim"));
-    // Every error above was raised before any communication: the group still works.
-    auto y = tp::ParallelMLP(tp::ParallelMLPOptions(4, 8, g))(torch::ones({2, 4}));
+    // Every error above was raised on every rank alike, before any communication but the seed
+    // broadcast of the unseeded ParallelMLP (which every rank made): the group still works.
+    auto y = tp::ParallelMLP(tp::ParallelMLPOptions(4, 8, g).seed(1))(torch::ones({2, 4}));
     EXPECT_EQ(y.sizes(), (std::vector<int64_t>{2, 4}));
   });
 }
 
 TEST(TpLayerErrors, CheckerRejectsMismatchedParameters) {
   spawn_ranks(2, [](Group& g) {
-    tp::ColumnParallelLinear par(tp::ColumnParallelLinearOptions(4, 6, g));
+    tp::ColumnParallelLinear par(tp::ColumnParallelLinearOptions(4, 6, g).seed(0));
     auto wrong_shape = reference_linear(4, 8, true, 0);
     auto x = torch::ones({2, 4});
     EXPECT_THAT(error_of([&] { check::check_gradients(check::subject(par), check::subject(wrong_shape), {x}, g); }),
@@ -442,7 +443,20 @@ TEST(TpLayerModules, FullStateDictIsTheSameAtEveryTpSize) {
       // A wrong full shape is refused.
       auto bad = full;
       bad["fc1.weight"] = torch::zeros({4 * n + 1, 5});
-      EXPECT_THAT(error_of([&] { tp::load_full_state_dict(*other, bad); }), HasSubstr("'fc1.weight' is float32["));
+      EXPECT_THAT(error_of([&] { tp::load_full_state_dict(*other, bad); }),
+                  HasSubstr(c10::str("[commgrad] load_full_state_dict rank ", g.rank(), "/", n,
+                                     " group 'world' (gloo): 'fc1.weight' is float32[")));
+      auto missing = full;
+      missing.erase("fc2.bias");
+      EXPECT_THAT(error_of([&] { tp::load_full_state_dict(*other, missing); }),
+                  HasSubstr(c10::str("[commgrad] load_full_state_dict rank ", g.rank(), "/", n,
+                                     " group 'world' (gloo): the state dict has no entry 'fc2.bias'")));
+      // Without a group (shard_tensor takes a rank and a size) the error names the op only.
+      EXPECT_THAT(error_of([&] { tp::shard_tensor(torch::zeros({4}), tp::ShardSpec::partitioned(1), 0, 2); }),
+                  HasSubstr("[commgrad] shard_tensor: partition dim 1 is out of range for float32[4]"));
+      EXPECT_THAT(error_of([&] { tp::gather_shards(torch::zeros({4}), tp::ShardSpec::partitioned(1), g); }),
+                  HasSubstr(c10::str("[commgrad] gather_shards rank ", g.rank(), "/", n,
+                                     " group 'world' (gloo): partition dim 1 is out of range for float32[4]")));
     });
   }
 }

@@ -11,6 +11,7 @@
 #include "commgrad/tp/mappings.h"
 #include "commgrad/tp/parallel_state.h"
 #include "commgrad/tp/random.h"
+#include "commgrad/tp/reference.h"
 #include "commgrad/tp/sharding.h"
 #include "commgrad/tp/transformer_layer.h"
 

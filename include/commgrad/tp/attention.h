@@ -1,5 +1,5 @@
 #pragma once
-// Megatron's tensor-parallel self-attention, and its unsplit reference.
+// Megatron's tensor-parallel self-attention.
 //
 // Activations are [seq, batch, hidden] (Megatron's layout, so that sequence
 // parallelism splits dim 0). The attention heads are split across the
@@ -22,15 +22,15 @@
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace commgrad::tp {
 
-/// Options of ParallelSelfAttention (and of its reference, SelfAttentionReference,
-/// which ignores the group and sequence_parallel).
+/// Options of ParallelSelfAttention (and of its reference, SelfAttentionReference
+/// in reference.h, which ignores the group and sequence_parallel).
 ///
 /// Example:
 ///   tp::ParallelSelfAttentionOptions(1024, 16, tp_group).attention_dropout(0.1).seed(3)
@@ -51,7 +51,10 @@ struct ParallelSelfAttentionOptions {
   /// Input and output are this rank's chunk of the sequence (dim 0).
   TORCH_ARG(bool, sequence_parallel) = false;
   /// qkv is initialised from `seed`, dense from `seed + 1` (see init_linear()).
-  TORCH_ARG(uint64_t, seed) = 0;
+  /// Without one (the default) the layer draws one seed from LibTorch's
+  /// default CPU generator, the same on every rank of the group, as
+  /// ColumnParallelLinearOptions::seed() describes; options.seed() then holds it.
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
 };
 
 /// Multi-head self-attention with the heads split across the TP group.
@@ -81,7 +84,7 @@ class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttent
   /// Size of one head (hidden_size / num_heads).
   int64_t head_dim() const;
 
-  /// The options, with the group resolved.
+  /// The options, with the group and the seed resolved.
   ParallelSelfAttentionOptions options;
   /// Fused Q, K, V projection of this rank's heads (h -> 3h/n).
   ColumnParallelLinear qkv{nullptr};
@@ -89,41 +92,5 @@ class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttent
   RowParallelLinear dense{nullptr};
 };
 TORCH_MODULE(ParallelSelfAttention);
-
-/// The unsplit, single-rank reference of ParallelSelfAttention: plain
-/// torch::nn::Linear layers `qkv` (h -> 3h, output [Q | K | V]) and `dense`
-/// loaded with init_linear(h, 3h, bias, seed) and init_linear(h, h, bias,
-/// seed + 1), and the textbook attention math. Its parameter names match the
-/// parallel module's, so the gradient checker pairs them by name. Attention
-/// dropout draws from the current stream of rng_tracker().
-///
-/// Example:
-///   tp::SelfAttentionReference ref(tp::ParallelSelfAttentionOptions(1024, 16).seed(3));
-///   auto y = ref(x);   // what ParallelSelfAttention computes at any TP size
-class SelfAttentionReferenceImpl : public torch::nn::Cloneable<SelfAttentionReferenceImpl> {
- public:
-  explicit SelfAttentionReferenceImpl(ParallelSelfAttentionOptions options);
-
-  void reset() override;
-  /// "commgrad::tp::SelfAttentionReference(hidden=1024, heads=16, causal=true)".
-  void pretty_print(std::ostream& stream) const override;
-
-  /// x: [s, b, h] -> [s, b, h].
-  at::Tensor forward(const at::Tensor& input);
-
-  ParallelSelfAttentionOptions options;
-  torch::nn::Linear qkv{nullptr};
-  torch::nn::Linear dense{nullptr};
-};
-TORCH_MODULE(SelfAttentionReference);
-
-/// Overwrites the parameters of `linear` with init_linear(in, out, bias,
-/// seed): the unsplit counterpart of a parallel linear layer built from
-/// `seed` (the building block of the references).
-///
-/// Example:
-///   torch::nn::Linear fc1(64, 256);
-///   tp::init_reference_linear(fc1, 7);   // == the full ColumnParallelLinear(64, 256).seed(7)
-void init_reference_linear(torch::nn::Linear& linear, uint64_t seed);
 
 }  // namespace commgrad::tp

@@ -15,6 +15,9 @@
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 
+#include <cstdint>
+#include <optional>
+
 namespace commgrad::tp {
 
 /// The full embedding table [V, D] built from `seed` (N(0, 1), like
@@ -42,8 +45,13 @@ struct VocabParallelEmbeddingOptions {
   /// Reduce-scatter the result along dim 0 (ids are [s, b], sequence first)
   /// instead of all-reducing it: each rank gets its sequence chunk.
   TORCH_ARG(bool, sequence_parallel) = false;
-  /// Seed of the full-table initialisation.
-  TORCH_ARG(uint64_t, seed) = 0;
+  /// Seed of the full-table initialisation. Without one (the default) the
+  /// layer draws a seed from LibTorch's default CPU generator, so two layers
+  /// differ and torch::manual_seed() makes them reproducible; every rank of
+  /// the group draws and takes group rank 0's draw (resolve_seed() in
+  /// random.h: one broadcast), and options.seed() then holds it. With a seed
+  /// nothing is drawn or communicated.
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
 };
 
 /// forward(ids): ids is an integer tensor [..] of global token ids in
@@ -60,7 +68,8 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
   explicit VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions options);
 
   void reset() override;
-  /// Redraws the shard of the full initialisation from options.seed().
+  /// Redraws the shard of the full initialisation from options.seed() (the
+  /// seed given, or the one drawn when the layer was built: the same table).
   void reset_parameters();
   /// "commgrad::tp::VocabParallelEmbedding(num_embeddings=50304, embedding_dim=1024, tp=4)".
   void pretty_print(std::ostream& stream) const override;
@@ -71,7 +80,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Cloneable<VocabParallelEmbe
   int64_t vocab_start() const { return vocab_start_; }
   int64_t vocab_end() const { return vocab_end_; }
 
-  /// The options, with the group resolved.
+  /// The options, with the group and the seed resolved.
   VocabParallelEmbeddingOptions options;
   /// This rank's rows of the table, [V/n, D].
   at::Tensor weight;

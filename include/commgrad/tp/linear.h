@@ -17,6 +17,9 @@
 // Initialisation: a layer built from seed s draws the FULL weight (and bias)
 // with a generator seeded with s, exactly as init_linear(in, out, bias, s)
 // does, and keeps its shard, so TP = n starts from the exact shards of TP = 1.
+// Without .seed(s) the seed is drawn from LibTorch's default CPU generator
+// (the same on every rank of the group; see the options), so after
+// torch::manual_seed(k) on every rank TP = n holds the shards of TP = 1.
 // The distribution is torch::nn::Linear's: U(-1/sqrt(in), 1/sqrt(in)) for
 // the weight and the bias, with `in` the full input size.
 //
@@ -30,6 +33,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace commgrad::tp {
 
@@ -84,8 +88,13 @@ struct ColumnParallelLinearOptions {
   /// the matmul; backward reduce-scatters the input gradient. Needs
   /// gather_output(false).
   TORCH_ARG(bool, sequence_parallel) = false;
-  /// Seed of the full-weight initialisation.
-  TORCH_ARG(uint64_t, seed) = 0;
+  /// Seed of the full-weight initialisation. Without one (the default) the
+  /// layer draws a seed from LibTorch's default CPU generator, so two layers
+  /// differ and torch::manual_seed() makes them reproducible; every rank of
+  /// the group draws and takes group rank 0's draw (resolve_seed() in
+  /// random.h: one broadcast), and options.seed() then holds it. With a seed
+  /// nothing is drawn or communicated.
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
   /// Blocks per rank of the output-feature split (3 for a fused QKV weight
   /// split by heads; see sharding.h).
   TORCH_ARG(int64_t, stride) = 1;
@@ -112,7 +121,8 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   explicit ColumnParallelLinearImpl(ColumnParallelLinearOptions options);
 
   void reset() override;
-  /// Redraws the shard of the full initialisation from options.seed().
+  /// Redraws the shard of the full initialisation from options.seed() (the
+  /// seed given, or the one drawn when the layer was built: the same weights).
   void reset_parameters();
   /// "commgrad::tp::ColumnParallelLinear(in=1024, out=4096, tp=4, gather_output=false)".
   void pretty_print(std::ostream& stream) const override;
@@ -121,7 +131,7 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   /// forward() that returns the bias separately when skip_bias_add is set.
   LinearOutput forward_with_bias(const at::Tensor& input);
 
-  /// The options, with the group resolved.
+  /// The options, with the group and the seed resolved.
   ColumnParallelLinearOptions options;
   /// This rank's rows of the weight, [out/n, in].
   at::Tensor weight;
@@ -156,8 +166,13 @@ struct RowParallelLinearOptions {
   /// all-reducing it; needs input_is_parallel. The bias gradient is then
   /// partial per rank (see allreduce_sequence_parallel_grads()).
   TORCH_ARG(bool, sequence_parallel) = false;
-  /// Seed of the full-weight initialisation.
-  TORCH_ARG(uint64_t, seed) = 0;
+  /// Seed of the full-weight initialisation. Without one (the default) the
+  /// layer draws a seed from LibTorch's default CPU generator, so two layers
+  /// differ and torch::manual_seed() makes them reproducible; every rank of
+  /// the group draws and takes group rank 0's draw (resolve_seed() in
+  /// random.h: one broadcast), and options.seed() then holds it. With a seed
+  /// nothing is drawn or communicated.
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
 };
 
 /// Linear layer with its input features split across the TP group.
@@ -176,7 +191,8 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   explicit RowParallelLinearImpl(RowParallelLinearOptions options);
 
   void reset() override;
-  /// Redraws the shard of the full initialisation from options.seed().
+  /// Redraws the shard of the full initialisation from options.seed() (the
+  /// seed given, or the one drawn when the layer was built: the same weights).
   void reset_parameters();
   /// "commgrad::tp::RowParallelLinear(in=4096, out=1024, tp=4, input_is_parallel=true)".
   void pretty_print(std::ostream& stream) const override;
@@ -185,7 +201,7 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   /// forward() that returns the bias separately when skip_bias_add is set.
   LinearOutput forward_with_bias(const at::Tensor& input);
 
-  /// The options, with the group resolved.
+  /// The options, with the group and the seed resolved.
   RowParallelLinearOptions options;
   /// This rank's columns of the weight, [out, in/n].
   at::Tensor weight;

@@ -16,6 +16,9 @@
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 
+#include <cstdint>
+#include <optional>
+
 namespace commgrad::tp {
 
 /// Options of ParallelMLP.
@@ -35,13 +38,16 @@ struct ParallelMLPOptions {
   /// Input and output are this rank's chunk of the sequence (dim 0).
   TORCH_ARG(bool, sequence_parallel) = false;
   /// fc1 is initialised from `seed`, fc2 from `seed + 1` (see init_linear()).
-  TORCH_ARG(uint64_t, seed) = 0;
+  /// Without one (the default) the block draws one seed from LibTorch's
+  /// default CPU generator, the same on every rank of the group, as
+  /// ColumnParallelLinearOptions::seed() describes; options.seed() then holds it.
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
 };
 
 /// y = fc2(gelu(fc1(x))), fc1 column-parallel, fc2 row-parallel. Its
-/// unsplit reference is two torch::nn::Linear layers named fc1 and fc2 built
-/// from init_linear(h, ffn, bias, seed) and init_linear(ffn, h, bias, seed + 1)
-/// with exact (erf) GELU between them.
+/// unsplit reference (MLPReference, reference.h) is two torch::nn::Linear
+/// layers named fc1 and fc2 built from init_linear(h, ffn, bias, seed) and
+/// init_linear(ffn, h, bias, seed + 1) with exact (erf) GELU between them.
 ///
 /// Example:
 ///   tp::ParallelMLP mlp(tp::ParallelMLPOptions(1024, 4096, tp_group).seed(42));
@@ -58,7 +64,7 @@ class ParallelMLPImpl : public torch::nn::Cloneable<ParallelMLPImpl> {
 
   at::Tensor forward(const at::Tensor& input);
 
-  /// The options, with the group resolved.
+  /// The options, with the group and the seed resolved.
   ParallelMLPOptions options;
   ColumnParallelLinear fc1{nullptr};
   RowParallelLinear fc2{nullptr};

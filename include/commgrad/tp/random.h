@@ -20,6 +20,11 @@
 // generator) keep drawing from LibTorch's global generator, which one-rank-
 // per-thread programs share between ranks; pass current_generator() to them
 // explicitly when they must follow the tracker.
+//
+// Initialisation is separate: a layer built without `.seed()` draws its seed
+// from LibTorch's default CPU generator, the same on every rank of its group
+// (draw_seed(), resolve_seed() below), so torch::manual_seed() governs it as
+// it governs torch::nn::Linear.
 
 #include "commgrad/dist/group.h"
 
@@ -29,6 +34,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -156,6 +162,29 @@ class ScopedRngTracker {
 /// Example:
 ///   tp::model_parallel_manual_seed(1234, tp::tensor_parallel_group());
 void model_parallel_manual_seed(uint64_t seed, const Group& tp_group, RngTracker tracker = rng_tracker());
+
+// ~~~ Initialisation seeds ~~~
+
+/// One seed drawn from LibTorch's default CPU generator (under its mutex, as
+/// LibTorch's own random functions draw): what a layer built without
+/// `.seed()` initialises from, so that torch::manual_seed(s) makes it
+/// reproducible and two such layers differ, as two torch::nn::Linear do.
+/// Advances the default generator by one 64-bit draw. The single-rank
+/// references (reference.h) use it directly.
+uint64_t draw_seed();
+
+/// The initialisation seed of a layer of tensor-parallel group `group`:
+/// `seed` when given (no draw, no communication); otherwise draw_seed() on
+/// every rank, so that every rank's default generator advances alike, and
+/// then group rank 0's draw broadcast over `group` (skipped for a group of
+/// one), so that all ranks build their shards of one full layer even when
+/// their generators have drifted apart. Collective without an explicit seed:
+/// every rank of `group` must call it, in the same order.
+///
+/// Example:
+///   torch::manual_seed(1234);                                // on every rank
+///   const uint64_t s = tp::resolve_seed(std::nullopt, tp_group);   // the same on every rank
+uint64_t resolve_seed(const std::optional<uint64_t>& seed, const Group& group);
 
 /// Inverted dropout whose mask comes from tracker.current_generator(): the
 /// replicated stream normally, the forked one inside tracker.fork(). Returns

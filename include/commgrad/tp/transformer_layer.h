@@ -1,6 +1,6 @@
 #pragma once
 // Megatron's tensor-parallel transformer layer (pre-LayerNorm GPT block), with
-// or without sequence parallelism, and its unsplit reference.
+// or without sequence parallelism.
 //
 //   y = x + dropout(attention(ln1(x)))
 //   z = y + dropout(mlp(ln2(y)))
@@ -27,16 +27,16 @@
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace commgrad::tp {
 
-/// Options of ParallelTransformerLayer (and of TransformerLayerReference,
-/// which ignores the group and sequence_parallel).
+/// Options of ParallelTransformerLayer (and of TransformerLayerReference in
+/// reference.h, which ignores the group and sequence_parallel).
 ///
 /// Example:
 ///   tp::ParallelTransformerLayerOptions(1024, 16, 4096, tp_group).sequence_parallel(true).seed(5)
@@ -61,7 +61,10 @@ struct ParallelTransformerLayerOptions {
   TORCH_ARG(double, layernorm_eps) = 1e-5;
   /// attention from `seed` (qkv `seed`, dense `seed + 1`), mlp from
   /// `seed + 2` (fc1 `seed + 2`, fc2 `seed + 3`); LayerNorms start at 1 and 0.
-  TORCH_ARG(uint64_t, seed) = 0;
+  /// Without one (the default) the layer draws one seed from LibTorch's
+  /// default CPU generator, the same on every rank of the group, as
+  /// ColumnParallelLinearOptions::seed() describes; options.seed() then holds it.
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
 };
 
 /// Pre-LayerNorm transformer layer over the TP group: ln1, ParallelSelfAttention,
@@ -93,7 +96,7 @@ class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransfo
 
   at::Tensor forward(const at::Tensor& input);
 
-  /// The options, with the group resolved.
+  /// The options, with the group and the seed resolved.
   ParallelTransformerLayerOptions options;
   torch::nn::LayerNorm ln1{nullptr};
   ParallelSelfAttention attention{nullptr};
@@ -101,50 +104,5 @@ class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransfo
   ParallelMLP mlp{nullptr};
 };
 TORCH_MODULE(ParallelTransformerLayer);
-
-/// The unsplit reference of ParallelMLP: torch::nn::Linear fc1 and fc2 built
-/// from init_linear(h, ffn, bias, seed) and init_linear(ffn, h, bias, seed + 1)
-/// with exact (erf) GELU between them.
-///
-/// Example:
-///   tp::MLPReference ref(tp::ParallelMLPOptions(1024, 4096).seed(42));
-class MLPReferenceImpl : public torch::nn::Cloneable<MLPReferenceImpl> {
- public:
-  explicit MLPReferenceImpl(ParallelMLPOptions options);
-  void reset() override;
-  /// "commgrad::tp::MLPReference(hidden=1024, ffn=4096)".
-  void pretty_print(std::ostream& stream) const override;
-  at::Tensor forward(const at::Tensor& input);
-
-  ParallelMLPOptions options;
-  torch::nn::Linear fc1{nullptr};
-  torch::nn::Linear fc2{nullptr};
-};
-TORCH_MODULE(MLPReference);
-
-/// The unsplit reference of ParallelTransformerLayer, built from the same
-/// options (and seed) out of torch::nn layers, SelfAttentionReference and
-/// MLPReference; parameter names match the parallel layer's. Dropout draws
-/// from the current stream of rng_tracker().
-///
-/// Example:
-///   tp::TransformerLayerReference ref(tp::ParallelTransformerLayerOptions(1024, 16, 4096).seed(5));
-///   auto z = ref(x);   // [s, b, h]
-class TransformerLayerReferenceImpl : public torch::nn::Cloneable<TransformerLayerReferenceImpl> {
- public:
-  explicit TransformerLayerReferenceImpl(ParallelTransformerLayerOptions options);
-  void reset() override;
-  /// "commgrad::tp::TransformerLayerReference(hidden=1024, heads=16, ffn=4096)".
-  void pretty_print(std::ostream& stream) const override;
-  /// x: [s, b, h] -> [s, b, h].
-  at::Tensor forward(const at::Tensor& input);
-
-  ParallelTransformerLayerOptions options;
-  torch::nn::LayerNorm ln1{nullptr};
-  SelfAttentionReference attention{nullptr};
-  torch::nn::LayerNorm ln2{nullptr};
-  MLPReference mlp{nullptr};
-};
-TORCH_MODULE(TransformerLayerReference);
 
 }  // namespace commgrad::tp
