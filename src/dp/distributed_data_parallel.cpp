@@ -19,6 +19,7 @@
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/process_group.h"
 #include "commgrad/ops/raw.h"
+#include "commgrad/util/names.h"
 #include "detail/reducer.h"
 
 #include <algorithm>
@@ -47,7 +48,7 @@ uint64_t fnv1a(const std::string& text) {
 }
 
 std::string describe_tensor(const char* kind, const std::string& name, const at::Tensor& t) {
-  return c10::str(kind, " '", name, "' ", t.sizes(), " ", t.scalar_type(), t.requires_grad() ? "" : " (no grad)");
+  return c10::str(kind, " '", name, "' ", tensor_name(t), t.requires_grad() ? "" : " (no grad)");
 }
 
 // Every rank's 64-bit `value`, by group rank.

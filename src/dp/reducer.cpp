@@ -41,6 +41,7 @@
 #include "detail/reducer.h"
 
 #include "commgrad/dist/check.h"
+#include "commgrad/util/names.h"
 #include "commgrad/util/logging.h"
 
 #include <ATen/ATen.h>
@@ -266,8 +267,8 @@ void DdpReducer::mark_ready(size_t index) {
     COMMGRAD_CHECK(!grad.is_sparse(), kOp, group_, "parameter '", p.name,
                    "' has a sparse gradient; only dense gradients are supported");
     COMMGRAD_CHECK(grad.sizes() == p.tensor.sizes() && grad.scalar_type() == bucket.dtype, kOp, group_,
-                   "gradient of parameter '", p.name, "' has shape ", grad.sizes(), " and dtype ", grad.scalar_type(),
-                   ", the parameter ", p.tensor.sizes(), " and ", bucket.dtype);
+                   "gradient of parameter '", p.name, "' is ", tensor_name(grad), ", but the parameter is ",
+                   dtype_name(bucket.dtype), shape_name(p.tensor.sizes()));
     if (options_.gradient_as_bucket_view()) {
       if (!same_memory(grad, slot)) {
         slot.copy_(grad);
@@ -300,7 +301,7 @@ void DdpReducer::launch_ready_buckets(bool during_backward) {
 std::string DdpReducer::bucket_context(size_t b) const {
   const auto& bucket = buckets_[b];
   return c10::str("gradient bucket ", b, "/", buckets_.size(), " (", bucket.names.size(), " parameters from '",
-                  bucket.names.front(), "', ", bucket.bytes, " bytes of ", bucket.dtype, ")");
+                  bucket.names.front(), "', ", bucket.bytes, " bytes of ", dtype_name(bucket.dtype), ")");
 }
 
 void DdpReducer::finalize_backward() {

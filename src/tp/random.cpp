@@ -35,6 +35,7 @@
 
 #include "commgrad/dist/check.h"
 #include "commgrad/ops/raw.h"
+#include "commgrad/util/names.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -226,7 +227,7 @@ uint64_t resolve_seed(const std::optional<uint64_t>& seed, const Group& group) {
 at::Tensor dropout(const at::Tensor& x, double p, bool training, const RngTracker& tracker) {
   TORCH_CHECK(p >= 0.0 && p <= 1.0, "[commgrad] tp::dropout: probability must be in [0, 1], got ", p);
   TORCH_CHECK(x.is_floating_point(), "[commgrad] tp::dropout: expected a floating-point tensor, got ",
-              x.scalar_type());
+              tensor_name(x));
   if (!training || p == 0.0) return x;
   if (p == 1.0) return x * 0;
   at::Generator generator = tracker.current_generator();

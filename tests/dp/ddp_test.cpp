@@ -226,8 +226,8 @@ TEST(DdpTest, DifferentShapesAreAnErrorNamingTheParameterOnEachRank) {
     const auto message = message_of([&] { DistributedDataParallel ddp(nets[group.rank()], group); });
     EXPECT_THAT(message, HasSubstr("DistributedDataParallel rank " + std::to_string(group.rank()) + "/3"));
     EXPECT_THAT(message, HasSubstr("the replicas differ"));
-    EXPECT_THAT(message, HasSubstr("rank 0 has parameter 'fc1.weight' [8, 4] Float, rank 2 has parameter "
-                                   "'fc1.weight' [9, 4] Float"));
+    EXPECT_THAT(message, HasSubstr("rank 0 has parameter 'fc1.weight' float32[8, 4], rank 2 has parameter "
+                                   "'fc1.weight' float32[9, 4]"));
     // Rank 1 agrees with rank 0 and is not blamed.
     EXPECT_THAT(message, ::testing::Not(HasSubstr("rank 1 has")));
     // The group still works afterwards (nothing mismatched reached Gloo).
@@ -242,7 +242,7 @@ TEST(DdpTest, MissingParameterIsAnErrorNamingIt) {
   std::vector<std::shared_ptr<Net>> nets{std::make_shared<TwoHeads>(), std::make_shared<Mlp>()};
   spawn_ranks(2, [&](Group& group) {
     const auto message = message_of([&] { DistributedDataParallel ddp(nets[group.rank()], group); });
-    EXPECT_THAT(message, HasSubstr("rank 0 has parameter 'head2.weight' [2, 8] Float, rank 1 has nothing"));
+    EXPECT_THAT(message, HasSubstr("rank 0 has parameter 'head2.weight' float32[2, 8], rank 1 has nothing"));
   });
 }
 
@@ -556,6 +556,42 @@ TEST(DdpTest, Bfloat16ParametersAreReducedOnGloo) {
     (w * (group.rank() + 1)).sum().backward();  // local grads 1 and 2
     EXPECT_TRUE(torch::equal(w.grad().to(torch::kFloat), torch::full({5}, 1.5f)));
   });
+}
+
+// DDP's collectives are ops::raw collectives: numbered in their group (one
+// per bucket) and, with the debug check on, checked across ranks like any
+// other, so a hook that disagrees between ranks is an error on both.
+TEST(DdpTest, BucketReductionsAreRawCollectives) {
+  spawn_ranks(2, [&](Group& group) {
+    torch::manual_seed(3);
+    auto net = std::make_shared<Mlp>();
+    DistributedDataParallel ddp(net, DistributedDataParallelOptions(group)
+                                         .broadcast_buffers(false)
+                                         .first_bucket_cap_mb(1.0 / (1024 * 1024))
+                                         .bucket_cap_mb(100.0 / (1024 * 1024)));
+    const uint64_t before = group.state()->sequence.load();
+    net->forward(torch::randn({4, 4})).sum().backward();
+    EXPECT_GE(ddp.last_step().buckets, 3);
+    EXPECT_EQ(static_cast<int64_t>(group.state()->sequence.load() - before), ddp.last_step().buckets);
+  });
+}
+
+TEST(DdpTest, DebugCheckCatchesHooksThatDisagreeAcrossRanks) {
+  ops::set_debug_checks(true);
+  spawn_ranks(2, [&](Group& group) {
+    auto net = std::make_shared<torch::nn::Module>();
+    auto w = net->register_parameter("w", torch::ones({6}));
+    DistributedDataParallel ddp(net, group);
+    ddp.register_comm_hook([&](GradBucket& b) {
+      auto part = b.buffer().narrow(0, 0, group.rank() == 0 ? 6 : 3);  // rank 1's hook is wrong
+      return CommWork{ops::raw::all_reduce_(part, {}, b.group()), nullptr};
+    });
+    const auto message = message_of([&] { (w * 2).sum().backward(); });
+    EXPECT_THAT(message, HasSubstr("ranks disagree on collective #"));
+    EXPECT_THAT(message, HasSubstr("all_reduce(float32[6], op=sum)"));
+    EXPECT_THAT(message, HasSubstr("all_reduce(float32[3], op=sum)"));
+  });
+  ops::set_debug_checks(std::nullopt);
 }
 
 }  // namespace
