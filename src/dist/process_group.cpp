@@ -85,25 +85,24 @@ detail::StorePtr connect_store(const LaunchEnvironment& env, std::chrono::millis
 }
 
 // Store barrier: rank `rank` of `size` writes `payload` under `key`/<rank>
-// and waits until all `size` have. Returns every rank's payload, by rank, or
-// the ranks missing at the deadline (`missing` non-empty, nothing returned).
+// and waits until all `size` have (the last to arrive sets `key`/done, which
+// the others wait for in the store: no polling). Returns every rank's
+// payload, by rank, or the ranks missing at the deadline (`missing`
+// non-empty, nothing returned).
 std::vector<std::string> arrive_and_wait(const detail::StorePtr& store, const std::string& key, int rank, int size,
                                          const std::string& payload, std::chrono::milliseconds timeout,
                                          std::vector<int>& missing) {
   auto rank_key = [&](int r) { return c10::str(key, "/", r); };
   store->set(rank_key(rank), std::vector<uint8_t>(payload.begin(), payload.end()));
-  store->add(key + "/count", 1);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto pause = std::chrono::milliseconds(1);
-  while (store->add(key + "/count", 0) < size) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      for (int r = 0; r < size; ++r) {
-        if (!store->check({rank_key(r)})) missing.push_back(r);
-      }
-      if (!missing.empty()) return {};
+  if (store->add(key + "/count", 1) == size) store->set(key + "/done", std::vector<uint8_t>{1});
+  try {
+    store->wait({key + "/done"}, timeout);
+  } catch (const std::exception&) {
+    for (int r = 0; r < size; ++r) {
+      if (!store->check({rank_key(r)})) missing.push_back(r);
     }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    if (!missing.empty()) return {};
+    store->wait({key + "/done"}, timeout);  // everyone arrived just now
   }
   std::vector<std::string> payloads;
   for (int r = 0; r < size; ++r) {
