@@ -144,6 +144,7 @@ void connect_transports(detail::GroupState& state, const std::string& prefix, co
   config.size = static_cast<int>(state.ranks.size());
   config.timeout = state.timeout;
   config.single_host = all_same(state.hosts);
+  config.master_addr = state.launch.master_addr;
   config.group_name = state.name;
   config.op = op;
   auto cpu = detail::create_transport(config);

@@ -77,6 +77,7 @@ struct TransportConfig {
   int size = 1;
   std::chrono::milliseconds timeout{0};
   bool single_host = true;             // every member on this host
+  std::string master_addr;             // the rendezvous host: Gloo binds where the route to it leaves
   std::string group_name;              // for error messages
   const char* op = "new_group";        // the call that creates it, for error messages
 };
