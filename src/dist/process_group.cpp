@@ -144,6 +144,7 @@ void connect_transports(detail::GroupState& state, const std::string& prefix, co
   config.size = static_cast<int>(state.ranks.size());
   config.timeout = state.timeout;
   config.single_host = all_same(state.hosts);
+  config.hosts = state.hosts;
   config.master_addr = state.launch.master_addr;
   config.group_name = state.name;
   config.op = op;
@@ -309,7 +310,9 @@ Group new_group(const std::vector<int>& ranks, const NewGroupOptions& options) {
   state->store = c10::make_intrusive<c10d::PrefixStore>(prefix, ps.root_store);
   state->launch = ps.launch;
   state->requested_backend = options.backend().empty() ? ps.requested_backend : options.backend();
-  state->backend = options.backend().empty() ? ps.backend : resolve_backend(options.backend(), state->hosts);
+  // Decided per group: a group inside one host of a job that spans hosts
+  // still gets shm from "auto".
+  state->backend = resolve_backend(state->requested_backend, state->hosts);
   if (state->rank >= 0) connect_transports(*state, prefix, "new_group");
   return Group(std::move(state));
 }

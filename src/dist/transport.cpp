@@ -5,10 +5,12 @@
 #include "commgrad/backend/shm_process_group.h"
 #include "commgrad/config.h"
 #include "commgrad/dist/build_info.h"
+#include "detail/hierarchical_transport.h"
 #include "commgrad/util/env.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #if COMMGRAD_HAVE_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -118,16 +120,66 @@ std::string connect_prefix(const detail::TransportConfig& c) {
                   "): ");
 }
 
+// Members of each host, by group rank, hosts in order of their first member.
+std::vector<std::vector<int>> members_by_host(const std::vector<std::string>& hosts) {
+  std::vector<std::string> order;
+  std::vector<std::vector<int>> members;
+  for (int r = 0; r < static_cast<int>(hosts.size()); ++r) {
+    const auto it = std::find(order.begin(), order.end(), hosts[r]);
+    if (it == order.end()) {
+      order.push_back(hosts[r]);
+      members.push_back({r});
+    } else {
+      members[it - order.begin()].push_back(r);
+    }
+  }
+  return members;
+}
+
+// Shm inside each host, Gloo between the first members of the hosts, flat
+// Gloo for the rest (detail/hierarchical_transport.h).
+detail::TransportPtr create_hierarchical(const detail::TransportConfig& c) {
+  const auto hosts = members_by_host(c.hosts);
+  int host = 0;
+  while (std::find(hosts[host].begin(), hosts[host].end(), c.rank) == hosts[host].end()) ++host;
+  const auto& mine = hosts[host];
+  const int local_rank = static_cast<int>(std::find(mine.begin(), mine.end(), c.rank) - mine.begin());
+
+  detail::HierarchyParts parts;
+  parts.hosts = static_cast<int>(hosts.size());
+  parts.local_size = static_cast<int>(mine.size());
+  detail::TransportConfig flat = c;
+  flat.store = c10::make_intrusive<c10d::PrefixStore>("flat", c.store);
+  parts.flat = create_gloo(flat);
+  if (parts.local_size > 1) {
+    parts.local = c10::make_intrusive<backend::ShmProcessGroup>(
+        c10::make_intrusive<c10d::PrefixStore>(c10::str("local", host), c.store), local_rank, parts.local_size,
+        backend::ShmOptions().timeout(c.timeout).group_name(c.group_name + "/local"));
+  }
+  if (local_rank == 0) {
+    detail::TransportConfig leaders = c;
+    leaders.store = c10::make_intrusive<c10d::PrefixStore>("leaders", c.store);
+    leaders.rank = host;
+    leaders.size = parts.hosts;
+    parts.leaders = create_gloo(leaders);
+  }
+  return c10::make_intrusive<detail::HierarchicalTransport>(c.rank, c.size, std::move(parts));
+}
+
 }  // namespace
 
 std::vector<std::string> available_backends() { return build_info().transports; }
 
 std::string resolve_backend(const std::string& requested, const std::vector<std::string>& hosts) {
   const auto all = available_backends();
-  TORCH_CHECK(requested == "auto" || std::find(all.begin(), all.end(), requested) != all.end(),
+  TORCH_CHECK(requested == "auto" || requested == "hierarchical" ||
+                  std::find(all.begin(), all.end(), requested) != all.end(),
               "[commgrad] resolve_backend: backend '", requested, "' is not available in this build; available: auto, ",
               c10::Join(", ", all));
-  if (requested == "auto" || requested == "nccl") return all_same(hosts) ? "shm" : "gloo";
+  if (requested == "auto" || requested == "nccl" || requested == "hierarchical") {
+    if (all_same(hosts)) return "shm";
+    return members_by_host(hosts).size() < hosts.size() ? "hierarchical" : "gloo";
+  }
   TORCH_CHECK(requested != "shm" || all_same(hosts),
               "[commgrad] resolve_backend: backend 'shm' needs every rank of the group on one host, but its ranks run on ",
               std::set<std::string>(hosts.begin(), hosts.end()).size(), " hosts; use 'gloo' (or 'auto')");
@@ -151,6 +203,7 @@ std::string resolve_cuda_backend(const std::string& requested, int local_ranks, 
 }
 
 std::string host_identity() {
+  if (const auto forced = env::get("COMMGRAD_HOST"); forced && !forced->empty()) return *forced;
   char name[256] = {0};
   gethostname(name, sizeof(name) - 1);
   std::string boot_id;
@@ -176,6 +229,7 @@ Transport create_transport(const TransportConfig& c) {
   try {
     if (c.backend == "gloo") return {create_gloo(c), {}};
     if (c.backend == "shm") return create_shm(c);
+    if (c.backend == "hierarchical") return {create_hierarchical(c), {}};
 #if COMMGRAD_HAVE_NCCL
     if (c.backend == "nccl") {
       // The communicator is created on the first collective, on the device

@@ -28,7 +28,7 @@ const std::vector<Variable>& variables() {
       {"SLURM_LOCALID", "integer", "local rank under srun"},
       {"SLURM_NTASKS_PER_NODE", "integer (regular layouts)", "ranks on this host under srun"},
       // Behaviour.
-      {"COMMGRAD_BACKEND", "auto, gloo, shm, nccl", "transport for init_process_group(\"auto\") (default auto)"},
+      {"COMMGRAD_BACKEND", "auto, gloo, shm, hierarchical, nccl", "transport for init_process_group(\"auto\") (default auto)"},
       {"COMMGRAD_TIMEOUT", "seconds > 0", "group timeout when the program sets none (default 300)"},
       {"COMMGRAD_DEBUG", "1 or CHECK, TRACE, INFO", "1/CHECK: cross-rank check of every collective; TRACE: "
                                                     "the check and a log line per collective; INFO: more log lines"},
@@ -38,6 +38,7 @@ const std::vector<Variable>& variables() {
       {"COMMGRAD_SHM_ASYNC_BYTES", "bytes >= 0",
        "shm: collectives from this size run on the worker thread (default 1 MiB); smaller ones finish in the call"},
       {"COMMGRAD_SHM_EAGER_WORKER", "0 or 1", "shm: start async collectives at once (default: when cores are spare)"},
+      {"COMMGRAD_HOST", "any text", "this process's host identity for locality decisions (default: host name and boot id)"},
       {"GLOO_SOCKET_IFNAME", "interface[,interface...]", "network interfaces Gloo binds to, as in PyTorch"},
   };
   return list;

@@ -26,18 +26,6 @@ using ::testing::HasSubstr;
 std::string example() { return build_path("bin/tp_autograd_comm"); }
 
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 std::string n_times(int n) {
   std::string v = std::to_string(n) + ".";
   return "tensor([" + v + ", " + v + ", " + v + ", " + v + "])";

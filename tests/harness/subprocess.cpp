@@ -1,5 +1,9 @@
 #include "harness/subprocess.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -119,6 +123,18 @@ std::vector<std::string> lines_with_prefix(const std::string& text, const std::s
     if (line.rfind(prefix, 0) == 0) out.push_back(line);
   }
   return out;
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
 }
 
 }  // namespace commgrad::testing

@@ -35,6 +35,9 @@ std::string launcher_path();
 /// COMMGRAD_BACKEND, then sets `extra`.
 std::map<std::string, std::string> clean_env(const std::map<std::string, std::string>& extra = {});
 
+/// A TCP port on the loopback interface that was free a moment ago.
+int free_port();
+
 /// Lines of `text` that start with `prefix`.
 std::vector<std::string> lines_with_prefix(const std::string& text, const std::string& prefix);
 

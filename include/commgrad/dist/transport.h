@@ -21,8 +21,11 @@ std::vector<std::string> available_backends();
 /// The transport of a group's CPU tensors, for a group whose members run on
 /// `hosts` (one identity per member). "auto" (and "nccl", whose CPU tensors
 /// travel like c10d's "cpu:gloo,cuda:nccl") is shm when every member is on
-/// one host, else Gloo. "gloo" and "shm" are checked (shm needs one host)
-/// and returned as is.
+/// one host; "hierarchical" when they span hosts and some host has more than
+/// one of them (all_reduce as shm inside each host and Gloo between hosts,
+/// everything else on Gloo); else Gloo. "gloo" and "shm" are checked (shm
+/// needs one host) and returned as is; "hierarchical" becomes shm on one host
+/// and Gloo with one member per host, where it would be either of them.
 std::string resolve_backend(const std::string& requested, const std::vector<std::string>& hosts);
 
 /// The transport of a group's CUDA tensors where the process sees
@@ -33,7 +36,9 @@ std::string resolve_backend(const std::string& requested, const std::vector<std:
 /// "gloo" and "shm" give Gloo.
 std::string resolve_cuda_backend(const std::string& requested, int local_ranks, int cuda_devices);
 
-/// This host's identity for locality decisions: hostname and boot id.
+/// This host's identity for locality decisions: hostname and boot id, or
+/// COMMGRAD_HOST where set (ranks that share a machine but should be treated
+/// as on different hosts, e.g. to test multi-host layouts on one machine).
 std::string host_identity();
 
 namespace detail {
@@ -77,6 +82,7 @@ struct TransportConfig {
   int size = 1;
   std::chrono::milliseconds timeout{0};
   bool single_host = true;             // every member on this host
+  std::vector<std::string> hosts;      // host identity of each member, by group rank
   std::string master_addr;             // the rendezvous host: Gloo binds where the route to it leaves
   std::string group_name;              // for error messages
   const char* op = "new_group";        // the call that creates it, for error messages
