@@ -131,6 +131,29 @@ TEST_P(FoundingExampleAcrossHosts, EveryRankAgrees) {
 INSTANTIATE_TEST_SUITE_P(Hosts, FoundingExampleAcrossHosts, ::testing::Values(2, 3),
                          [](const auto& info) { return std::to_string(info.param) + "_hosts"; });
 
+TEST(GroupsAcrossHosts, AutoPicksShmInsideAHostAndGlooAcross) {
+  MAKE_HOSTS_OR_SKIP(hosts, 2);
+  auto results = run_on_all(
+      *hosts, [&](int k) { return launch_on(*hosts, k, {build_path("tests/multihost/multihost_job")}); },
+      clean_env({{"COMMGRAD_TIMEOUT", "30"}}));
+  expect_all_succeeded(results);
+  for (int k = 0; k < 2; ++k) {
+    const auto& out = results[k].out;
+    // "host": the world's backend (gloo for a world across hosts); "local":
+    // the same two ranks with "auto".
+    const int leader = 2 * k;
+    EXPECT_THAT(out, HasSubstr("[" + std::to_string(leader) + "] rank " + std::to_string(leader) + " host "))
+        << describe(results);
+    EXPECT_THAT(out, ::testing::ContainsRegex("\\[" + std::to_string(leader) + "\\] rank [0-9] host [a-z]+, local shm, "
+                                              "across gloo ok\n"))
+        << describe(results);
+    EXPECT_THAT(out, ::testing::ContainsRegex("\\[" + std::to_string(leader + 1) + "\\] rank [0-9] host [a-z]+, local shm "
+                                              "ok\n"))
+        << describe(results);
+  }
+  std::printf("%s%s", results[0].out.c_str(), results[1].out.c_str());
+}
+
 TEST(MegatronFfnAcrossHosts, TensorParallelOverTwoHostsMatchesOneRank) {
   // megatron_ffn makes the whole world one tensor-parallel group (it has no
   // --tp option), so here TP=4 spans both hosts.
