@@ -79,7 +79,7 @@ std::unique_ptr<VirtualHosts> VirtualHosts::create(const VirtualHostsOptions& op
     return nullptr;
   };
   if (geteuid() != 0) return fail("not running as root (ip netns add needs CAP_SYS_ADMIN and CAP_NET_ADMIN)");
-  for (const char* tool : {"ip", "unshare", "hostname"}) {
+  for (const char* tool : {"ip", "unshare", "hostname", "bash", "timeout"}) {
     if (!found_in_path(tool)) return fail(std::string("`") + tool + "` is not installed");
   }
   if (options.hosts_ < 1 || options.hosts_ > 9) return fail("hosts must be 1-9, got " + std::to_string(options.hosts_));
@@ -134,6 +134,22 @@ void VirtualHosts::set_up(const VirtualHostsOptions& options) {
       if (!options.delay_.empty()) tc.insert(tc.end(), {"delay", options.delay_});
       auto r = run_process(tc, {}, kCommandTimeout);
       if (r.exit_code != 0) shaping_note_ = "links not shaped: `" + join(tc) + "` failed: " + r.err;
+    }
+  }
+  while (!shaping_note_.empty() && std::isspace(static_cast<unsigned char>(shaping_note_.back()))) {
+    shaping_note_.pop_back();
+  }
+  // Can host k reach host 0 through the bridge? A connection to a closed port
+  // is refused at once when it can; a bridge whose traffic is filtered
+  // (br_netfilter with a dropping FORWARD chain) lets it time out.
+  for (int k = 1; k < options.hosts_; ++k) {
+    auto r = run_process({"ip", "netns", "exec", namespaces_[k], "timeout", "5", "bash", "-c",
+                          "exec 3<>/dev/tcp/" + addresses_[0] + "/9"},
+                         {}, kCommandTimeout);
+    if (r.err.find("refused") == std::string::npos) {
+      throw std::runtime_error("host " + std::to_string(k) + " cannot reach host 0 (" + addresses_[0] +
+                               ") through bridge " + bridge_ + " (is bridged traffic filtered? br_netfilter): " +
+                               (r.err.empty() ? "no answer within 5 s" : r.err));
     }
   }
 }
