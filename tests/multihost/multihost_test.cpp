@@ -334,6 +334,12 @@ TEST(VirtualHostsHarness, HostsHaveTheirOwnNamesAndAddresses) {
     ASSERT_EQ(r.exit_code, 0) << r.err;
     EXPECT_THAT(r.out, HasSubstr(hosts->hostname(k) + "\n"));
     EXPECT_THAT(r.out, HasSubstr(hosts->address(k) + "/24"));
+    // The link is shaped as the note says.
+    const auto& note = hosts->shaping_note();
+    if (note.empty() || note.find("tbf") != std::string::npos) {
+      auto tc = hosts->run(k, {"tc", "qdisc", "show", "dev", hosts->interface(k)}, {}, std::chrono::seconds(20));
+      EXPECT_THAT(tc.out, HasSubstr(note.empty() ? "netem" : "tbf")) << note << "\n" << tc.out << tc.err;
+    }
   }
   // The names are gone once the object is.
   const std::string ns = hosts->netns(0);

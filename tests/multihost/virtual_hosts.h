@@ -10,8 +10,9 @@
 //   if (!hosts) GTEST_SKIP() << why_not;
 //   auto r = hosts->run(1, {launcher_path(), "--nnodes", "2", ...}, clean_env());
 //
-// Needs root, iproute2's `ip` and util-linux's `unshare`; link shaping
-// (netem) needs `tc` and is skipped with a note (shaping_note()) without it.
+// Needs root, iproute2's `ip`, util-linux's `unshare`, bash and timeout. Link
+// shaping needs `tc` and the kernel's netem; without netem the rate alone is
+// shaped (tbf), without `tc` nothing, each with a note (shaping_note()).
 // The destructor removes every namespace, veth and bridge this object made,
 // also when the test failed or threw. Names carry the pid ("cgmh<pid>..."), so
 // a crashed earlier run cannot collide, and remove_stale() deletes the
@@ -78,7 +79,8 @@ class VirtualHosts {
   /// pair to the bridge): `ip link set <it> down` cuts the host off.
   const std::string& interface(int k) const { return interfaces_.at(k); }
   /// Empty when the links are shaped as asked (or shaping was not asked for);
-  /// otherwise why not (no `tc`, no netem in the kernel).
+  /// otherwise what was left out and why (no `tc`; no netem in the kernel,
+  /// then only the rate is shaped, with tbf).
   const std::string& shaping_note() const { return shaping_note_; }
 
   /// argv wrapped to run inside host k under its host name:
@@ -93,6 +95,7 @@ class VirtualHosts {
   VirtualHosts() = default;
   void set_up(const VirtualHostsOptions& options);
   void tear_down() noexcept;
+  void shape_link(const std::string& ns, const std::string& dev, const VirtualHostsOptions& options, bool* failed);
 
   std::string bridge_;
   std::vector<std::string> namespaces_;
