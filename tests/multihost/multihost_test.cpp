@@ -3,9 +3,10 @@
 // ranks each, started by one commgrad-run per host with --nnodes/--node-rank
 // and host 0's address as --master-addr, all hosts' launchers concurrently.
 // The examples check their own results and exit non-zero on a mismatch;
-// rank 0's printout is checked here. Then the failures a multi-node user
-// meets: a host that dies mid-job, a host that never joins, a host given the
-// wrong --master-addr. Skipped (with the reason) where namespaces cannot be
+// rank 0's printout is checked here, and multihost_job's report of which
+// transport groups inside and across hosts get. Then the failures a
+// multi-node user meets: a host that dies mid-job, one cut off the network,
+// one that never joins, one given the wrong --master-addr. Skipped (with the reason) where namespaces cannot be
 // made: not root, no iproute2, a container without CAP_NET_ADMIN.
 
 #include "harness/subprocess.h"
