@@ -75,9 +75,12 @@ const Group& ParallelState::data_parallel_group() const { return checked().data;
 
 std::string ParallelState::describe() const {
   if (!data_) return "(no parallel state)";
-  return c10::str("tp ", tensor_parallel_rank(), "/", tensor_parallel_size(), " pp ", pipeline_parallel_rank(), "/",
-                  pipeline_parallel_size(), " dp ", data_parallel_rank(), "/", data_parallel_size(), " (world ",
-                  data_->world.size(), ")");
+  auto part = [](const char* name, const Group& g) {
+    return c10::str(name, " ", g.rank(), "/", g.size(), " (", g.backend_name(), ")");
+  };
+  return c10::str(part("tp", tensor_parallel_group()), " ", part("pp", pipeline_parallel_group()), " ",
+                  part("dp", data_parallel_group()), " (world ", data_->world.size(), ", ",
+                  data_->world.backend_name(), ")");
 }
 
 ParallelState make_model_parallel(int tp, int pp, const Group& world_group) {

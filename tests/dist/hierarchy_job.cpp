@@ -106,6 +106,17 @@ int main() {
     const auto sum = ops::all_reduce(at::ones({2}), {}, local);
     check(at::equal(sum, at::full({2}, static_cast<float>(local.size()))), "all_reduce on " + local.describe());
   }
+  // TP inside a host, DP across hosts (equal hosts): the TP group stays on shm.
+  bool equal_hosts = by_host.size() > 1;
+  for (const auto& h : by_host) equal_hosts = equal_hosts && h.size() == by_host.front().size() && h.size() > 1;
+  if (equal_hosts) {
+    auto state = commgrad::tp::make_model_parallel(static_cast<int>(by_host.front().size()));
+    check(state.tensor_parallel_group().backend_name() == "shm", "TP group transport in " + state.describe());
+    check(state.data_parallel_group().backend_name() == "gloo", "DP group transport in " + state.describe());
+    const auto dp_sum = ops::all_reduce(at::ones({2}), {}, state.data_parallel_group());
+    check(at::equal(dp_sum, at::full({2}, static_cast<float>(by_host.size()))), "DP all_reduce");
+    if (r == 0) std::cout << "parallel state: " << state.describe() << std::endl;
+  }
   if (failures > 0) return 1;
   std::cout << "rank " << r << " ok (" << world.backend_name() << (spans_hosts ? ", spans hosts" : "") << ")"
             << std::endl;

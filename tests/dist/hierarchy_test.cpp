@@ -54,6 +54,11 @@ TEST_P(HierarchyLayouts, EveryCollectiveMatchesItsClosedForm) {
   for (int q = 0; q < world; ++q) {
     EXPECT_THAT(r.out, ::testing::HasSubstr("rank " + std::to_string(q) + " ok (" + transport)) << r.out;
   }
+  if (layout == std::vector<int>{2, 2}) {
+    EXPECT_THAT(r.out, ::testing::HasSubstr("parallel state: tp 0/2 (shm) pp 0/1 (shm) dp 0/2 (gloo) (world 4, "
+                                            "hierarchical)"))
+        << r.out;
+  }
 }
 
 std::string layout_name(const ::testing::TestParamInfo<std::vector<int>>& info) {

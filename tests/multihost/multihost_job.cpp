@@ -3,9 +3,9 @@
 // on every rank, which transport each got and whether an all_reduce over it
 // gave the closed-form sum:
 //
-//   rank 2 host gloo, local shm, across gloo ok   (across: local rank 0 only)
+//   rank 2 host shm, local shm, across gloo ok   (across: local rank 0 only)
 //
-//   - host: the two ranks of this host, with the world's backend (the default);
+//   - host: the two ranks of this host, with the default backend (decided for the group: shm);
 //   - local: the same two ranks with backend "auto" (one host: shm);
 //   - across: local rank 0 of every host (ranks 0, 2, 4, ...), "auto" (gloo).
 // Exits 1 when a sum is wrong.

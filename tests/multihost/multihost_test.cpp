@@ -125,7 +125,8 @@ TEST_P(FoundingExampleAcrossHosts, EveryRankAgrees) {
                              ", grad_fn=<AllReduceBackward>)\n"));
   EXPECT_THAT(out, HasSubstr("[0] x = tensor([1., 1., 1., 1.])\n"));
   // The world spans hosts: "auto" picks Gloo (shm only within one host).
-  EXPECT_THAT(out, HasSubstr("[0] world: " + std::to_string(n) + " ranks, backend gloo")) << out;
+  // A world across hosts with two ranks on each: hierarchical (shm inside a host, Gloo between them).
+  EXPECT_THAT(out, HasSubstr("[0] world: " + std::to_string(n) + " ranks, backend hierarchical")) << out;
   for (int k = 1; k < n_hosts; ++k) EXPECT_TRUE(lines_with_prefix(results[k].out, "[").empty()) << results[k].out;
 }
 
@@ -140,15 +141,16 @@ TEST(GroupsAcrossHosts, AutoPicksShmInsideAHostAndGlooAcross) {
   expect_all_succeeded(results);
   for (int k = 0; k < 2; ++k) {
     const auto& out = results[k].out;
-    // "host": the world's backend (gloo for a world across hosts); "local":
-    // the same two ranks with "auto".
+    // "host" (the default backend) and "local" ("auto"): both decided for the
+    // group itself, so shm inside a host of a world that spans hosts;
+    // "across" (one rank per host): gloo.
     const int leader = 2 * k;
     EXPECT_THAT(out, HasSubstr("[" + std::to_string(leader) + "] rank " + std::to_string(leader) + " host "))
         << describe(results);
-    EXPECT_THAT(out, ::testing::ContainsRegex("\\[" + std::to_string(leader) + "\\] rank [0-9] host [a-z]+, local shm, "
+    EXPECT_THAT(out, ::testing::ContainsRegex("\\[" + std::to_string(leader) + "\\] rank [0-9] host shm, local shm, "
                                               "across gloo ok\n"))
         << describe(results);
-    EXPECT_THAT(out, ::testing::ContainsRegex("\\[" + std::to_string(leader + 1) + "\\] rank [0-9] host [a-z]+, local shm "
+    EXPECT_THAT(out, ::testing::ContainsRegex("\\[" + std::to_string(leader + 1) + "\\] rank [0-9] host shm, local shm "
                                               "ok\n"))
         << describe(results);
   }
@@ -183,7 +185,7 @@ TEST(DdpTrainAcrossHosts, MatchesSingleProcess) {
       clean_env({{"COMMGRAD_TIMEOUT", "30"}}));
   expect_all_succeeded(results);
   const auto& out = results[0].out;
-  EXPECT_THAT(out, HasSubstr("[0] world: 4 ranks, backend gloo")) << describe(results);
+  EXPECT_THAT(out, HasSubstr("[0] world: 4 ranks, backend hierarchical")) << describe(results);
   EXPECT_THAT(out, HasSubstr("[0] epoch 1/3: loss "));
   EXPECT_THAT(out, HasSubstr("[0] epoch 3/3: loss "));
   EXPECT_THAT(out, HasSubstr(": ok\n"));

@@ -47,7 +47,7 @@ TEST(TpParallelState, MegatronRankOrderTp2Pp2) {
     EXPECT_EQ(ranks_of(s.tensor_parallel_group()), (r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3}));
     EXPECT_EQ(ranks_of(s.pipeline_parallel_group()), (r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3}));
     EXPECT_EQ(ranks_of(s.data_parallel_group()), std::vector<int>{r});
-    EXPECT_EQ(s.describe(), c10::str("tp ", r % 2, "/2 pp ", r / 2, "/2 dp 0/1 (world 4)"));
+    EXPECT_EQ(s.describe(), c10::str("tp ", r % 2, "/2 (gloo) pp ", r / 2, "/2 (gloo) dp 0/1 (gloo) (world 4, gloo)"));
   });
 }
 

@@ -61,7 +61,8 @@ class ParallelState {
   int data_parallel_rank() const { return data_parallel_group().rank(); }
   int data_parallel_size() const { return data_parallel_group().size(); }
 
-  /// "tp 1/2 pp 0/1 dp 0/2 (world 4)".
+  /// "tp 1/2 (shm) pp 0/1 (shm) dp 0/2 (gloo) (world 4, hierarchical)":
+  /// each group's rank, size and transport.
   std::string describe() const;
 
   bool operator==(const ParallelState& other) const { return data_ == other.data_; }
