@@ -348,10 +348,14 @@ void DdpReducer::finalize_backward() {
     } catch (const std::exception& e) {
       if (!error) {
         try {
-          commgrad::detail::throw_dist_error(c10::str("[commgrad] ", kOp, " ", group_.describe(), ": reducing ", bucket_context(b),
-                                    " failed. If a rank skipped parameters in backward, construct "
-                                    "DistributedDataParallel with find_unused_parameters(true). Cause: ",
-                                    e.what()));
+          // The cause first (a peer that failed says so there); the hint
+          // is for the other common reason, ranks whose backward differs.
+          commgrad::detail::throw_dist_error(c10::str(
+              "[commgrad] ", kOp, " ", group_.describe(), ": reducing ", bucket_context(b), " failed: ",
+              dynamic_cast<const c10::Error*>(&e) ? dynamic_cast<const c10::Error&>(e).what_without_backtrace()
+                                                   : e.what(),
+              " (if the ranks ran different backwards, e.g. one skipped parameters, construct "
+              "DistributedDataParallel with find_unused_parameters(true))"));
         } catch (...) {
           error = std::current_exception();
         }
