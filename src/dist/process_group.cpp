@@ -112,19 +112,31 @@ std::vector<std::string> arrive_and_wait(const detail::StorePtr& store, const st
   return payloads;
 }
 
-// Waits until every rank has joined; returns the host identities by rank.
-std::vector<std::string> join(const detail::StorePtr& store, const LaunchEnvironment& env,
-                              std::chrono::milliseconds timeout) {
+// What each rank says of itself at the join: its host identity and its
+// address towards the rendezvous host (errors name the ranks behind an address).
+struct Joined {
+  std::vector<std::string> hosts;
+  std::vector<std::string> addresses;
+};
+
+// Waits until every rank has joined.
+Joined join(const detail::StorePtr& store, const LaunchEnvironment& env, std::chrono::milliseconds timeout) {
   std::vector<int> missing;
-  auto hosts = arrive_and_wait(store, "commgrad/world/join", env.rank, env.world_size, host_identity(), timeout,
-                               missing);
+  const std::string me = host_identity() + "\n" + detail::local_address_towards(env.master_addr);
+  auto said = arrive_and_wait(store, "commgrad/world/join", env.rank, env.world_size, me, timeout, missing);
   if (!missing.empty()) {
     detail::throw_timeout_error(c10::str(init_prefix(env), "rendezvous timed out after ", seconds(timeout), ": ",
                                          env.world_size - missing.size(), " of ", env.world_size,
                                          " ranks joined; missing ranks: ", format_ranks(missing), " (store ",
                                          env.master_addr, ":", env.master_port, ")"));
   }
-  return hosts;
+  Joined joined;
+  for (const auto& s : said) {
+    const auto cut = s.find('\n');
+    joined.hosts.push_back(s.substr(0, cut));
+    joined.addresses.push_back(cut == std::string::npos ? "" : s.substr(cut + 1));
+  }
+  return joined;
 }
 
 bool all_same(const std::vector<std::string>& v) {
@@ -205,7 +217,8 @@ Group make_world_group(const InitOptions& options) {
 
   detail::StorePtr root = options.store() ? options.store() : connect_store(env, timeout);
   root->setTimeout(timeout);
-  auto hosts = join(root, env, timeout);
+  auto joined = join(root, env, timeout);
+  const auto& hosts = joined.hosts;
 
   auto state = std::make_shared<detail::GroupState>();
   state->name = "world";
@@ -213,6 +226,7 @@ Group make_world_group(const InitOptions& options) {
   state->global_rank = env.rank;
   for (int r = 0; r < env.world_size; ++r) state->ranks.push_back(r);
   state->hosts = hosts;
+  state->addresses = joined.addresses;
   state->timeout = timeout;
   state->root_store = root;
   state->store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world", root);
@@ -302,7 +316,10 @@ Group new_group(const std::vector<int>& ranks, const NewGroupOptions& options) {
   state->ranks = ranks;
   const auto me = std::find(ranks.begin(), ranks.end(), ps.global_rank);
   state->rank = me == ranks.end() ? -1 : static_cast<int>(me - ranks.begin());
-  for (int r : ranks) state->hosts.push_back(ps.hosts[r]);
+  for (int r : ranks) {
+    state->hosts.push_back(ps.hosts[r]);
+    state->addresses.push_back(ps.addresses.empty() ? "" : ps.addresses[r]);
+  }
   state->timeout = options.timeout().count() > 0 ? options.timeout() : ps.timeout;
   state->root_store = ps.root_store;
   // Keyed by the call index, not the name, so equal names cannot collide.

@@ -45,34 +45,6 @@ bool all_same(const std::vector<std::string>& v) {
   return std::all_of(v.begin(), v.end(), [&](const std::string& s) { return s == v.front(); });
 }
 
-// The local address of the interface that the route to `host` leaves by
-// (a UDP socket "connected" to it sends nothing); empty when there is none.
-std::string local_address_towards(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  if (host.empty() || getaddrinfo(host.c_str(), "9", &hints, &found) != 0) return "";
-  std::string address;
-  for (addrinfo* a = found; a != nullptr && address.empty(); a = a->ai_next) {
-    const int fd = socket(a->ai_family, SOCK_DGRAM, 0);
-    if (fd < 0) continue;
-    sockaddr_storage local{};
-    socklen_t length = sizeof(local);
-    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
-        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
-      char text[INET6_ADDRSTRLEN] = {0};
-      const void* raw = local.ss_family == AF_INET6
-                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
-                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
-      if (inet_ntop(local.ss_family, raw, text, sizeof(text)) != nullptr) address = text;
-    }
-    close(fd);
-  }
-  freeaddrinfo(found);
-  return address;
-}
-
 detail::TransportPtr create_gloo(const detail::TransportConfig& c) {
   auto options = c10d::ProcessGroupGloo::Options::create(c.timeout);
   // GLOO_SOCKET_IFNAME picks interfaces as in PyTorch; a single-host group
@@ -86,7 +58,7 @@ detail::TransportPtr create_gloo(const detail::TransportConfig& c) {
     }
   } else if (c.single_host) {
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  } else if (const auto address = local_address_towards(c.master_addr); !address.empty()) {
+  } else if (const auto address = detail::local_address_towards(c.master_addr); !address.empty()) {
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(address));
   } else {
     options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
@@ -213,6 +185,33 @@ std::string host_identity() {
 }
 
 namespace detail {
+
+// A UDP socket "connected" to the host sends nothing; its local end is the answer.
+std::string local_address_towards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (host.empty() || getaddrinfo(host.c_str(), "9", &hints, &found) != 0) return "";
+  std::string address;
+  for (addrinfo* a = found; a != nullptr && address.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t length = sizeof(local);
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      const void* raw = local.ss_family == AF_INET6
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
+      if (inet_ntop(local.ss_family, raw, text, sizeof(text)) != nullptr) address = text;
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return address;
+}
 
 NcclVersions nccl_versions() {
   NcclVersions v;

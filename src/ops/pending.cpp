@@ -9,9 +9,13 @@
 #include "detail/pending.h"
 
 #include "commgrad/ops/raw.h"
+#include "commgrad/util/print.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <vector>
 
 namespace commgrad::ops {
 namespace detail {
@@ -30,6 +34,30 @@ std::string without_prefix(const std::string& m) {
   return end == std::string::npos ? m : m.substr(end + 3);
 }
 
+// " (10.0.0.2 is ranks [2, 3] of this group)" for each "[address]" in a
+// transport's message (Gloo names the peer it lost by address) that belongs
+// to some but not all members; "" otherwise.
+std::string ranks_behind_addresses(const std::string& message, const Group& group) {
+  const auto& addresses = group.state()->addresses;
+  std::string out;
+  std::vector<std::string> named;
+  for (auto open = message.find('['); open != std::string::npos; open = message.find('[', open + 1)) {
+    const auto close = message.find(']', open);
+    if (close == std::string::npos) break;
+    const std::string address = message.substr(open + 1, close - open - 1);
+    if (address.empty() || std::find(named.begin(), named.end(), address) != named.end()) continue;
+    std::vector<int> ranks;
+    for (int r = 0; r < static_cast<int>(addresses.size()); ++r) {
+      if (addresses[r] == address) ranks.push_back(r);
+    }
+    if (ranks.empty() || ranks.size() == addresses.size()) continue;
+    named.push_back(address);
+    out += c10::str(" (", address, " is ", ranks.size() == 1 ? "rank " : "ranks ",
+                    ranks.size() == 1 ? std::to_string(ranks[0]) : format_ranks(ranks), " of this group)");
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string message_of(const std::exception& e) {
@@ -41,8 +69,9 @@ void wait_step(const char* op, const Group& group, uint64_t sequence, const comm
   try {
     commgrad::detail::wait_work(work);
   } catch (const std::exception& e) {
-    const std::string what = without_prefix(message_of(e));
-    const bool timeout = looks_like_timeout(what);
+    const std::string transport_message = without_prefix(message_of(e));
+    const std::string what = transport_message + ranks_behind_addresses(transport_message, group);
+    const bool timeout = looks_like_timeout(transport_message);
     const std::string error = c10::str(
         "[commgrad] ", op, " ", group.describe(), ": collective #", sequence,
         timeout ? c10::str(" did not complete within the group timeout (", group.timeout().count() / 1000.0, "s)")

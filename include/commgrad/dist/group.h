@@ -24,6 +24,7 @@ struct GroupState {
   int global_rank = -1;         // this process's rank in the world
   std::vector<int> ranks;       // global ranks of the members, in group-rank order
   std::vector<std::string> hosts;  // host identity of each member, by group rank
+  std::vector<std::string> addresses;  // each member's address towards the rendezvous host ("" unknown)
   std::chrono::milliseconds timeout{0};
   StorePtr store;               // prefixed for this group
   StorePtr root_store;          // the job's store, unprefixed (sub-groups prefix it)

@@ -43,6 +43,10 @@ std::string host_identity();
 
 namespace detail {
 
+/// The local address of the interface that the route to `host` leaves by
+/// (where Gloo binds across hosts); empty when there is none.
+std::string local_address_towards(const std::string& host);
+
 /// What a transport can do beyond c10d's Backend interface. The layers above
 /// ask this table, never the transport's type (NCCL's transports are tables of
 /// functions in the same way); create_transport() fills it for the transport it
