@@ -28,6 +28,9 @@
 #if __has_include("commgrad/dp.h")
 #include "commgrad/dp.h"
 #endif
+#if __has_include("commgrad/optim.h")
+#include "commgrad/optim.h"
+#endif
 #if __has_include("commgrad/check.h")
 #include "commgrad/check.h"
 #endif
