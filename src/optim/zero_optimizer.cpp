@@ -44,6 +44,7 @@ namespace commgrad::optim {
 namespace {
 
 constexpr const char* kOp = "ZeroOptimizer";
+constexpr const char* kMaster = "master";  // the state name of float32 master weights
 
 // A contiguous alias of `numel` elements of `buffer` at `offset`, shaped
 // `sizes` (not an autograd view, like DDP's bucket slots).
@@ -64,8 +65,10 @@ struct ZeroOptimizer::Impl {
     std::vector<std::string> names;    // the bucket's parameters, in slot order
     std::vector<int64_t> offsets;      // their offsets in the bucket
     at::Tensor params;                 // the bucket's flat parameter buffer (padded)
-    at::Tensor master;                 // this rank's range of it (the inner optimizer's parameter)
-    at::Tensor grad;                   // this rank's averaged gradient of the range
+    at::Tensor master;                 // this rank's range of it, or a float32 copy (the inner optimizer's parameter)
+    bool separate_master = false;      // master is a float32 copy of a 16-bit range
+    at::ScalarType state_dtype;        // of master, gradient and state (the same on every rank)
+    at::Tensor grad;                   // this rank's averaged gradient of the range (master's dtype)
     std::vector<char> counted;         // per segment: part of the global norm on this rank
     bool fresh = false;                // reduced since the last step
   };
@@ -141,6 +144,8 @@ void ZeroOptimizer::Impl::build_shards() {
     s.info.end = std::min<int64_t>((rank + 1) * s.chunk, bucket.numel);
     const auto& first = params.at(bucket.names.front());
     s.params = at::zeros({bucket.padded_numel}, first.options().requires_grad(false));
+    const bool sixteen_bit = bucket.dtype == at::kHalf || bucket.dtype == at::kBFloat16;
+    s.state_dtype = options.float32_master() && sixteen_bit ? at::kFloat : bucket.dtype;
     int64_t offset = 0;
     for (const auto& name : bucket.names) {
       auto& p = params.at(name);
@@ -160,8 +165,11 @@ void ZeroOptimizer::Impl::build_shards() {
       offset += p.numel();
     }
     if (s.info.end > s.info.begin) {
-      s.master = alias(s.params, s.info.begin, {s.info.end - s.info.begin});
-      s.grad = at::zeros({s.info.end - s.info.begin}, s.params.options());
+      const int64_t len = s.info.end - s.info.begin;
+      s.separate_master = s.state_dtype != bucket.dtype;
+      s.master = s.separate_master ? s.params.narrow(0, s.info.begin, len).to(at::kFloat)
+                                   : alias(s.params, s.info.begin, {len});
+      s.grad = at::zeros({len}, s.master.options());
       s.master.mutable_grad() = s.grad;
     }
     shards.push_back(std::move(s));
@@ -221,6 +229,9 @@ double ZeroOptimizer::step() {
   }
   const double norm = m.options.max_grad_norm() > 0 ? m.clip() : -1.0;
   m.optimizer->step();
+  for (auto& s : m.shards) {
+    if (s.separate_master) s.params.narrow(0, s.info.begin, s.master.numel()).copy_(s.master);  // rounds
+  }
   m.all_gather_parameters();
   for (auto& s : m.shards) s.fresh = false;
   return norm;
@@ -281,6 +292,9 @@ std::vector<ZeroOptimizer::StateShard> ZeroOptimizer::state_shards() const {
       for (const auto& [name, tensor] : state->tensors) {
         out.push_back({seg.name, name, seg.param_begin, tensor.narrow(0, seg.shard_offset, seg.length)});
       }
+      if (s.separate_master) {
+        out.push_back({seg.name, kMaster, seg.param_begin, s.master.narrow(0, seg.shard_offset, seg.length)});
+      }
     }
   }
   return out;
@@ -320,8 +334,15 @@ void ZeroOptimizer::load_state_shards(const std::vector<StateShard>& shards, int
     COMMGRAD_CHECK(in.tensor.numel() == seg.length, kOp, m.group, "load_state_shards: state '", in.state,
                    "' of parameter '", in.param, "' from element ", in.param_begin, " has ", in.tensor.numel(),
                    " elements, but this rank's range of it has ", seg.length);
+    if (in.state == kMaster) {
+      COMMGRAD_CHECK(s->separate_master, kOp, m.group, "load_state_shards: master weights of parameter '", in.param,
+                     "' given, but this optimizer keeps none (float32_master with float16/bfloat16 parameters)");
+      s->master.narrow(0, seg.shard_offset, seg.length).copy_(in.tensor.reshape({-1}));
+      s->params.narrow(0, s->info.begin + seg.shard_offset, seg.length).copy_(in.tensor.reshape({-1}));
+      continue;
+    }
     auto& t = states[s][in.state];
-    if (!t.defined()) t = at::zeros({s->info.end - s->info.begin}, s->params.options());
+    if (!t.defined()) t = at::zeros({s->info.end - s->info.begin}, s->master.options());
     t.narrow(0, seg.shard_offset, seg.length).copy_(in.tensor.reshape({-1}));
   }
   for (auto& [s, tensors] : states) {
@@ -335,13 +356,15 @@ void ZeroOptimizer::load_state_shards(const std::vector<StateShard>& shards, int
 torch::OrderedDict<std::string, at::Tensor> ZeroOptimizer::full_state_dict() {
   auto& m = *impl_;
   at::NoGradGuard no_grad;
-  const auto names = param_state_names(*m.optimizer);
+  auto names = param_state_names(*m.optimizer);
+  names.push_back(kMaster);
   torch::OrderedDict<std::string, at::Tensor> out;
   // Which state tensors exist anywhere (a rank with empty ranges has none).
   auto present = at::zeros({static_cast<int64_t>(names.size()) + 1}, at::kLong);
   for (const auto& s : m.shards) {
     if (!s.master.defined()) continue;
     if (auto state = get_param_state(*m.optimizer, s.master)) {
+      if (s.separate_master) state->tensors.emplace_back(kMaster, s.master);
       for (size_t k = 0; k < names.size(); ++k) {
         for (const auto& entry : state->tensors) {
           if (entry.first == names[k]) present[k] = 1;
@@ -354,9 +377,11 @@ torch::OrderedDict<std::string, at::Tensor> ZeroOptimizer::full_state_dict() {
   for (size_t k = 0; k < names.size(); ++k) {
     if (present[k].item<int64_t>() == 0) continue;
     for (auto& s : m.shards) {
-      auto mine = at::zeros({s.chunk}, s.params.options());
+      // Every rank's ranges of a bucket share one dtype (the master's).
+      auto mine = at::zeros({s.chunk}, s.params.options().dtype(s.state_dtype));
       if (s.master.defined()) {
         if (auto state = get_param_state(*m.optimizer, s.master)) {
+          if (s.separate_master) state->tensors.emplace_back(kMaster, s.master);
           for (const auto& entry : state->tensors) {
             if (entry.first == names[k]) mine.narrow(0, 0, entry.second.numel()).copy_(entry.second);
           }
@@ -375,7 +400,8 @@ torch::OrderedDict<std::string, at::Tensor> ZeroOptimizer::full_state_dict() {
 
 void ZeroOptimizer::load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& full) {
   auto& m = *impl_;
-  const auto names = param_state_names(*m.optimizer);
+  auto names = param_state_names(*m.optimizer);
+  names.push_back(kMaster);
   const auto* step = full.find("step");
   COMMGRAD_CHECK(step, kOp, m.group, "load_full_state_dict: no 'step' entry");
   std::vector<StateShard> mine;
@@ -383,7 +409,7 @@ void ZeroOptimizer::load_full_state_dict(const torch::OrderedDict<std::string, a
     for (const auto& seg : s.info.segments) {
       for (const auto& name : names) {
         const auto* t = full.find(seg.name + "/" + name);
-        if (!t) continue;
+        if (!t || (name == kMaster && !s.separate_master)) continue;
         const auto& p = m.params.at(seg.name);
         COMMGRAD_CHECK(t->numel() == p.numel(), kOp, m.group, "load_full_state_dict: '", seg.name, "/", name, "' is ",
                        tensor_name(*t), ", but the parameter is ", tensor_name(p));

@@ -59,6 +59,11 @@ struct ZeroOptimizerOptions {
   /// The norm is over every shard and, with tensor_parallel_group, every TP
   /// rank, counting TP-replicated parameters once.
   TORCH_ARG(double, max_grad_norm) = 0;
+  /// float16/bfloat16 parameters: keep this rank's ranges in float32 (master
+  /// weights), with float32 gradients and state, and give the parameters the
+  /// rounded result after each step (mixed precision). Off: step in the
+  /// parameters' own dtype.
+  TORCH_ARG(bool, float32_master) = true;
   /// The tensor-parallel group, when the module holds TP shards
   /// (tp::parallel_state().tensor_parallel_group()); only needed for clipping.
   TORCH_ARG(Group, tensor_parallel_group);
@@ -151,8 +156,9 @@ class ZeroOptimizer {
     int64_t param_begin = 0;
     at::Tensor tensor;
   };
-  /// The sharded state (views, no copies) and the step count, for sharded
-  /// checkpoints. Empty before the first step.
+  /// The sharded state (views, no copies), for sharded checkpoints; with
+  /// float32 master weights also their ranges, as state "master". Empty
+  /// before the first step.
   std::vector<StateShard> state_shards() const;
   /// The optimizer's step count (its first shard's), 0 before the first step.
   int64_t step_count() const;
@@ -161,8 +167,9 @@ class ZeroOptimizer {
   void load_state_shards(const std::vector<StateShard>& shards, int64_t step);
 
   /// The whole optimizer state, gathered over the group (collective; every
-  /// rank gets it): "<param>/<state>" -> tensor shaped like the parameter,
-  /// and "step" -> int64 scalar. The same keys as full_state_dict() of an
+  /// rank gets it): "<param>/<state>" -> tensor shaped like the parameter
+  /// (with float32 master weights also "<param>/master"), and "step" -> int64
+  /// scalar. The same keys as full_state_dict() of an
   /// unsharded optimizer (see unsharded_state_dict()).
   torch::OrderedDict<std::string, at::Tensor> full_state_dict();
   /// Loads a full state dict (from full_state_dict() or
