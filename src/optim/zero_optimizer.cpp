@@ -68,7 +68,8 @@ struct ZeroOptimizer::Impl {
     at::Tensor master;                 // this rank's range of it, or a float32 copy (the inner optimizer's parameter)
     bool separate_master = false;      // master is a float32 copy of a 16-bit range
     at::ScalarType state_dtype;        // of master, gradient and state (the same on every rank)
-    at::Tensor grad;                   // this rank's averaged gradient of the range (master's dtype)
+    at::Tensor grad;                   // this rank's averaged gradient of the range (the bucket's dtype;
+                                       // ZeRO-1: an alias of DDP's bucket buffer)
     std::vector<char> counted;         // per segment: part of the global norm on this rank
     bool fresh = false;                // reduced since the last step
   };
@@ -169,8 +170,7 @@ void ZeroOptimizer::Impl::build_shards() {
       s.separate_master = s.state_dtype != bucket.dtype;
       s.master = s.separate_master ? s.params.narrow(0, s.info.begin, len).to(at::kFloat)
                                    : alias(s.params, s.info.begin, {len});
-      s.grad = at::zeros({len}, s.master.options());
-      s.master.mutable_grad() = s.grad;
+      if (options.stage() == 2) s.grad = at::zeros({len}, s.params.options());  // ZeRO-1: set by the hook
     }
     shards.push_back(std::move(s));
   }
@@ -179,10 +179,16 @@ void ZeroOptimizer::Impl::build_shards() {
 void ZeroOptimizer::Impl::install_hook() {
   ddp->register_comm_hook([this](dp::GradBucket& bucket) {
     Shard& s = shards.at(bucket.index());
+    const int64_t len = s.info.end - s.info.begin;
+    if (options.stage() == 1 && len > 0 && !s.grad.defined()) {
+      // ZeRO-1 keeps DDP's buckets: this rank's range of the bucket is the
+      // shard's gradient (the bucket buffer lives as long as DDP).
+      s.grad = alias(bucket.buffer(), s.info.begin, {len});
+    }
     auto pending = ops::raw::reduce_scatter(bucket.buffer(), {}, bucket.group());
-    return dp::CommWork{pending, [pending, &s]() mutable {
+    return dp::CommWork{pending, [pending, &s, len]() mutable {
                           const auto part = pending.wait();
-                          if (s.grad.defined()) s.grad.copy_(part.narrow(0, 0, s.grad.numel()));
+                          if (len > 0) s.grad.copy_(part.narrow(0, 0, len));
                           s.fresh = true;
                         }};
   });
@@ -193,7 +199,7 @@ double ZeroOptimizer::Impl::clip() {
   for (const auto& s : shards) {
     for (size_t i = 0; i < s.info.segments.size(); ++i) {
       const auto& seg = s.info.segments[i];
-      if (s.counted[i]) sum += squared_norm(s.grad.narrow(0, seg.shard_offset, seg.length));
+      if (s.counted[i]) sum += squared_norm(s.master.grad().narrow(0, seg.shard_offset, seg.length));
     }
   }
   auto total = at::full({1}, sum, at::kDouble);
@@ -204,7 +210,7 @@ double ZeroOptimizer::Impl::clip() {
   const float coef = clip_coefficient(norm, options.max_grad_norm());
   if (coef < 1.0f) {
     for (auto& s : shards) {
-      if (s.grad.defined()) s.grad.mul_(coef);
+      if (s.master.defined()) s.master.mutable_grad().mul_(coef);
     }
   }
   return norm;
@@ -227,10 +233,17 @@ double ZeroOptimizer::step() {
                    "(bucket ", b, " of ", m.shards.size(),
                    " was not reduced: call backward() outside no_sync() before step())");
   }
+  // The inner parameters' gradients: the shards' own, or float32 copies
+  // for float32 masters (kept only during the step).
+  for (auto& s : m.shards) {
+    if (s.master.defined()) s.master.mutable_grad() = s.separate_master ? s.grad.to(at::kFloat) : s.grad;
+  }
   const double norm = m.options.max_grad_norm() > 0 ? m.clip() : -1.0;
   m.optimizer->step();
   for (auto& s : m.shards) {
-    if (s.separate_master) s.params.narrow(0, s.info.begin, s.master.numel()).copy_(s.master);  // rounds
+    if (!s.separate_master) continue;
+    s.params.narrow(0, s.info.begin, s.master.numel()).copy_(s.master);  // rounds
+    s.master.mutable_grad() = at::Tensor();
   }
   m.all_gather_parameters();
   for (auto& s : m.shards) s.fresh = false;
@@ -268,6 +281,7 @@ int64_t ZeroOptimizer::state_bytes() const {
     if (!s.master.defined()) continue;
     if (auto state = get_param_state(*impl_->optimizer, s.master)) {
       for (const auto& entry : state->tensors) bytes += bytes_of(entry.second);
+      if (s.separate_master) bytes += bytes_of(s.master);  // master weights count as optimizer state
     }
   }
   return bytes;
@@ -276,8 +290,9 @@ int64_t ZeroOptimizer::state_bytes() const {
 int64_t ZeroOptimizer::gradient_bytes() const {
   int64_t bytes = 0;
   for (const auto& s : impl_->shards) {
-    bytes += bytes_of(s.grad);
-    if (impl_->options.stage() == 1) bytes += s.info.padded_numel * static_cast<int64_t>(s.params.element_size());
+    // ZeRO-1: DDP's buckets (the shards' gradients are aliases of them).
+    bytes += impl_->options.stage() == 1 ? s.info.padded_numel * static_cast<int64_t>(s.params.element_size())
+                                         : bytes_of(s.grad);
   }
   return bytes;
 }

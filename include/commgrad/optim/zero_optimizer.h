@@ -143,9 +143,12 @@ class ZeroOptimizer {
   const ZeroOptimizerOptions& options() const;
   /// This rank's range of each bucket, in bucket order.
   std::vector<ZeroShardInfo> shards() const;
-  /// Bytes of optimizer state this rank holds (0 before the first step).
+  /// Bytes of optimizer state this rank holds, float32 master weights
+  /// included (0 before the first step).
   int64_t state_bytes() const;
-  /// Bytes of gradients kept between steps (ZeRO-1: every bucket; ZeRO-2: the shards).
+  /// Bytes of gradients kept between steps (ZeRO-1: DDP's buckets, whose
+  /// ranges are the shards' gradients; ZeRO-2: the shards, in the
+  /// parameters' dtype).
   int64_t gradient_bytes() const;
 
   /// This rank's state of one parameter's part: `tensor` is a 1-D view of
