@@ -16,6 +16,8 @@
 //
 //   commgrad-run -n 4 zero_bench [--layers 8] [--width 512] [--batch 32] [--steps 15] [--bucket-cap-mb 4]
 
+#include "data_parallel_bench.h"
+
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
@@ -31,32 +33,10 @@
 
 namespace {
 
-struct Config {
-  int layers = 8;
-  int width = 512;
-  int batch = 32;  // per rank
-  int steps = 15;
-  int warmup = 3;
-  double bucket_cap_mb = 4;
-};
-
-struct DeepMlpImpl : torch::nn::Module {
-  explicit DeepMlpImpl(const Config& c) {
-    for (int i = 0; i < c.layers; ++i) {
-      layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(c.width, c.width)));
-    }
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (auto& layer : layers) x = torch::relu(layer(x));
-    return x;
-  }
-  std::vector<torch::nn::Linear> layers;
-};
-TORCH_MODULE(DeepMlp);
-
-double now_ms() {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+using commgrad::bench::DataParallelConfig;
+using commgrad::bench::DeepMlp;
+using commgrad::bench::now_ms;
+using commgrad::bench::percentile;
 
 // VmHWM or VmRSS of this process in bytes (0 where /proc lacks it).
 int64_t proc_status_bytes(const std::string& key) {
@@ -83,7 +63,7 @@ std::unique_ptr<torch::optim::Optimizer> adam(std::vector<torch::Tensor> params)
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-4));
 }
 
-std::unique_ptr<Variant> make_variant(const std::string& name, int stage, bool bf16, const Config& c) {
+std::unique_ptr<Variant> make_variant(const std::string& name, int stage, bool bf16, const DataParallelConfig& c) {
   auto v = std::make_unique<Variant>();
   v->name = name;
   v->stage = stage;
@@ -140,32 +120,16 @@ Memory measure(Variant& v) {
   return m;
 }
 
-double percentile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
-}
-
-bool parse(int argc, char** argv, Config& c) {
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    const double value = std::atof(argv[i + 1]);
-    if (flag == "--layers") c.layers = static_cast<int>(value);
-    else if (flag == "--width") c.width = static_cast<int>(value);
-    else if (flag == "--batch") c.batch = static_cast<int>(value);
-    else if (flag == "--steps") c.steps = static_cast<int>(value);
-    else if (flag == "--bucket-cap-mb") c.bucket_cap_mb = value;
-    else return false;
-  }
-  return argc % 2 == 1;
-}
-
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1024 * 1024); }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  Config c;
-  if (!parse(argc, argv, c)) {
+  DataParallelConfig c;
+  c.batch = 32;
+  c.steps = 15;
+  c.bucket_cap_mb = 4;
+  if (!commgrad::bench::parse_config(argc, argv, c)) {
     std::fprintf(stderr, "usage: zero_bench [--layers N] [--width N] [--batch N] [--steps N] [--bucket-cap-mb MB]\n");
     return 2;
   }
