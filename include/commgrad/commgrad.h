@@ -31,6 +31,9 @@
 #if __has_include("commgrad/optim.h")
 #include "commgrad/optim.h"
 #endif
+#if __has_include("commgrad/pp.h")
+#include "commgrad/pp.h"
+#endif
 #if __has_include("commgrad/check.h")
 #include "commgrad/check.h"
 #endif
