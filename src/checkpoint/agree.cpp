@@ -38,21 +38,20 @@ std::vector<std::string> exchange_strings(const std::string& mine, const Group& 
 }
 
 std::vector<std::string> run_phase(const char* op, const Group& group, const std::function<std::string()>& phase) {
+  const std::string prefix = c10::str("[commgrad] ", op, " ", group.describe(), ": ");
   std::string status;
+  auto failed = [&](const std::string& message) {
+    status = "-" + (message.rfind("[commgrad]", 0) == 0 ? message : prefix + message);
+  };
   try {
     status = "+" + phase();
   } catch (const c10::Error& e) {
-    status = "-" + std::string(e.what_without_backtrace());
+    failed(e.what_without_backtrace());
   } catch (const std::exception& e) {
-    status = "-" + std::string(e.what());
+    failed(e.what());
   }
   auto all = exchange_strings(status, group);
-  const std::string prefix = c10::str("[commgrad] ", op, " ", group.describe(), ": ");
-  if (status[0] == '-') {
-    std::string message = status.substr(1);
-    if (message.rfind("[commgrad]", 0) == 0) TORCH_CHECK(false, message);
-    TORCH_CHECK(false, prefix, message);
-  }
+  TORCH_CHECK(status[0] == '+', status.substr(1));
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r].empty() || all[r][0] != '+') {
       TORCH_CHECK(false, prefix, "rank ", r, " failed: ", all[r].empty() ? std::string("(no status)") : all[r].substr(1));
