@@ -129,14 +129,18 @@ LoadResult load(const std::string& root, const std::vector<TensorPiece>& pieces,
     missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
     TORCH_CHECK(missing.empty(), "the checkpoint ", result.directory, " has no tensor ", list_names(missing),
                 ", which this rank loads (a checkpoint of another model?)");
-    return names.dump();
+    return nlohmann::json{{"step", index.step}, {"names", names}}.dump();
   });
-
+  // Every rank resolved `latest` itself: a save that replaced it meanwhile would split them.
+  std::set<std::string> loaded;
+  for (size_t r = 0; r < requested.size(); ++r) {
+    const auto j = nlohmann::json::parse(requested[r]);
+    COMMGRAD_CHECK(j.at("step").get<int64_t>() == index.step, kOp, group, "rank ", r, " found step ",
+                   j.at("step").get<int64_t>(), " in ", root, ", this rank step ", index.step,
+                   " (did a save replace 'latest' during the load?)");
+    for (const auto& name : j.at("names")) loaded.insert(name.get<std::string>());
+  }
   if (options.strict()) {
-    std::set<std::string> loaded;
-    for (const auto& r : requested) {
-      for (const auto& name : nlohmann::json::parse(r)) loaded.insert(name.get<std::string>());
-    }
     std::vector<std::string> extra;
     for (const auto& [name, saved] : index.tensors) {
       if (saved.required && !loaded.count(name)) extra.push_back(name);

@@ -38,38 +38,36 @@ TEST(CheckpointCrash, RankKilledMidSaveLeavesThePreviousStepLoadable) {
   const fs::path root = fs::temp_directory_path() / ("commgrad-ckpt-crash-" + std::to_string(::getpid()));
   fs::remove_all(root);
 
-  auto r = job(3, {"save", root.string(), "5"});
+  auto r = job(2, {"save", root.string(), "5"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_EQ(latest(root), "step-00000005\n");
 
-  // Rank 1 dies once its shard of step 10 is on disk.
-  r = job(3, {"save", root.string(), "10", "1", "shard"});
+  // Rank 1 of 2 dies once its shard of step 10 is on disk.
+  r = job(2, {"save", root.string(), "10", "1", "shard"});
   EXPECT_NE(r.exit_code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, ::testing::HasSubstr("rank 1 killing itself after"));
   EXPECT_EQ(latest(root), "step-00000005\n");
   EXPECT_FALSE(fs::exists(root / "step-00000010"));
   EXPECT_TRUE(fs::exists(root / ".step-00000010.partial" / "rank-00001.safetensors"));
 
-  // Step 5 loads intact, at the same and at another world size.
-  for (int ranks : {3, 2}) {
-    r = job(ranks, {"load", root.string()});
-    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-    for (int k = 0; k < ranks; ++k) {
-      EXPECT_THAT(r.out, ::testing::HasSubstr("rank " + std::to_string(k) + " loaded step 5 ok")) << r.out;
-    }
+  // Step 5 loads intact (at another world size: resharded too).
+  r = job(3, {"load", root.string()});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_THAT(r.out, ::testing::HasSubstr("rank " + std::to_string(k) + " loaded step 5 ok")) << r.out;
   }
 
   // Rank 0 dies after writing the index, before the rename.
-  r = job(3, {"save", root.string(), "10", "0", "index"});
+  r = job(2, {"save", root.string(), "10", "0", "index"});
   EXPECT_NE(r.exit_code, 0) << r.out << r.err;
   EXPECT_EQ(latest(root), "step-00000005\n");
   EXPECT_FALSE(fs::exists(root / "step-00000010"));
   EXPECT_TRUE(fs::exists(root / ".step-00000010.partial" / "index.json"));
-  r = job(2, {"load", root.string()});
-  EXPECT_THAT(r.out, ::testing::HasSubstr("rank 1 loaded step 5 ok")) << r.out << r.err;
+  r = job(1, {"load", root.string()});
+  EXPECT_THAT(r.out, ::testing::HasSubstr("rank 0 loaded step 5 ok")) << r.out << r.err;
 
   // A complete save cleans up and becomes the latest.
-  r = job(3, {"save", root.string(), "10"});
+  r = job(2, {"save", root.string(), "10"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_FALSE(fs::exists(root / ".step-00000010.partial"));
   EXPECT_EQ(latest(root), "step-00000010\n");

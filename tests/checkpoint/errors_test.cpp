@@ -72,6 +72,18 @@ TEST(CheckpointErrors, MissingStep) {
                           checkpoint::LoadOptions().step(9));
 }
 
+TEST(CheckpointErrors, RanksThatFindDifferentSteps) {
+  TempRoot root("split");
+  spawn_ranks(2, [&](Group& g) {
+    for (int64_t step : {1, 2}) checkpoint::save(root.str(), step, {TensorPiece::whole("x", at::zeros({2}))}, {}, {}, g);
+    auto d = TensorPiece::whole("x", at::ones({2}));
+    expect_error([&] { checkpoint::load(root.str(), {d}, checkpoint::LoadOptions().step(g.rank() + 1), g); },
+                 {g.rank() == 0 ? "rank 1 found step 2 in " : "rank 0 found step 1 in ",
+                  "(did a save replace 'latest' during the load?)"});
+    EXPECT_TRUE(at::equal(d.tensor, at::ones({2})));
+  });
+}
+
 TEST(CheckpointErrors, AnotherModelsIndex) {
   TempRoot root("model");
   save_two(root, 2);
