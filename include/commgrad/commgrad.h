@@ -37,3 +37,6 @@
 #if __has_include("commgrad/check.h")
 #include "commgrad/check.h"
 #endif
+#if __has_include("commgrad/checkpoint.h")
+#include "commgrad/checkpoint.h"
+#endif
