@@ -8,6 +8,7 @@
 //   directory.h     step directories and the `latest` pointer
 //   module_state.h  module_pieces(): a (tensor-parallel) module's parameters and buffers
 //   rng_state.h     rng_pieces() / restore_rng(): the TP RNG tracker's streams
+//   optimizer_state.h  optimizer_pieces() / restore_optimizer(): a ZeroOptimizer's sharded state
 //
 // Example:
 //   auto pieces = checkpoint::module_pieces(*model);
@@ -18,6 +19,7 @@
 #include "commgrad/checkpoint/directory.h"
 #include "commgrad/checkpoint/load.h"
 #include "commgrad/checkpoint/module_state.h"
+#include "commgrad/checkpoint/optimizer_state.h"
 #include "commgrad/checkpoint/rng_state.h"
 #include "commgrad/checkpoint/save.h"
 #include "commgrad/checkpoint/tensor_piece.h"

@@ -147,6 +147,7 @@ void ZeroOptimizer::Impl::build_shards() {
     s.params = at::zeros({bucket.padded_numel}, first.options().requires_grad(false));
     const bool sixteen_bit = bucket.dtype == at::kHalf || bucket.dtype == at::kBFloat16;
     s.state_dtype = options.float32_master() && sixteen_bit ? at::kFloat : bucket.dtype;
+    s.info.state_dtype = s.state_dtype;
     int64_t offset = 0;
     for (const auto& name : bucket.names) {
       auto& p = params.at(name);
@@ -313,6 +314,14 @@ std::vector<ZeroOptimizer::StateShard> ZeroOptimizer::state_shards() const {
     }
   }
   return out;
+}
+
+std::vector<std::string> ZeroOptimizer::state_names() {
+  auto names = param_state_names(*impl_->optimizer);
+  const bool masters = std::any_of(impl_->shards.begin(), impl_->shards.end(),
+                                   [](const Impl::Shard& s) { return s.state_dtype != s.params.scalar_type(); });
+  if (masters) names.push_back(kMaster);
+  return names;
 }
 
 int64_t ZeroOptimizer::step_count() const {

@@ -36,4 +36,20 @@ namespace commgrad::checkpoint {
 ///   checkpoint::load("ckpt", checkpoint::module_pieces(*mlp));
 std::vector<TensorPiece> module_pieces(const torch::nn::Module& module, const std::string& prefix = "model/");
 
+/// Where one block of a parameter's local tensor sits in the global tensor
+/// (a parameter that is not partitioned, or partitioned with stride 1, is one
+/// block: the whole local tensor).
+struct ParameterBlock {
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> offset;  ///< of the block in the global tensor
+  std::vector<int64_t> shape;
+  int64_t dim = 0;              ///< the partition dim (0 when not partitioned)
+  int64_t local_start = 0;      ///< where the block starts along `dim` in the local tensor
+};
+
+/// The blocks of parameter `name` (local tensor `local`) of `module`, from
+/// tp::shard_specs(module) (module_pieces() makes one piece per block).
+std::vector<ParameterBlock> parameter_blocks(const torch::nn::Module& module, const std::string& name,
+                                             const at::Tensor& local);
+
 }  // namespace commgrad::checkpoint

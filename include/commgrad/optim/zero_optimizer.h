@@ -79,6 +79,9 @@ struct ZeroShardInfo {
   /// This rank's range [begin, end) of the bucket (end <= bucket_numel).
   int64_t begin = 0;
   int64_t end = 0;
+  /// The dtype of the range's master weights, gradient and state (float32
+  /// with float32_master for 16-bit parameters; else the parameters').
+  at::ScalarType state_dtype = at::kFloat;
   /// One entry per parameter overlapping the range.
   struct Segment {
     std::string name;        ///< the parameter (named_parameters() name)
@@ -150,6 +153,10 @@ class ZeroOptimizer {
   /// ranges are the shards' gradients; ZeRO-2: the shards, in the
   /// parameters' dtype).
   int64_t gradient_bytes() const;
+
+  /// The state tensors the optimizer can keep per element: the inner
+  /// optimizer's (param_state_names()) and "master" with float32 masters.
+  std::vector<std::string> state_names();
 
   /// This rank's state of one parameter's part: `tensor` is a 1-D view of
   /// elements [param_begin, param_begin + numel) of the flattened parameter.
