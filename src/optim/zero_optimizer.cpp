@@ -16,7 +16,12 @@
 // of its bytes over the whole step (reduce-scatter + all-gather), the same
 // as DDP's all-reduce.
 //
-// Step. Optional clipping by the global norm: each rank sums the squares of
+// Step. Parameters marked partial_grad (sequence parallelism: LayerNorm
+// weights, row-parallel biases) have only this TP rank's part of their
+// gradient: their segments are summed over the TP group first (one
+// all-reduce; the TP ranks of one DP rank have the same ranges), which is
+// what tp::allreduce_sequence_parallel_grads() does for unsharded training.
+// Then optional clipping by the global norm: each rank sums the squares of
 // its ranges (float64; with a TP group, TP-replicated parameters only on TP
 // rank 0), one all-reduce over the DP group (and one over the TP group)
 // gives every rank the same total, hence the same factor as an unsharded
@@ -71,6 +76,7 @@ struct ZeroOptimizer::Impl {
     at::Tensor grad;                   // this rank's averaged gradient of the range (the bucket's dtype;
                                        // ZeRO-1: an alias of DDP's bucket buffer)
     std::vector<char> counted;         // per segment: part of the global norm on this rank
+    std::vector<char> partial;         // per segment: a partial_grad parameter, summed over TP in step()
     bool fresh = false;                // reduced since the last step
   };
 
@@ -81,8 +87,10 @@ struct ZeroOptimizer::Impl {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<dp::DistributedDataParallel> ddp;  // last: its hook refers to the shards
   Group group;
+  Group partial_group;  // the TP group of partial_grad (sequence-parallel) parameters
 
   void build_shards();
+  void sum_partial_gradients();
   void install_hook();
   double clip();
   void all_gather_parameters();
@@ -163,6 +171,11 @@ void ZeroOptimizer::Impl::build_shards() {
         s.info.segments.push_back({name, lo - offset, lo - s.info.begin, hi - lo});
         const bool replicated = !specs.contains(name) || !specs[name].spec.is_partitioned();
         s.counted.push_back(!replicated || tp_first);
+        const bool partial = specs.contains(name) && specs[name].spec.partial_grad;
+        s.partial.push_back(partial);
+        if (partial && !partial_group.defined()) {
+          partial_group = options.tensor_parallel_group().defined() ? options.tensor_parallel_group() : specs[name].group;
+        }
       }
       offset += p.numel();
     }
@@ -193,6 +206,25 @@ void ZeroOptimizer::Impl::install_hook() {
                           s.fresh = true;
                         }};
   });
+}
+
+void ZeroOptimizer::Impl::sum_partial_gradients() {
+  if (!partial_group.defined() || partial_group.size() == 1) return;
+  std::vector<at::Tensor> parts;
+  for (auto& s : shards) {
+    for (size_t i = 0; i < s.info.segments.size(); ++i) {
+      const auto& seg = s.info.segments[i];
+      if (s.partial[i]) parts.push_back(s.master.grad().narrow(0, seg.shard_offset, seg.length));
+    }
+  }
+  if (parts.empty()) return;  // the same on every rank of the TP group: their ranges are alike
+  auto flat = at::cat(parts);
+  ops::raw::all_reduce_(flat, {}, partial_group).wait();
+  int64_t offset = 0;
+  for (auto& part : parts) {
+    part.copy_(flat.narrow(0, offset, part.numel()));
+    offset += part.numel();
+  }
 }
 
 double ZeroOptimizer::Impl::clip() {
@@ -239,6 +271,7 @@ double ZeroOptimizer::step() {
   for (auto& s : m.shards) {
     if (s.master.defined()) s.master.mutable_grad() = s.separate_master ? s.grad.to(at::kFloat) : s.grad;
   }
+  m.sum_partial_gradients();
   const double norm = m.options.max_grad_norm() > 0 ? m.clip() : -1.0;
   m.optimizer->step();
   for (auto& s : m.shards) {

@@ -331,7 +331,13 @@ TEST(ZeroOptimizer, LearningRateSchedulesDriveTheShardOptimizer) {
   });
 }
 
-TEST(ZeroOptimizer, TensorTimesDataParallelMatchesTheUnsplitModel) {
+// With sequence parallelism each TP rank holds part of the tokens; the
+// row-parallel bias's gradient is then partial (partial_grad), and
+// ZeroOptimizer sums it over the TP group itself.
+class ZeroTensorParallel : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ZeroTensorParallel, TwoByTwoMatchesTheUnsplitModel) {
+  const bool sp = GetParam();
   constexpr int64_t kModel = 6, kFfn = 10;
   const int steps = 4;
   const auto x = seeded_randn({steps, 8, kModel}, 1);
@@ -346,16 +352,25 @@ TEST(ZeroOptimizer, TensorTimesDataParallelMatchesTheUnsplitModel) {
   }
   spawn_ranks(4, [&](Group& world) {
     auto state = tp::make_model_parallel(2, 1, world);
-    tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(42));
+    tp::ParallelMLP mlp(
+        tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).sequence_parallel(sp).seed(42));
     optim::ZeroOptimizer zero(mlp, [](auto shards) { return make(Kind::kAdamW, shards); },
                               optim::ZeroOptimizerOptions(small_buckets(state.data_parallel_group()))
                                   .stage(2)
                                   .max_grad_norm(0.1)
                                   .tensor_parallel_group(state.tensor_parallel_group()));
     const int dp = state.data_parallel_rank();
+    const int tp = state.tensor_parallel_rank();
     for (int k = 0; k < steps; ++k) {
       zero.zero_grad();
-      torch::mse_loss(mlp->forward(x[k].chunk(2, 0)[dp]), y[k].chunk(2, 0)[dp]).backward();
+      auto in = x[k].chunk(2, 0)[dp];
+      auto want = y[k].chunk(2, 0)[dp];
+      if (sp) {
+        // This TP rank's tokens; the mean over all of them is the mean of the TP ranks' means.
+        torch::mse_loss(mlp->forward(in.chunk(2, 0)[tp]), want.chunk(2, 0)[tp]).div(2).backward();
+      } else {
+        torch::mse_loss(mlp->forward(in), want).backward();
+      }
       EXPECT_GT(zero.step(), 0.1);
     }
     const auto full = tp::gather_full_state_dict(*mlp);
@@ -366,6 +381,9 @@ TEST(ZeroOptimizer, TensorTimesDataParallelMatchesTheUnsplitModel) {
     }
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(SequenceParallel, ZeroTensorParallel, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "sp" : "no_sp"; });
 
 TEST(ZeroOptimizer, StepWithoutASynchronisedBackwardIsAnError) {
   const auto data = batches(1);

@@ -65,7 +65,10 @@ struct ZeroOptimizerOptions {
   /// parameters' own dtype.
   TORCH_ARG(bool, float32_master) = true;
   /// The tensor-parallel group, when the module holds TP shards
-  /// (tp::parallel_state().tensor_parallel_group()); only needed for clipping.
+  /// (tp::parallel_state().tensor_parallel_group()): clipping counts
+  /// TP-replicated parameters once over it. Parameters marked partial_grad
+  /// (sequence parallelism) are summed over it in step(), so do not call
+  /// tp::allreduce_sequence_parallel_grads() with a ZeroOptimizer.
   TORCH_ARG(Group, tensor_parallel_group);
   /// DistributedDataParallel's options (group, bucket sizes, reduction).
   TORCH_ARG(dp::DistributedDataParallelOptions, ddp);
