@@ -199,6 +199,13 @@ void ZeroOptimizer::Impl::install_hook() {
       // shard's gradient (the bucket buffer lives as long as DDP).
       s.grad = alias(bucket.buffer(), s.info.begin, {len});
     }
+    if (bucket.group().size() == 1) {  // the bucket is the result: no copy for ZeRO-1, one for ZeRO-2
+      const auto buffer = bucket.buffer();
+      return dp::CommWork{{}, [buffer, &s, len] {
+                            if (len > 0 && !s.grad.is_alias_of(buffer)) s.grad.copy_(buffer.narrow(0, 0, len));
+                            s.fresh = true;
+                          }};
+    }
     auto pending = ops::raw::reduce_scatter(bucket.buffer(), {}, bucket.group());
     return dp::CommWork{pending, [pending, &s, len]() mutable {
                           const auto part = pending.wait();
