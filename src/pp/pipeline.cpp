@@ -60,6 +60,7 @@ struct Pipeline::Impl {
   Group group;
   Schedule schedule;
   int rank = 0;
+  std::map<int, int> last_backward;  // stage -> the microbatch of its last backward on this rank
 
   struct Slot {
     at::Tensor input, output, loss, grad_output, grad_input;
@@ -95,9 +96,14 @@ Pipeline::Pipeline(std::vector<StageFunction> stages, LossFunction loss, Pipelin
   for (size_t i = 0; i < stages.size(); ++i) {
     COMMGRAD_CHECK(static_cast<bool>(stages[i]), kOp, m.group, "stage function ", i, " is empty");
   }
+  COMMGRAD_CHECK(options.no_sync().empty() || options.no_sync().size() == stages.size(), kOp, m.group,
+                 "no_sync has ", options.no_sync().size(), " functions for ", stages.size(), " stages on this rank");
   m.stages = std::move(stages);
   m.loss = std::move(loss);
   m.options = std::move(options);
+  for (const auto& a : m.schedule.actions[m.rank]) {
+    if (a.kind == ActionKind::kBackward) m.last_backward[a.stage] = a.microbatch;
+  }
 }
 
 Pipeline::~Pipeline() = default;
@@ -132,6 +138,11 @@ void Pipeline::Impl::forward(const Action& a) {
 
 void Pipeline::Impl::backward(const Action& a) {
   auto& slot = slots.at({a.stage, a.microbatch});
+  // Data parallelism: only the stage's last backward of the step reduces.
+  std::shared_ptr<void> no_sync;
+  if (!options.no_sync().empty() && last_backward.at(a.stage) != a.microbatch) {
+    no_sync = options.no_sync()[a.stage / schedule.ranks]();
+  }
   if (a.stage == last_stage()) {
     torch::autograd::backward({slot.loss});
   } else {

@@ -105,6 +105,39 @@ INSTANTIATE_TEST_SUITE_P(Schedules, PipelineMatchesOneRank, ::testing::ValuesIn(
          std::to_string(c.stages_per_rank) + "_" + c.backend;
 });
 
+TEST(PipelineTest, PipelineTimesDataParallelReducesOncePerStep) {
+  // PP = 2 x DP = 2: each stage's DDP reduces after its last microbatch
+  // only; the gradients are the whole batch's on one rank.
+  const int m = 3;
+  const auto x = seeded_randn({4 * m, kWidth}, 1, torch::kDouble);
+  const auto y = seeded_randn({4 * m, kWidth}, 2, torch::kDouble);
+  std::vector<Block> whole{Block(0), Block(1)};
+  auto ref_loss = mse(whole[1]->forward(whole[0]->forward(x)), y);
+  ref_loss.backward();
+  spawn_ranks(4, [&](Group& world) {
+    auto state = tp::make_model_parallel(1, 2, world);
+    const int stage = state.pipeline_parallel_rank();
+    const int dp = state.data_parallel_rank();
+    Block block(stage);
+    dp::DistributedDataParallel ddp(block, state.data_parallel_group());
+    pp::Pipeline pipe({[block](const at::Tensor& in) mutable { return block->forward(in); }}, mse,
+                      pp::PipelineOptions(m).group(state.pipeline_parallel_group()).no_sync({pp::no_sync_of(ddp)}));
+    const auto before = state.data_parallel_group().state()->sequence.load();
+    const auto result = pipe.step(x.chunk(2, 0)[dp], y.chunk(2, 0)[dp]);
+    EXPECT_EQ(static_cast<int64_t>(state.data_parallel_group().state()->sequence.load() - before),
+              static_cast<int64_t>(ddp.buckets().size()));
+    // The DP ranks' mean losses average to the whole batch's.
+    auto mean = ops::raw::all_reduce(at::full({1}, result.loss, at::kDouble), ops::AllReduceOptions().op(ReduceOp::kAvg),
+                                     state.data_parallel_group())
+                    .wait();
+    EXPECT_NEAR(mean.item<double>(), ref_loss.item<double>(), 1e-12);
+    for (const auto& p : block->named_parameters()) {
+      const auto want = whole[stage]->named_parameters()[p.key()].grad();
+      EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-10, 1e-12)) << "stage " << stage << " " << p.key();
+    }
+  }, SpawnOptions().backend("shm"));
+}
+
 TEST(PipelineTest, BadInputIsAnErrorOnEveryRank) {
   spawn_ranks(2, [&](Group& group) {
     Block block(group.rank());

@@ -31,6 +31,23 @@ using StageFunction = std::function<at::Tensor(const at::Tensor& input)>;
 /// The loss of one microbatch on the last stage: (output, targets) -> scalar.
 using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& targets)>;
 
+/// Holds off a stage's data-parallel gradient reduction while the guard it
+/// returns lives (e.g. DistributedDataParallel::no_sync()).
+using NoSyncFunction = std::function<std::shared_ptr<void>()>;
+
+/// The NoSyncFunction of a DistributedDataParallel or ZeroOptimizer (or
+/// anything with a no_sync() that returns a movable guard).
+///
+/// Example:
+///   commgrad::pp::PipelineOptions(8).no_sync({commgrad::pp::no_sync_of(stage_ddp)})
+template <class DataParallel>
+NoSyncFunction no_sync_of(DataParallel& data_parallel) {
+  return [&data_parallel] {
+    using Guard = decltype(data_parallel.no_sync());
+    return std::shared_ptr<void>(std::make_shared<Guard>(data_parallel.no_sync()));
+  };
+}
+
 /// Options of Pipeline.
 ///
 /// Example:
@@ -45,6 +62,12 @@ struct PipelineOptions {
   TORCH_ARG(int, stages_per_rank) = 1;
   /// The pipeline-parallel group (an undefined group: the world).
   TORCH_ARG(Group, group);
+  /// With data parallelism: one per stage of this rank (e.g.
+  /// no_sync_of(ddp) of the stage's DistributedDataParallel). Every
+  /// backward of a stage but its last microbatch's runs under it, so the
+  /// gradients are reduced over the DP group once per step, after the last
+  /// microbatch, as Megatron does. Empty: no data parallelism.
+  TORCH_ARG(std::vector<NoSyncFunction>, no_sync);
 };
 
 /// What one step did.
