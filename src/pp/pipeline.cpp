@@ -61,6 +61,7 @@ struct Pipeline::Impl {
   Schedule schedule;
   int rank = 0;
   std::map<int, int> last_backward;  // stage -> the microbatch of its last backward on this rank
+  Action current{ActionKind::kForward, 0, 0};  // what runs now (for errors)
 
   struct Slot {
     at::Tensor input, output, loss, grad_output, grad_input;
@@ -163,6 +164,7 @@ void Pipeline::Impl::backward(const Action& a) {
 }
 
 void Pipeline::Impl::post_send(const Action& a) {
+  current = a;
   const auto& slot = slots.at({a.stage, a.microbatch});
   const bool activation = a.kind == ActionKind::kSendActivation;
   const at::Tensor data = (activation ? slot.output : slot.grad_input).detach().contiguous();
@@ -198,6 +200,7 @@ void Pipeline::Impl::run_batch(const std::vector<Action>& batch) {
   // posted before the one sent before it has arrived.
   for (const auto* pa : recvs) {
     const Action& a = *pa;
+    current = a;
     const bool activation = is_activation(a.kind);
     const int peer = schedule.rank_of(activation ? a.stage - 1 : a.stage + 1);
     const auto options = ops::RecvOptions(peer).tag(tag_of(a));
@@ -241,6 +244,7 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
   try {
     for (size_t i = 0; i < actions.size();) {
       const Action& a = actions[i];
+      m.current = a;
       try {
         if (a.kind == ActionKind::kForward) {
           m.forward(a);
@@ -258,10 +262,14 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
       } catch (const c10::Error& e) {
         const std::string what = e.what_without_backtrace();
         if (what.find(" microbatch ") != std::string::npos && what.find("[commgrad] Pipeline") != std::string::npos) throw;
-        COMMGRAD_CHECK(false, kOp, m.group, m.where(a), " failed: ", what);
+        COMMGRAD_CHECK(false, kOp, m.group, m.where(m.current), " failed: ", what);
       }
     }
-    for (auto& s : m.sends) s.first.wait();
+    try {
+      for (auto& s : m.sends) s.first.wait();
+    } catch (const c10::Error& e) {
+      COMMGRAD_CHECK(false, kOp, m.group, "waiting for this step's sends failed: ", e.what_without_backtrace());
+    }
   } catch (...) {
     m.slots.clear();
     m.sends.clear();
