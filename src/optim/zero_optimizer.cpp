@@ -246,6 +246,8 @@ double ZeroOptimizer::Impl::clip() {
   if (group.size() > 1) ops::raw::all_reduce_(total, {}, group).wait();
   const auto& tp = options.tensor_parallel_group();
   if (tp.defined() && tp.size() > 1) ops::raw::all_reduce_(total, {}, tp).wait();
+  const auto& pp = options.pipeline_parallel_group();
+  if (pp.defined() && pp.size() > 1) ops::raw::all_reduce_(total, {}, pp).wait();
   const double norm = std::sqrt(total.item<double>());
   const float coef = clip_coefficient(norm, options.max_grad_norm());
   if (coef < 1.0f) {

@@ -70,6 +70,9 @@ struct ZeroOptimizerOptions {
   /// (sequence parallelism) are summed over it in step(), so do not call
   /// tp::allreduce_sequence_parallel_grads() with a ZeroOptimizer.
   TORCH_ARG(Group, tensor_parallel_group);
+  /// The pipeline-parallel group, when the module is one stage of a
+  /// pipeline: the global norm for clipping then sums over the stages too.
+  TORCH_ARG(Group, pipeline_parallel_group);
   /// DistributedDataParallel's options (group, bucket sizes, reduction).
   TORCH_ARG(dp::DistributedDataParallelOptions, ddp);
 };
