@@ -40,11 +40,15 @@ std::vector<std::string> exchange_strings(const std::string& mine, const Group& 
 std::vector<std::string> run_phase(const char* op, const Group& group, const std::function<std::string()>& phase) {
   const std::string prefix = c10::str("[commgrad] ", op, " ", group.describe(), ": ");
   std::string status;
+  // Built piecewise: GCC 12 warns (-Wrestrict, a false positive) on "+" + std::string in C++20.
   auto failed = [&](const std::string& message) {
-    status = "-" + (message.rfind("[commgrad]", 0) == 0 ? message : prefix + message);
+    status.assign(1, '-');
+    if (message.rfind("[commgrad]", 0) != 0) status += prefix;
+    status += message;
   };
   try {
-    status = "+" + phase();
+    status.assign(1, '+');
+    status += phase();
   } catch (const c10::Error& e) {
     failed(e.what_without_backtrace());
   } catch (const std::exception& e) {

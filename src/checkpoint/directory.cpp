@@ -41,7 +41,13 @@ int64_t parse_step_name(const std::string& name) {
   return step;
 }
 
-std::string partial_directory_name(int64_t step) { return "." + step_directory_name(step) + ".partial"; }
+std::string partial_directory_name(int64_t step) {
+  // Appended piecewise: GCC 12 warns (-Wrestrict, a false positive) on "." + std::string in C++20.
+  std::string name(".");
+  name += step_directory_name(step);
+  name += ".partial";
+  return name;
+}
 
 int remove_stale_partials(const std::string& root) {
   int removed = 0;

@@ -21,7 +21,7 @@ namespace commgrad::checkpoint {
 TensorPiece TensorPiece::whole(std::string name, at::Tensor tensor) {
   TensorPiece piece;
   piece.name = std::move(name);
-  piece.global_shape = tensor.sizes().vec();
+  if (tensor.defined()) piece.global_shape = tensor.sizes().vec();
   piece.tensor = std::move(tensor);
   return piece;
 }

@@ -33,12 +33,10 @@ ckpt::TensorPiece x_piece(const commgrad::Group& world, const at::Tensor& full) 
   const int n = world.size();
   const int64_t begin = kLength * world.rank() / n;
   const int64_t end = kLength * (world.rank() + 1) / n;
-  ckpt::TensorPiece p;
-  p.name = "x";
+  auto p = ckpt::TensorPiece::whole(std::string("x"), full.narrow(0, begin, end - begin));
   p.global_shape = {kLength};
   p.box_offset = {begin};
   p.box_shape = {end - begin};
-  p.tensor = full.narrow(0, begin, end - begin);
   return p;
 }
 

@@ -145,6 +145,14 @@ TEST(CheckpointErrors, MalformedPieces) {
     wrong_numel.global_shape = {4};
     TensorPiece complex = TensorPiece::whole("z", at::zeros({2}, at::kComplexFloat));
     TensorPiece ok = TensorPiece::whole("ok", at::zeros({2}));
+    TensorPiece unnamed = TensorPiece::whole("", at::zeros({2}));
+    TensorPiece no_tensor = TensorPiece::whole("t", at::Tensor());
+    TensorPiece range = TensorPiece::whole("r", at::zeros({2}));
+    range.flat_begin = 1;
+    range.flat_end = 3;
+    TensorPiece dims = TensorPiece::whole("d", at::zeros({2, 2}));
+    dims.box_offset = {0};
+    dims.box_shape = {2};
     // A bad piece on rank 1 only: rank 1 says what, rank 0 names rank 1.
     auto on_rank_1 = [&](const TensorPiece& bad) {
       return g.rank() == 1 ? std::vector<TensorPiece>{ok, bad} : std::vector<TensorPiece>{ok};
@@ -157,6 +165,14 @@ TEST(CheckpointErrors, MalformedPieces) {
                  {g.rank() == 1 ? "its tensor float32[3] has 3 elements, the piece holds 4" : "rank 1 failed"});
     expect_error([&] { checkpoint::save(root.str(), 1, on_rank_1(complex), {}, {}, g); },
                  {g.rank() == 1 ? "checkpoints hold float32, float64, bfloat16" : "rank 1 failed"});
+    expect_error([&] { checkpoint::save(root.str(), 1, on_rank_1(unnamed), {}, {}, g); },
+                 {g.rank() == 1 ? "a piece has an empty name" : "rank 1 failed"});
+    expect_error([&] { checkpoint::save(root.str(), 1, on_rank_1(no_tensor), {}, {}, g); },
+                 {g.rank() == 1 ? "piece 't' box [] of [] has no tensor" : "rank 1 failed"});
+    expect_error([&] { checkpoint::save(root.str(), 1, on_rank_1(range), {}, {}, g); },
+                 {g.rank() == 1 ? "the element range is not inside the box of 2 elements" : "rank 1 failed"});
+    expect_error([&] { checkpoint::save(root.str(), 1, on_rank_1(dims), {}, {}, g); },
+                 {g.rank() == 1 ? "box_offset and box_shape need 2 dims, like the global shape" : "rank 1 failed"});
     // Steps that differ between ranks.
     expect_error([&] { checkpoint::save(root.str(), g.rank() == 0 ? 1 : 2, {ok}, {}, {}, g); },
                  {g.rank() == 0 ? "rank 1 saves step 2, this rank step 1" : "rank 0 saves step 1, this rank step 2"});
@@ -190,7 +206,48 @@ TEST(CheckpointErrors, PiecesThatDisagreeOverlapOrLeaveGaps) {
   });
 }
 
-// Shard files: missing, truncated, a flipped data byte, a corrupt header.
+// An index that parses but does not hold together (edited, or another version).
+TEST(CheckpointErrors, InconsistentIndex) {
+  TempRoot root("index");
+  save_two(root, 2);
+  const fs::path index_path = root.path() / "step-00000001" / "index.json";
+  const nlohmann::json good = nlohmann::json::parse(std::ifstream(index_path));
+  auto with = [&](const std::function<void(nlohmann::json&)>& edit, const std::vector<TensorPiece>& dests,
+                  const std::vector<std::string>& parts) {
+    nlohmann::json index = good;
+    edit(index);
+    std::ofstream(index_path) << index.dump();
+    load_one_rank_expecting(root.str(), dests, parts);
+  };
+  with([](nlohmann::json& j) { j["version"] = 2; }, two_dests(), {"index.json has index version 2; this commgrad reads version 1"});
+  with([](nlohmann::json& j) { j["tensors"]["a"]["pieces"][0]["file"] = "zzz.safetensors"; }, two_dests(),
+       {"a piece of 'a' names file 'zzz.safetensors', which the index does not list"});
+  with([](nlohmann::json& j) { j["tensors"]["a"]["pieces"][0]["box_offset"] = {3, 0}; }, two_dests(),
+       {"a piece of 'a' lies outside the tensor's global shape"});
+  with([](nlohmann::json& j) { j["tensors"]["a"]["dtype"] = "C64"; }, two_dests(),
+       {"tensor 'a' has dtype 'C64', which commgrad does not read"});
+  with([](nlohmann::json& j) { j["tensors"]["a"].erase("pieces"); }, two_dests(), {"index.json is a corrupt commgrad checkpoint index: "});
+  // The index and the shard file disagree: a key, a dtype.
+  with([](nlohmann::json& j) { j["tensors"]["a"]["pieces"][1]["key"] = "a2"; }, two_dests(),
+       {"rank-00001.safetensors has no entry 'a2' (tensor 'a')"});
+  with([](nlohmann::json& j) { j["tensors"]["a"]["dtype"] = "I32"; },
+       {TensorPiece::whole("a", at::zeros({4, 3}, at::kInt)), two_dests()[1]},
+       {"entry 'a' is F32 [2, 3], the index records I32 with 6 elements"});
+}
+
+TEST(CheckpointErrors, RootThatIsAFile) {
+  TempRoot root("file");
+  fs::create_directories(root.path());
+  std::ofstream(root.path() / "plain") << "x";
+  spawn_ranks(2, [&](Group& g) {
+    expect_error([&] { checkpoint::save((root.path() / "plain").string(), 1, {TensorPiece::whole("x", at::zeros({1}))}, {}, {}, g); },
+                 {g.rank() == 0 ? "cannot create the checkpoint root " : "rank 0 failed: "});
+    expect_error([&] { checkpoint::load((root.path() / "plain").string(), {TensorPiece::whole("x", at::zeros({1}))}, {}, g); },
+                 {"plain does not exist or is not a directory"});
+  });
+}
+
+// Shard files: missing, truncated, longer than recorded, a flipped data byte, a corrupt header.
 TEST(CheckpointErrors, BrokenShardFiles) {
   TempRoot root("files");
   save_two(root, 2);
@@ -207,6 +264,12 @@ TEST(CheckpointErrors, BrokenShardFiles) {
   fs::resize_file(file, size - 5);
   load_one_rank_expecting(root.str(), two_dests(),
                           {"rank-00001.safetensors is truncated: ", std::to_string(size - 5) + " bytes, the index records " + std::to_string(size)});
+
+  fs::copy_file(copy, file, fs::copy_options::overwrite_existing);
+  std::ofstream(file, std::ios::app | std::ios::binary) << "extra";
+  load_one_rank_expecting(root.str(), two_dests(),
+                          {"rank-00001.safetensors has " + std::to_string(size + 5) + " bytes, the index records " +
+                           std::to_string(size) + " (it is not the file this index was written with)"});
 
   fs::copy_file(copy, file, fs::copy_options::overwrite_existing);
   {
