@@ -13,10 +13,14 @@
 
 #include "torch_backend.h"
 
+#include "coalesced_work.h"
+
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
-#include <string_view>
+#include <ATen/ATen.h>
+
+#include <algorithm>
 
 namespace commgrad::python {
 namespace {
@@ -114,13 +118,22 @@ WorkPtr TorchBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input
                                            const c10d::ReduceScatterOptions& opts) {
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
-  at::Tensor in = input;
+  at::Tensor in = input.contiguous();
   if (is_premul_sum(opts.reduceOp)) {
     in = input.clone();  // the input is only read
     premultiply(in, opts.reduceOp);
     o.reduceOp = sum_op();
   }
   return run("reduce_scatter_tensor", [&](c10d::Backend& t) { return t._reduce_scatter_base(output, in, o); });
+}
+
+WorkPtr TorchBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                      const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "[commgrad] reduce_scatter_tensor_coalesced ", group_.describe(), ": ",
+              outputs.size(), " outputs for ", inputs.size(), " inputs");
+  std::vector<WorkPtr> works;
+  for (size_t i = 0; i < inputs.size(); ++i) works.push_back(_reduce_scatter_base(outputs[i], inputs[i], opts));
+  return c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED);
 }
 
 // ~~~ data movement ~~~
@@ -135,13 +148,89 @@ WorkPtr TorchBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, s
                                 const c10d::AllgatherOptions& opts) {
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
+  if (group_.backend_name() != "shm" && outputs.size() == 1 && inputs.size() == 1 && uneven(outputs[0])) {
+    return allgather_padded(outputs[0], inputs[0], o);
+  }
   return run("all_gather", [&](c10d::Backend& t) { return t.allgather(outputs, inputs, o); });
+}
+
+bool TorchBackend::uneven(const std::vector<at::Tensor>& outputs) {
+  for (const auto& t : outputs) {
+    if (t.numel() != outputs.front().numel()) return true;
+  }
+  return false;
+}
+
+// shm gathers tensors of different sizes natively; Gloo does not. Every rank
+// knows every rank's size (its outputs have them), so each pads its input to
+// the largest, one flat all-gather moves them, and the parts are copied out
+// once it is done (this call waits for it).
+WorkPtr TorchBackend::allgather_padded(std::vector<at::Tensor>& outputs, at::Tensor& input,
+                                       const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "[commgrad] all_gather ", group_.describe(), ": ",
+              outputs.size(), " output tensors for a group of ", getSize());
+  TORCH_CHECK(input.numel() == outputs[getRank()].numel(), "[commgrad] all_gather ", group_.describe(), ": input ",
+              input.sizes(), " does not match this rank's output ", outputs[getRank()].sizes());
+  int64_t most = 0;
+  for (const auto& t : outputs) most = std::max(most, t.numel());
+  auto padded = at::zeros({most}, input.options());
+  padded.narrow(0, 0, input.numel()).copy_(input.reshape({-1}));
+  auto gathered = at::empty({getSize() * most}, input.options());
+  run("all_gather", [&](c10d::Backend& t) { return t._allgather_base(gathered, padded, opts); })->wait();
+  for (int r = 0; r < getSize(); ++r) {
+    outputs[r].copy_(gathered.narrow(0, r * most, outputs[r].numel()).view(outputs[r].sizes()));
+  }
+  return c10::make_intrusive<CoalescedWork>(std::vector<WorkPtr>{}, outputs, c10d::OpType::ALLGATHER);
 }
 
 WorkPtr TorchBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
-  return run("all_gather_into_tensor", [&](c10d::Backend& t) { return t._allgather_base(output, input, o); });
+  // Flat views: Gloo takes a stacked output ([n, *input.shape]) for n
+  // tensors of the input's shape and rejects it.
+  at::Tensor out = output.is_contiguous() ? output.view({-1}) : output;
+  at::Tensor in = input.contiguous().view({-1});
+  return run("all_gather_into_tensor", [&](c10d::Backend& t) { return t._allgather_base(out, in, o); });
+}
+
+WorkPtr TorchBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "[commgrad] all_gather_into_tensor_coalesced ", group_.describe(), ": ",
+              outputs.size(), " outputs for ", inputs.size(), " inputs");
+  std::vector<WorkPtr> works;
+  for (size_t i = 0; i < inputs.size(); ++i) works.push_back(_allgather_base(outputs[i], inputs[i], opts));
+  return c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED);
+}
+
+WorkPtr TorchBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& output_lists,
+                                          std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(output_lists.size() == inputs.size(), "[commgrad] all_gather_coalesced ", group_.describe(), ": ",
+              output_lists.size(), " output lists for ", inputs.size(), " inputs");
+  std::vector<WorkPtr> works;
+  std::vector<at::Tensor> flat;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<std::vector<at::Tensor>> outs{output_lists[i]};
+    std::vector<at::Tensor> in{inputs[i]};
+    works.push_back(allgather(outs, in, opts));
+    flat.insert(flat.end(), output_lists[i].begin(), output_lists[i].end());
+  }
+  return c10::make_intrusive<CoalescedWork>(std::move(works), std::move(flat), c10d::OpType::COALESCED);
+}
+
+WorkPtr TorchBackend::gather_into_tensor(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts) {
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  if (getRank() == opts.rootRank) {
+    TORCH_CHECK(output.is_contiguous() && output.numel() == input.numel() * getSize(), "[commgrad] gather_into_tensor ",
+                group_.describe(), ": the output must be contiguous and hold ", getSize(), " x ", input.numel(),
+                " elements, got ", output.sizes(), (output.is_contiguous() ? "" : " (not contiguous)"), " for input ",
+                input.sizes());
+    const auto parts = output.reshape({getSize(), -1});
+    for (int r = 0; r < getSize(); ++r) outputs[0].push_back(parts[r].view(input.sizes()));
+  } else {
+    outputs.clear();
+  }
+  std::vector<at::Tensor> inputs{input};
+  return gather(outputs, inputs, opts);
 }
 
 WorkPtr TorchBackend::gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
@@ -162,8 +251,9 @@ WorkPtr TorchBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::
                                     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
+  at::Tensor in = input.contiguous();  // Gloo rejects strided inputs; shm would stage them the same way
   return run("all_to_all_single", [&](c10d::Backend& t) {
-    return t.alltoall_base(output, input, output_split_sizes, input_split_sizes, o);
+    return t.alltoall_base(output, in, output_split_sizes, input_split_sizes, o);
   });
 }
 

@@ -21,7 +21,10 @@ namespace commgrad::python {
 /// checks its arguments and names op, rank, group and shapes in its errors
 /// (this class adds the same context to a transport error that lacks it).
 /// On top of the transport it adds ReduceOp.PREMUL_SUM (the inputs scaled by
-/// the factor, then SUM), sequence numbers and setTimeout.
+/// the factor, then SUM), the coalesced forms of all_gather_into_tensor and
+/// reduce_scatter_tensor (DTensor and FSDP2 call them; issued one by one),
+/// gather into one tensor, all_gather of different sizes per rank where the
+/// transport is Gloo (padded), sequence numbers and setTimeout.
 ///
 /// Example (what `import commgrad` registers; Python):
 ///   dist.init_process_group("commgrad")          # or "cpu:commgrad,cuda:nccl"
@@ -54,6 +57,17 @@ class TorchBackend final : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  /// Issued as one _allgather_base per pair; one Work for them all.
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  /// Issued as one allgather per input; one Work for them all.
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  /// gather into one tensor on the root: dim 0 of `output` (contiguous) holds the ranks' inputs.
+  c10::intrusive_ptr<c10d::Work> gather_into_tensor(at::Tensor& output, at::Tensor& input,
+                                                    const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
@@ -63,6 +77,10 @@ class TorchBackend final : public c10d::Backend {
       const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  /// Issued as one _reduce_scatter_base per pair; one Work for them all.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
                                                std::vector<int64_t>& output_split_sizes,
@@ -85,6 +103,9 @@ class TorchBackend final : public c10d::Backend {
   template <class Call>
   c10::intrusive_ptr<c10d::Work> run(const char* op, Call&& call);
   std::chrono::milliseconds timeout_or(std::chrono::milliseconds requested) const;
+  static bool uneven(const std::vector<at::Tensor>& outputs);
+  c10::intrusive_ptr<c10d::Work> allgather_padded(std::vector<at::Tensor>& outputs, at::Tensor& input,
+                                                  const c10d::AllgatherOptions& opts);
 
   Group group_;
   uint64_t sequence_ = 0;
