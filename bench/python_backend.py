@@ -28,20 +28,23 @@ def parse_bytes(text):
 
 
 def timed(fn, min_time, group):
+    """Mean seconds per call of `fn`, the slowest rank's. Rank 0 picks the
+    number of calls from a short calibration, so that the timed loop itself
+    holds nothing but `fn`."""
     for _ in range(3):
         fn()
     dist.barrier(group=group)
-    iters, t0 = 0, time.perf_counter()
-    while True:
+    t0 = time.perf_counter()
+    for _ in range(3):
         fn()
-        iters += 1
-        elapsed = time.perf_counter() - t0
-        # Every rank runs the same number of iterations: rank 0 decides.
-        flag = torch.tensor([1 if elapsed >= min_time and iters >= 5 else 0])
-        dist.broadcast(flag, src=0, group=group)
-        if flag.item():
-            break
-    mean = torch.tensor([elapsed / iters])
+    estimate = (time.perf_counter() - t0) / 3
+    iters = torch.tensor([max(5, int(min_time / max(estimate, 1e-7)))])
+    dist.broadcast(iters, src=dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0, group=group)
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(int(iters.item())):
+        fn()
+    mean = torch.tensor([(time.perf_counter() - t0) / int(iters.item())])
     dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=group)
     return mean.item()
 
