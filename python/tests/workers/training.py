@@ -1,6 +1,7 @@
 """PyTorch's own parallelism trained a few steps on the backend named by argv[1]:
 DistributedDataParallel (plain, with a comm hook, with no_sync), a
-tensor-parallel MLP (DTensor parallelize_module) and FSDP2 (fully_shard).
+tensor-parallel MLP (DTensor parallelize_module), FSDP2 (fully_shard), and
+torch.distributed.nn.functional's differentiable collectives.
 
     torchrun --nproc-per-node N training.py BACKEND OUT_DIR
 
@@ -136,7 +137,26 @@ def fsdp2():
     return {"losses": torch.stack(losses), "params": full}
 
 
+def distributed_nn():
+    """torch.distributed.nn.functional: the founding example (all_reduce
+    forward and backward both sum over ranks) and all_gather's backward."""
+    import torch.distributed.nn.functional as F
+    x = torch.ones(4, requires_grad=True)
+    y = F.all_reduce(x)
+    y.sum().backward()
+    assert torch.equal(y.detach(), torch.full((4,), float(N))), y
+    assert torch.equal(x.grad, torch.full((4,), float(N))), x.grad
+    z = torch.full((3,), float(RANK + 1), requires_grad=True)
+    parts = F.all_gather(z)
+    torch.cat(parts).mul(torch.arange(1.0, 3 * N + 1)).sum().backward()
+    # d/dz_r of sum_j w_j * gathered_j, summed over every rank's loss.
+    want = N * torch.arange(1.0, 3 * N + 1)[3 * RANK:3 * RANK + 3]
+    assert torch.equal(z.grad, want), (z.grad, want)
+    return {"y": y.detach(), "grad": x.grad, "gather_grad": z.grad}
+
+
 checks = Checks(BACKEND, OUT_DIR)
+checks.run("distributed_nn", distributed_nn)
 for accumulate in (False, True):
     ref = ddp_reference(accumulate)
     for hook in ("none", "allreduce", "custom"):
