@@ -6,6 +6,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <atomic>
 #include <string>
 
 namespace commgrad::python {
@@ -108,7 +109,7 @@ class TorchBackend final : public c10d::Backend {
                                                   const c10d::AllgatherOptions& opts);
 
   Group group_;
-  uint64_t sequence_ = 0;
+  std::atomic<uint64_t> sequence_{0};  // DDP issues from autograd threads
   std::chrono::milliseconds timeout_{0};  // 0: the group's own
 };
 
