@@ -292,6 +292,11 @@ def subgroups():
     if BACKEND == "commgrad":
         import commgrad
         got["transports"] = [commgrad.transport(), commgrad.transport(mine_group)]
+        # The C++ object is a torch.distributed Backend, registered for CPU.
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        assert isinstance(backend, torch._C._distributed_c10d.Backend), type(backend)
+        assert dist.get_backend() == "commgrad", dist.get_backend()
+        assert commgrad.describe().startswith(f"rank {RANK}/{N} group "), commgrad.describe()
     return got
 
 
