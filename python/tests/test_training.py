@@ -8,16 +8,18 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_training_matches_gloo(run, tmp_path, nproc):
+# The 4-rank run names the backend by device, as a GPU program would
+# ("cpu:commgrad,cuda:nccl" needs a GPU; Gloo carries CUDA tensors here).
+@pytest.mark.parametrize("nproc,mine", [(2, "commgrad"), (4, "cpu:commgrad,cuda:gloo")])
+def test_training_matches_gloo(run, tmp_path, nproc, mine):
     results = {}
-    for backend in ("commgrad", "gloo"):
-        out = tmp_path / backend
+    for backend in (mine, "gloo"):
+        out = tmp_path / backend.replace(":", "_").replace(",", "_")
         job = run(nproc, "training.py", backend, out)
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
         failures = [f"rank {r}: {f}" for r in range(nproc) for f in ranks[r]["failures"]]
         assert not failures, f"{backend}:\n" + "\n".join(failures) + "\n" + job.output[-4000:]
-        results[backend] = ranks
+        results["gloo" if backend == "gloo" else "commgrad"] = ranks
     names = {k.split("/losses")[0] for k in results["gloo"][0]["results"] if k.endswith("/losses")}
     assert {"ddp/none", "ddp/allreduce", "ddp/custom", "ddp/none/no_sync", "tp_mlp", "fsdp2"} <= names, names
     for r in range(nproc):

@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 
 def init(backend, timeout_s=60):
-    """Joins the torchrun job on `backend` ("commgrad" or "gloo")."""
-    if backend == "commgrad":
+    """Joins the torchrun job on `backend` ("commgrad", "gloo", or a device
+    map such as "cpu:commgrad,cuda:gloo")."""
+    if "commgrad" in backend:
         import commgrad  # noqa: F401  registers the backend
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     torch.set_num_threads(1)
