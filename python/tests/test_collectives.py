@@ -50,16 +50,17 @@ def test_collectives_match_closed_forms_and_gloo(run, tmp_path, nproc):
 
 
 def test_groups_across_hosts_use_gloo_or_hierarchical(run, tmp_path):
-    # Ranks 0, 2 on "host0" and 1 on "host1" (COMMGRAD_HOST): the world spans
-    # two hosts of unequal size (hierarchical: shm inside a host, Gloo between
-    # them; AVG must still divide by 3), the sub-groups of even and of odd
-    # ranks are each inside one host (shm).
+    # Rank 0 on "host0", ranks 1 and 2 on "host1" (COMMGRAD_HOST): the world
+    # spans two hosts of unequal size (hierarchical: shm inside a host, Gloo
+    # between them; AVG must divide by 3, not average the hosts' averages),
+    # the even ranks 0 and 2 are one per host (Gloo), the odd rank is alone.
     out = tmp_path / "commgrad"
     job = run(3, "collectives.py", "commgrad", out, 2)
     mine = load(out, 3)
     failures = [f"rank {r}: {f}" for r in range(3) for f in mine[r]["failures"]]
     assert not failures, "\n".join(failures) + "\n" + job.output[-4000:]
-    assert mine[0]["results"]["subgroups/transports"] == ["hierarchical", "shm"]
+    assert mine[0]["results"]["subgroups/transports"] == ["hierarchical", "gloo"]
+    assert mine[1]["results"]["subgroups/transports"] == ["hierarchical", "shm"]
 
 
 def test_one_rank_per_host_uses_gloo(run, tmp_path):

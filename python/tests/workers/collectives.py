@@ -7,8 +7,9 @@ Rank r's inputs are (r + 1) * base with small integer `base` values, so
 every result is exact in every dtype (float16 and bfloat16 included) and has
 a closed form. Each rank writes what it computed to OUT_DIR/rank<r>.pt so
 that the test can compare the two backends. HOSTS > 0 gives rank r the host
-identity "host<r % HOSTS>" (COMMGRAD_HOST): groups then span "hosts" and
-commgrad carries them over its hierarchical transport or Gloo.
+identity "host<min(r, HOSTS - 1)>" (COMMGRAD_HOST; the last host has the
+remaining ranks): groups then span "hosts" and commgrad carries them over
+its hierarchical transport or Gloo.
 """
 
 import os
@@ -22,7 +23,7 @@ from common import Checks, expect_equal, init
 BACKEND, OUT_DIR = sys.argv[1], sys.argv[2]
 HOSTS = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 if HOSTS:
-    os.environ["COMMGRAD_HOST"] = f"host{int(os.environ['RANK']) % HOSTS}"
+    os.environ["COMMGRAD_HOST"] = f"host{min(int(os.environ['RANK']), HOSTS - 1)}"
 RANK, N = init(BACKEND)
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 DTYPES = FLOATS + [torch.int64]
