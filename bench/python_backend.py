@@ -1,4 +1,4 @@
-"""torch.distributed's all_reduce and a DDP step on "commgrad" and on "gloo",
+"""torch.distributed's all_reduce, a DDP step and an FSDP2 step on "commgrad" and on "gloo",
 side by side in one job (nccl-tests-style table on rank 0).
 
     torchrun --nproc-per-node N bench/python_backend.py [--min-time 0.3] [--max-bytes 64M]
@@ -102,6 +102,33 @@ def ddp_step_times(groups, min_time, hidden, layers, batch):
         print(f"{'speedup':>10}: {results[names[1]] / results[names[0]]:8.2f}x ({names[0]} vs {names[1]})", flush=True)
 
 
+def fsdp2_step_times(groups, min_time, hidden, layers, batch):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    results = {}
+    for name, group in groups.items():
+        torch.manual_seed(0)
+        net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(hidden, hidden), nn.GELU())])
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in net[::2]:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+        x, y = torch.randn(batch, hidden), torch.randn(batch, hidden)
+
+        def step():
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+        results[name] = timed(step, min_time, group)
+    if dist.get_rank() == 0:
+        print(f"\n# FSDP2 step (fully_shard per Linear), the same MLP, batch {batch}, {dist.get_world_size()} ranks")
+        for name, t in results.items():
+            print(f"{name:>10}: {t * 1e3:8.1f} ms/step")
+        names = list(results)
+        print(f"{'speedup':>10}: {results[names[1]] / results[names[0]]:8.2f}x ({names[0]} vs {names[1]})", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--min-time", type=float, default=0.3, help="seconds per size and backend")
@@ -117,6 +144,7 @@ def main():
         print(f"# {commgrad.build_info()}; torch {torch.__version__}; commgrad transport: {commgrad.transport()}")
     all_reduce_table(groups, args.min_time, parse_bytes(args.max_bytes))
     ddp_step_times(groups, args.min_time, args.ddp_hidden, args.ddp_layers, args.ddp_batch)
+    fsdp2_step_times(groups, args.min_time, args.ddp_hidden, args.ddp_layers, args.ddp_batch)
     dist.destroy_process_group()
 
 
