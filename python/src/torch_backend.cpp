@@ -27,7 +27,8 @@ namespace {
 
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
-// The factor of a PREMUL_SUM, as a scalar or a one-element tensor.
+// ReduceOp.PREMUL_SUM: NCCL's op (torch.distributed._make_nccl_premul_sum), a
+// factor that is a scalar or a one-element tensor.
 bool is_premul_sum(const c10d::ReduceOp& op) { return op.op_ == c10d::ReduceOp::PREMUL_SUM; }
 
 // Multiplies `t` in place by the PREMUL_SUM factor of `op`.
