@@ -1,7 +1,8 @@
 """PyTorch's own parallelism trained a few steps on the backend named by argv[1]:
 DistributedDataParallel (plain, with a comm hook, with no_sync), a
-tensor-parallel MLP (DTensor parallelize_module), FSDP2 (fully_shard), and
-torch.distributed.nn.functional's differentiable collectives.
+tensor-parallel MLP (DTensor parallelize_module), FSDP2 (fully_shard),
+torch.distributed.nn.functional's differentiable collectives, and a 2-D
+DeviceMesh's sub-groups.
 
     torchrun --nproc-per-node N training.py BACKEND OUT_DIR
 
@@ -155,7 +156,24 @@ def distributed_nn():
     return {"y": y.detach(), "grad": x.grad, "gather_grad": z.grad}
 
 
+def device_mesh_2d():
+    """A 2 x 2 DeviceMesh (DP x TP): its sub-groups reduce over their own ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, N // 2), mesh_dim_names=("dp", "tp"))
+    x = torch.full((4,), float(RANK + 1))
+    dist.all_reduce(x, group=mesh.get_group("tp"))
+    y = torch.full((4,), float(RANK + 1))
+    dist.all_reduce(y, group=mesh.get_group("dp"))
+    tp = [r for r in range(N) if r // (N // 2) == RANK // (N // 2)]
+    dp = [r for r in range(N) if r % (N // 2) == RANK % (N // 2)]
+    assert torch.equal(x, torch.full((4,), float(sum(r + 1 for r in tp)))), (x, tp)
+    assert torch.equal(y, torch.full((4,), float(sum(r + 1 for r in dp)))), (y, dp)
+    return {"tp": x, "dp": y}
+
+
 checks = Checks(BACKEND, OUT_DIR)
+if N % 2 == 0:
+    checks.run("device_mesh_2d", device_mesh_2d)
 checks.run("distributed_nn", distributed_nn)
 for accumulate in (False, True):
     ref = ddp_reference(accumulate)
