@@ -18,6 +18,8 @@
 // Every step starts with a barrier; rank 0 reports the median and the p10/p90
 // of its step times.
 
+#include "data_parallel_bench.h"
+
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
@@ -33,32 +35,10 @@
 
 namespace {
 
-struct Config {
-  int layers = 8;
-  int width = 512;
-  int batch = 64;  // per rank
-  int steps = 20;
-  int warmup = 3;
-  double bucket_cap_mb = 2;
-};
-
-struct DeepMlpImpl : torch::nn::Module {
-  explicit DeepMlpImpl(const Config& c) {
-    for (int i = 0; i < c.layers; ++i) {
-      layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(c.width, c.width)));
-    }
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (auto& layer : layers) x = torch::relu(layer(x));
-    return x;
-  }
-  std::vector<torch::nn::Linear> layers;
-};
-TORCH_MODULE(DeepMlp);
-
-double now_ms() {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+using commgrad::bench::DataParallelConfig;
+using commgrad::bench::DeepMlp;
+using commgrad::bench::now_ms;
+using commgrad::bench::percentile;
 
 void barrier() { commgrad::ops::barrier(); }
 
@@ -72,7 +52,7 @@ struct Variant {
   std::vector<double> waits;  // DDP: end-of-backward wait for the reductions
 };
 
-Variant make_variant(const std::string& name, const Config& c, double bucket_cap_mb) {
+Variant make_variant(const std::string& name, const DataParallelConfig& c, double bucket_cap_mb) {
   Variant v;
   v.name = name;
   torch::manual_seed(0);
@@ -96,30 +76,11 @@ double step(Variant& v, const torch::Tensor& x, const torch::Tensor& y) {
   return now_ms() - start;
 }
 
-double percentile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
-}
-
-bool parse(int argc, char** argv, Config& c) {
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    const double value = std::atof(argv[i + 1]);
-    if (flag == "--layers") c.layers = static_cast<int>(value);
-    else if (flag == "--width") c.width = static_cast<int>(value);
-    else if (flag == "--batch") c.batch = static_cast<int>(value);
-    else if (flag == "--steps") c.steps = static_cast<int>(value);
-    else if (flag == "--bucket-cap-mb") c.bucket_cap_mb = value;
-    else return false;
-  }
-  return argc % 2 == 1;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  Config c;
-  if (!parse(argc, argv, c)) {
+  DataParallelConfig c;
+  if (!commgrad::bench::parse_config(argc, argv, c)) {
     std::fprintf(stderr, "usage: ddp_bench [--layers N] [--width N] [--batch N] [--steps N] [--bucket-cap-mb MB]\n");
     return 2;
   }

@@ -14,6 +14,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
   procps                            # pgrep/ps, used by the launcher tests
   libgloo-dev                       # c10d's ProcessGroupGloo.hpp includes Gloo's headers (no wheel ships them)
+  nlohmann-json3-dev zlib1g-dev     # checkpoints: the JSON index, crc32 checksums
 )
 # The PyPI line's virtual environment (any python3 that makes one will do).
 if [[ $COMMGRAD_TORCH == pypi ]] && ! python3 -m venv --help >/dev/null 2>&1; then
@@ -57,6 +58,12 @@ if [[ $have != "$wanted" ]]; then
   [[ -x $COMMGRAD_VENV/bin/python ]] || python3 -m venv "$COMMGRAD_VENV"
   "$COMMGRAD_VENV/bin/python" -m pip install -q --disable-pip-version-check --progress-bar off \
     -r scripts/torch-requirements.txt
+fi
+# What the tests use from Python (safetensors reads a checkpoint's shard files).
+if ! "$COMMGRAD_VENV/bin/python" -c 'import safetensors' 2>/dev/null; then
+  echo "deps: installing the test requirements into ${COMMGRAD_VENV#"$PWD"/}"
+  "$COMMGRAD_VENV/bin/python" -m pip install -q --disable-pip-version-check --progress-bar off \
+    -r scripts/test-requirements.txt
 fi
 
 # The Python package's build backend and test tools, pinned.

@@ -28,6 +28,15 @@
 #if __has_include("commgrad/dp.h")
 #include "commgrad/dp.h"
 #endif
+#if __has_include("commgrad/optim.h")
+#include "commgrad/optim.h"
+#endif
+#if __has_include("commgrad/pp.h")
+#include "commgrad/pp.h"
+#endif
 #if __has_include("commgrad/check.h")
 #include "commgrad/check.h"
+#endif
+#if __has_include("commgrad/checkpoint.h")
+#include "commgrad/checkpoint.h"
 #endif

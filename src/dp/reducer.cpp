@@ -34,6 +34,13 @@
 // hooks' completion steps, writes the result back (nothing to do for bucket
 // views) and broadcasts the buffers.
 //
+// Released gradients (release_gradients, for ZeRO-2). Buffers exist only
+// while a bucket is being reduced: allocated when its first gradient
+// arrives, freed once its hook's `then` has run. The hook copies each
+// gradient into its slot and drops `.grad()`; launching bucket k finishes
+// bucket k-2, so at most two buckets (plus autograd's own gradients) are
+// alive during backward. Nothing is written back.
+//
 // A backward that fails half way drops its callback; the callback's
 // destructor notices and drains the buckets already launched, so the next
 // backward starts clean.
@@ -137,27 +144,31 @@ DdpReducer::DdpReducer(Group group, DistributedDataParallelOptions options, std:
       assign_buckets(ordered, mib_to_bytes(options_.first_bucket_cap_mb()), mib_to_bytes(options_.bucket_cap_mb()));
 
   at::NoGradGuard no_grad;
+  const int64_t multiple = options_.bucket_multiple();
+  COMMGRAD_CHECK(multiple >= 1, kOp, group_, "bucket_multiple must be at least 1, got ", multiple);
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket bucket;
     bucket.dtype = ordered[assignment[b].front()].scalar_type();
     bucket.params = assignment[b];
-    int64_t numel = 0;
-    for (size_t i : bucket.params) numel += ordered[i].numel();
-    bucket.buffer = at::zeros({numel}, ordered[bucket.params.front()].options().requires_grad(false));
-    bucket.bytes = numel * static_cast<int64_t>(bucket.buffer.element_size());
-    int64_t offset = 0;
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       auto& p = params_[bucket.params[slot]];
       p.bucket = b;
       p.slot = slot;
       bucket.names.push_back(p.name);
-      bucket.views.push_back(slot_alias(bucket.buffer, offset, p.tensor.sizes()));
-      offset += p.tensor.numel();
+      bucket.offsets.push_back(bucket.numel);
+      bucket.numel += p.tensor.numel();
+    }
+    bucket.padded_numel = (bucket.numel + multiple - 1) / multiple * multiple;
+    bucket.bytes = bucket.numel * static_cast<int64_t>(ordered[bucket.params.front()].element_size());
+    if (!release()) {
+      ensure_buffer(bucket);
       // Gradients that already exist move into the bucket now.
-      auto& grad = p.tensor.mutable_grad();
-      if (options_.gradient_as_bucket_view() && grad.defined() && !grad.is_sparse()) {
-        bucket.views.back().copy_(grad);
-        grad = bucket.views.back();
+      for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+        auto& grad = params_[bucket.params[slot]].tensor.mutable_grad();
+        if (as_bucket_view() && grad.defined() && !grad.is_sparse()) {
+          bucket.views[slot].copy_(grad);
+          grad = bucket.views[slot];
+        }
       }
     }
     buckets_.push_back(std::move(bucket));
@@ -168,6 +179,16 @@ DdpReducer::DdpReducer(Group group, DistributedDataParallelOptions options, std:
 }
 
 DdpReducer::~DdpReducer() { remove_hooks(); }
+
+void DdpReducer::ensure_buffer(Bucket& bucket) {
+  if (bucket.buffer.defined()) return;
+  const auto& first = params_[bucket.params.front()].tensor;
+  bucket.buffer = at::zeros({bucket.padded_numel}, first.options().requires_grad(false));
+  bucket.views.clear();
+  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+    bucket.views.push_back(slot_alias(bucket.buffer, bucket.offsets[slot], params_[bucket.params[slot]].tensor.sizes()));
+  }
+}
 
 void DdpReducer::install_hooks() {
   std::weak_ptr<DdpReducer> weak = weak_from_this();
@@ -216,7 +237,7 @@ void DdpReducer::sync_buffers() {
 
 std::vector<DdpBucketInfo> DdpReducer::bucket_info() const {
   std::vector<DdpBucketInfo> info;
-  for (const auto& b : buckets_) info.push_back(DdpBucketInfo{b.dtype, b.buffer.numel(), b.names});
+  for (const auto& b : buckets_) info.push_back(DdpBucketInfo{b.dtype, b.numel, b.padded_numel, b.names});
   return info;
 }
 
@@ -251,6 +272,7 @@ void DdpReducer::begin_backward() {
   for (auto& b : buckets_) {
     b.pending = b.params.size();
     b.launched = false;
+    b.finished = false;
     b.work = CommWork{};
   }
   auto end = std::make_shared<EndOfBackward>(weak_from_this());
@@ -260,6 +282,7 @@ void DdpReducer::begin_backward() {
 void DdpReducer::mark_ready(size_t index) {
   auto& p = params_[index];
   auto& bucket = buckets_[p.bucket];
+  ensure_buffer(bucket);
   auto& slot = bucket.views[p.slot];
   auto& grad = p.tensor.mutable_grad();
   const bool average = options_.reduction() == GradReduction::kAverage && group_.size() > 1;
@@ -269,7 +292,7 @@ void DdpReducer::mark_ready(size_t index) {
     COMMGRAD_CHECK(grad.sizes() == p.tensor.sizes() && grad.scalar_type() == bucket.dtype, kOp, group_,
                    "gradient of parameter '", p.name, "' is ", tensor_name(grad), ", but the parameter is ",
                    dtype_name(bucket.dtype), shape_name(p.tensor.sizes()));
-    if (options_.gradient_as_bucket_view()) {
+    if (as_bucket_view()) {
       if (!same_memory(grad, slot)) {
         slot.copy_(grad);
         grad = slot;
@@ -280,6 +303,7 @@ void DdpReducer::mark_ready(size_t index) {
     } else {
       slot.copy_(grad);
     }
+    if (release()) grad = at::Tensor();  // the bucket holds the only copy now
   } else {
     slot.zero_();  // no gradient on this rank: it contributes zero
   }
@@ -295,6 +319,44 @@ void DdpReducer::launch_ready_buckets(bool during_backward) {
     b.launched = true;
     if (during_backward) ++launched_in_backward_;
     ++next_bucket_;
+    // With released gradients at most two buckets are in flight: finishing
+    // the older ones frees their buffers while backward goes on.
+    if (release() && during_backward && next_bucket_ >= 3) {
+      std::exception_ptr error;
+      for (size_t old = 0; old + 2 < next_bucket_; ++old) finish_bucket(old, error);
+      if (error) std::rethrow_exception(error);
+    }
+  }
+}
+
+void DdpReducer::finish_bucket(size_t b, std::exception_ptr& error) {
+  auto& bucket = buckets_[b];
+  if (bucket.finished) return;
+  bucket.finished = true;
+  auto& work = bucket.work;
+  try {
+    if (work.pending.defined()) work.pending.wait();
+    if (work.then) work.then();
+  } catch (const std::exception& e) {
+    if (!error) {
+      try {
+        // The cause first (a peer that failed says so there); the hint
+        // is for the other common reason, ranks whose backward differs.
+        commgrad::detail::throw_dist_error(c10::str(
+            "[commgrad] ", kOp, " ", group_.describe(), ": reducing ", bucket_context(b), " failed: ",
+            dynamic_cast<const c10::Error*>(&e) ? dynamic_cast<const c10::Error&>(e).what_without_backtrace()
+                                                 : e.what(),
+            " (if the ranks ran different backwards, e.g. one skipped parameters, construct "
+            "DistributedDataParallel with find_unused_parameters(true))"));
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+  }
+  work = CommWork{};
+  if (release()) {
+    bucket.buffer = at::Tensor();
+    bucket.views.clear();
   }
 }
 
@@ -340,29 +402,7 @@ void DdpReducer::finalize_backward() {
   }
 
   // 3. Wait for every bucket in order and let its hook finish.
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    auto& work = buckets_[b].work;
-    try {
-      if (work.pending.defined()) work.pending.wait();
-      if (work.then) work.then();
-    } catch (const std::exception& e) {
-      if (!error) {
-        try {
-          // The cause first (a peer that failed says so there); the hint
-          // is for the other common reason, ranks whose backward differs.
-          commgrad::detail::throw_dist_error(c10::str(
-              "[commgrad] ", kOp, " ", group_.describe(), ": reducing ", bucket_context(b), " failed: ",
-              dynamic_cast<const c10::Error*>(&e) ? dynamic_cast<const c10::Error&>(e).what_without_backtrace()
-                                                   : e.what(),
-              " (if the ranks ran different backwards, e.g. one skipped parameters, construct "
-              "DistributedDataParallel with find_unused_parameters(true))"));
-        } catch (...) {
-          error = std::current_exception();
-        }
-      }
-    }
-    work = CommWork{};
-  }
+  for (size_t b = 0; b < buckets_.size(); ++b) finish_bucket(b, error);
   if (use_pending.defined()) {
     try {
       use_pending.wait();
@@ -406,12 +446,13 @@ void DdpReducer::finalize_backward() {
 }
 
 void DdpReducer::write_back(const std::vector<int32_t>& global_use) {
+  if (release()) return;  // the hook's result is the only copy
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     const auto& slot = buckets_[p.bucket].views[p.slot];
     auto& grad = p.tensor.mutable_grad();
     const bool used_anywhere = global_use.empty() || global_use[i] > 0;
-    if (options_.gradient_as_bucket_view()) {
+    if (as_bucket_view()) {
       if (!grad.defined() && used_anywhere) grad = slot;  // otherwise grad is the slot already
     } else if (grad.defined()) {
       grad.copy_(slot);
@@ -429,6 +470,10 @@ void DdpReducer::wait_all_quietly() {
       COMMGRAD_LOG(kWarn, kOp, " ", group_.describe(), ": ignoring a failed bucket reduction: ", e.what());
     }
     b.work = CommWork{};
+    if (release()) {
+      b.buffer = at::Tensor();
+      b.views.clear();
+    }
   }
 }
 

@@ -287,6 +287,68 @@ TEST(DdpTest, BucketsFollowReverseRegistrationOrderAndCaps) {
   });
 }
 
+TEST(DdpTest, PaddedBucketsAndReleasedGradientsLiveOnlyInTheHook) {
+  // bucket_multiple pads every buffer; release_gradients leaves no .grad()
+  // after backward, the hook's result being the only copy, with at most two
+  // buckets in flight when the next one is launched.
+  spawn_ranks(3, [&](Group& group) {
+    torch::manual_seed(3);
+    auto plain_net = std::make_shared<Mlp>();
+    auto released_net = std::make_shared<Mlp>();
+    {
+      torch::NoGradGuard no_grad;  // the same start (the seed is shared by the rank threads)
+      auto from = plain_net->parameters();
+      auto to = released_net->parameters();
+      for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+    }
+    const auto options = DistributedDataParallelOptions(group)
+                             .first_bucket_cap_mb(1.0 / (1024 * 1024))
+                             .bucket_cap_mb(30.0 / (1024 * 1024))  // one parameter per bucket
+                             .bucket_multiple(3);
+    DistributedDataParallel plain(plain_net, options);
+    DistributedDataParallel released(released_net, DistributedDataParallelOptions(options).release_gradients(true));
+    const auto buckets = released.buckets();
+    ASSERT_EQ(buckets.size(), 6u);
+    for (const auto& b : buckets) {
+      EXPECT_EQ(b.padded_numel % 3, 0) << b.padded_numel;
+      EXPECT_GE(b.padded_numel, b.numel);
+      EXPECT_LT(b.padded_numel, b.numel + 3);
+    }
+    std::vector<Tensor> sums(buckets.size());
+    int in_flight = 0, most_in_flight = 0;
+    auto all_reduce = allreduce_hook();
+    released.register_comm_hook([&](GradBucket& bucket) {
+      most_in_flight = std::max(most_in_flight, in_flight++);
+      auto work = all_reduce(bucket);
+      auto buffer = bucket.buffer();
+      const size_t index = bucket.index();
+      return CommWork{work.pending, [&, buffer, index] {
+                        --in_flight;
+                        sums[index] = buffer.clone();
+                      }};
+    });
+    const auto x = torch::randn({6, 4});
+    for (int step = 0; step < 2; ++step) {
+      plain_net->zero_grad();
+      plain_net->forward(x.chunk(3, 0)[group.rank()]).sum().backward();
+      released_net->forward(x.chunk(3, 0)[group.rank()]).sum().backward();
+      for (const auto& p : released_net->parameters()) EXPECT_FALSE(p.grad().defined());
+      EXPECT_LE(most_in_flight, 2);
+      auto plain_params = plain_net->named_parameters();
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        ASSERT_TRUE(sums[b].defined()) << "bucket " << b;
+        ASSERT_EQ(sums[b].numel(), buckets[b].padded_numel);
+        std::vector<Tensor> want;
+        for (const auto& name : buckets[b].names) want.push_back(plain_params[name].grad().reshape({-1}));
+        EXPECT_TRUE(torch::equal(sums[b].narrow(0, 0, buckets[b].numel), torch::cat(want))) << "bucket " << b;
+        EXPECT_EQ(sums[b].narrow(0, buckets[b].numel, buckets[b].padded_numel - buckets[b].numel).abs().sum().item<float>(), 0);
+      }
+    }
+    EXPECT_THAT(message_of([&] { DistributedDataParallel(plain_net, DistributedDataParallelOptions(group).bucket_multiple(0)); }),
+                HasSubstr("bucket_multiple must be at least 1"));
+  });
+}
+
 TEST(DdpTest, GradientsAreBucketViewsAndSurviveZeroGrad) {
   spawn_ranks(2, [&](Group& group) {
     torch::manual_seed(1);

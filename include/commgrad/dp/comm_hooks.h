@@ -18,7 +18,8 @@ namespace commgrad::dp {
 /// One bucket of gradients, as a communication hook sees it.
 ///
 /// `buffer()` is a flat, contiguous 1-D tensor holding the bucket's local
-/// gradients back to back (in bucket order). When DistributedDataParallel
+/// gradients back to back (in bucket order), then zeros up to the
+/// bucket_multiple option's multiple. When DistributedDataParallel
 /// averages, the buffer is already divided by the group size, so a hook only
 /// has to *sum* it over `group()` and leave the sum in `buffer()`.
 ///

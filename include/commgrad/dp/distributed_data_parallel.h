@@ -68,6 +68,18 @@ struct DistributedDataParallelOptions {
   /// accumulates straight into the buffer that is all-reduced, and the
   /// averaged gradient needs no copy back. Off: one copy in, one copy out.
   TORCH_ARG(bool, gradient_as_bucket_view) = true;
+  /// Pads each bucket's buffer with zeros to a multiple of this many
+  /// elements. A sharded optimizer pads to the group size, so that a
+  /// reduce-scatter splits every bucket into equal parts.
+  TORCH_ARG(int64_t, bucket_multiple) = 1;
+  /// Gradients live only as long as their reduction (ZeRO-2): the hook copies
+  /// each gradient into its bucket and drops `.grad()`; a bucket's buffer is
+  /// allocated when its first gradient arrives and freed once its hook's
+  /// `then` has run, and at most two buckets are in flight during backward.
+  /// After a synchronised backward no parameter has a `.grad()`: the result
+  /// exists only where the communication hook put it. Implies
+  /// gradient_as_bucket_view(false).
+  TORCH_ARG(bool, release_gradients) = false;
 };
 
 /// One bucket as built at construction (for inspection and tests).
@@ -76,7 +88,10 @@ struct DistributedDataParallelOptions {
 ///   for (const auto& b : ddp.buckets()) std::cout << b.names.size() << " parameters, " << b.numel << "\n";
 struct DdpBucketInfo {
   at::ScalarType dtype;
+  /// Elements of the parameters in the bucket (without padding).
   int64_t numel = 0;
+  /// Elements of the buffer: numel rounded up to bucket_multiple.
+  int64_t padded_numel = 0;
   /// Parameter names in the order they sit in the bucket.
   std::vector<std::string> names;
 };

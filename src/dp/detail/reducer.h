@@ -77,10 +77,14 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
     std::vector<size_t> params;
     std::vector<std::string> names;
     int64_t bytes = 0;
-    at::Tensor buffer;               // flat gradients
+    int64_t numel = 0;               // elements of the parameters
+    int64_t padded_numel = 0;        // of the buffer (numel rounded up to bucket_multiple)
+    std::vector<int64_t> offsets;    // of each parameter's slot
+    at::Tensor buffer;               // flat gradients (allocated on demand with release_gradients)
     std::vector<at::Tensor> views;   // one per parameter, shaped like it
     size_t pending = 0;              // parameters not ready yet in this backward
     bool launched = false;
+    bool finished = false;           // waited for, its `then` run
     CommWork work;
   };
 
@@ -88,6 +92,10 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
   void begin_backward();
   void mark_ready(size_t index);
   void launch_ready_buckets(bool during_backward);
+  void ensure_buffer(Bucket& bucket);
+  void finish_bucket(size_t b, std::exception_ptr& error);
+  bool release() const { return options_.release_gradients(); }
+  bool as_bucket_view() const { return options_.gradient_as_bucket_view() && !release(); }
   void write_back(const std::vector<int32_t>& global_use);
   void wait_all_quietly();
   void reset_backward_state();

@@ -1,0 +1,202 @@
+#pragma once
+// ZeroOptimizer: ZeRO-1 and ZeRO-2 (Rajbhandari et al., arXiv 1910.02054) on
+// commgrad's DistributedDataParallel buckets.
+//
+// Every rank of the data-parallel group keeps the optimizer state of 1/N of
+// the parameters only. Each gradient bucket is split into N equal element
+// ranges (parameters may straddle a boundary); backward reduce-scatters the
+// buckets (started from DDP's hooks, overlapped with the rest of backward)
+// so each rank receives the averaged gradients of its range; step() runs any
+// torch::optim optimizer on this rank's ranges alone and all-gathers the
+// updated parameters. With Adam in float32 a rank then holds 4 (parameters)
+// + 4 (ZeRO-1) or 4/N (ZeRO-2) (gradients) + 8/N (state) bytes per parameter
+// instead of DDP's 16.
+
+#include "commgrad/dist/group.h"
+#include "commgrad/dp/distributed_data_parallel.h"
+#include "commgrad/optim/param_state.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/ordered_dict.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
+
+namespace commgrad::optim {
+
+/// Makes the optimizer that steps this rank's shards (one flat tensor per
+/// bucket). Any torch::optim optimizer whose update is per element works
+/// (SGD with momentum, Adam, AdamW, Adagrad, RMSprop); weight decay applies
+/// to every element (one parameter group).
+///
+/// Example:
+///   [](std::vector<at::Tensor> shards) {
+///     return std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+///   }
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> shards)>;
+
+/// Options of ZeroOptimizer.
+///
+/// Example:
+///   commgrad::optim::ZeroOptimizerOptions(dp_group).stage(2).max_grad_norm(1.0)
+struct ZeroOptimizerOptions {
+  /// `ddp` sets the data-parallel group (an undefined group: the world) and
+  /// the buckets; ZeroOptimizer pads them and installs its own hook.
+  /* implicit */ ZeroOptimizerOptions(dp::DistributedDataParallelOptions ddp = {}) : ddp_(std::move(ddp)) {}
+  /// 1: optimizer state sharded; 2: gradients sharded too (no `.grad()` is
+  /// kept between steps; see DistributedDataParallelOptions::release_gradients).
+  TORCH_ARG(int, stage) = 1;
+  /// Clip gradients to this global L2 norm before the step (0: no clipping).
+  /// The norm is over every shard and, with tensor_parallel_group, every TP
+  /// rank, counting TP-replicated parameters once.
+  TORCH_ARG(double, max_grad_norm) = 0;
+  /// float16/bfloat16 parameters: keep this rank's ranges in float32 (master
+  /// weights), with float32 gradients and state, and give the parameters the
+  /// rounded result after each step (mixed precision). Off: step in the
+  /// parameters' own dtype.
+  TORCH_ARG(bool, float32_master) = true;
+  /// The tensor-parallel group, when the module holds TP shards
+  /// (tp::parallel_state().tensor_parallel_group()): clipping counts
+  /// TP-replicated parameters once over it. Parameters marked partial_grad
+  /// (sequence parallelism) are summed over it in step(), so do not call
+  /// tp::allreduce_sequence_parallel_grads() with a ZeroOptimizer.
+  TORCH_ARG(Group, tensor_parallel_group);
+  /// DistributedDataParallel's options (group, bucket sizes, reduction).
+  TORCH_ARG(dp::DistributedDataParallelOptions, ddp);
+};
+
+/// This rank's part of one bucket (for inspection, tests and checkpoints).
+struct ZeroShardInfo {
+  /// The bucket's elements, padded to a multiple of the group size.
+  int64_t bucket_numel = 0;
+  int64_t padded_numel = 0;
+  /// This rank's range [begin, end) of the bucket (end <= bucket_numel).
+  int64_t begin = 0;
+  int64_t end = 0;
+  /// The dtype of the range's master weights, gradient and state (float32
+  /// with float32_master for 16-bit parameters; else the parameters').
+  at::ScalarType state_dtype = at::kFloat;
+  /// One entry per parameter overlapping the range.
+  struct Segment {
+    std::string name;        ///< the parameter (named_parameters() name)
+    int64_t param_begin = 0;  ///< first element of the parameter (flattened) in the range
+    int64_t shard_offset = 0; ///< where it sits in the shard
+    int64_t length = 0;
+  };
+  std::vector<Segment> segments;
+};
+
+/// A sharded optimizer for a module: construct it instead of
+/// DistributedDataParallel plus a torch::optim optimizer, then train as usual.
+///
+/// The constructor wraps the module in DistributedDataParallel (same replica
+/// check and broadcast), makes each bucket's parameters views of one flat
+/// buffer (so the all-gather writes them in place), and creates the inner
+/// optimizer over this rank's ranges. After `backward()` this rank's range of
+/// each bucket holds the averaged gradient; step() clips (optionally), steps
+/// and all-gathers. With ZeRO-1 `.grad()` of the parameters are the bucket
+/// views and hold meaningful (reduced) values only inside this rank's
+/// ranges; with ZeRO-2 they are undefined after a synchronised backward.
+///
+/// Example:
+///   commgrad::optim::ZeroOptimizer zero(model, [](auto shards) {
+///     return std::make_unique<torch::optim::Adam>(shards, torch::optim::AdamOptions(1e-3));
+///   }, commgrad::optim::ZeroOptimizerOptions(dp_group).stage(2).max_grad_norm(1.0));
+///   for (auto& [x, y] : my_shard_of_each_batch) {
+///     zero.zero_grad();
+///     torch::mse_loss(model->forward(x), y).backward();  // reduce-scatters in buckets
+///     zero.step();                                        // steps 1/N, all-gathers
+///   }
+class ZeroOptimizer {
+ public:
+  ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, OptimizerFactory make_optimizer,
+                ZeroOptimizerOptions options = {});
+  template <typename ModuleType>
+  ZeroOptimizer(const torch::nn::ModuleHolder<ModuleType>& module, OptimizerFactory make_optimizer,
+                ZeroOptimizerOptions options = {})
+      : ZeroOptimizer(std::static_pointer_cast<torch::nn::Module>(module.ptr()), std::move(make_optimizer),
+                      std::move(options)) {}
+  ~ZeroOptimizer();
+  ZeroOptimizer(const ZeroOptimizer&) = delete;
+  ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
+
+  /// Clips (when max_grad_norm is set), steps this rank's shards and
+  /// all-gathers the parameters. Collective over the data-parallel group.
+  /// Returns the global gradient norm before clipping when clipping, else -1.
+  /// Errors when no synchronised backward ran since the last step.
+  double step();
+  /// Zeroes the gradients (ZeRO-1: the bucket views in place; ZeRO-2: there
+  /// are none to zero between steps).
+  void zero_grad();
+  /// Gradient accumulation without communication (DistributedDataParallel::no_sync()).
+  [[nodiscard]] dp::DistributedDataParallel::NoSync no_sync();
+
+  /// The optimizer over this rank's shards: for learning-rate schedules
+  /// (torch::optim::StepLR(zero.optimizer(), ...)) and options.
+  torch::optim::Optimizer& optimizer();
+  /// The underlying DistributedDataParallel (buckets, last_step()).
+  dp::DistributedDataParallel& ddp();
+  const Group& group() const;
+  const ZeroOptimizerOptions& options() const;
+  /// This rank's range of each bucket, in bucket order.
+  std::vector<ZeroShardInfo> shards() const;
+  /// Bytes of optimizer state this rank holds, float32 master weights
+  /// included (0 before the first step).
+  int64_t state_bytes() const;
+  /// Bytes of gradients kept between steps (ZeRO-1: DDP's buckets, whose
+  /// ranges are the shards' gradients; ZeRO-2: the shards, in the
+  /// parameters' dtype).
+  int64_t gradient_bytes() const;
+
+  /// The state tensors the optimizer can keep per element: the inner
+  /// optimizer's (param_state_names()) and "master" with float32 masters.
+  std::vector<std::string> state_names();
+
+  /// This rank's state of one parameter's part: `tensor` is a 1-D view of
+  /// elements [param_begin, param_begin + numel) of the flattened parameter.
+  struct StateShard {
+    std::string param;   ///< parameter name
+    std::string state;   ///< "exp_avg", "momentum_buffer", ...
+    int64_t param_begin = 0;
+    at::Tensor tensor;
+  };
+  /// The sharded state (views, no copies), for sharded checkpoints; with
+  /// float32 master weights also their ranges, as state "master". Empty
+  /// before the first step.
+  std::vector<StateShard> state_shards() const;
+  /// The optimizer's step count (its first shard's), 0 before the first step.
+  int64_t step_count() const;
+  /// Copies `shards` (as state_shards() describes them, for this rank's
+  /// ranges) into the optimizer's state and sets its step count.
+  void load_state_shards(const std::vector<StateShard>& shards, int64_t step);
+
+  /// The whole optimizer state, gathered over the group (collective; every
+  /// rank gets it): "<param>/<state>" -> tensor shaped like the parameter
+  /// (with float32 master weights also "<param>/master"), and "step" -> int64
+  /// scalar. The same keys as full_state_dict() of an
+  /// unsharded optimizer (see unsharded_state_dict()).
+  torch::OrderedDict<std::string, at::Tensor> full_state_dict();
+  /// Loads a full state dict (from full_state_dict() or
+  /// unsharded_state_dict(), of any group size): each rank keeps its ranges.
+  void load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& full);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// The state of an unsharded optimizer over `module`'s parameters, with the
+/// keys of ZeroOptimizer::full_state_dict() (for comparisons and conversion).
+torch::OrderedDict<std::string, at::Tensor> unsharded_state_dict(const torch::nn::Module& module,
+                                                                 torch::optim::Optimizer& optimizer);
+
+}  // namespace commgrad::optim

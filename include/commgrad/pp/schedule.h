@@ -1,0 +1,121 @@
+#pragma once
+// Pipeline schedules as data: each rank's list of actions (compute a
+// microbatch on a stage, send or receive an activation or a gradient), and a
+// simulator that runs every rank's list, proves it free of deadlock under
+// the strictest transport (a send completes only when its receive is
+// posted), checks every data dependency and counts idle time.
+//
+// Stages are virtual: with v stages per rank (interleaved schedules) stage s
+// lives on rank s % ranks, so a model of ranks * v stages visits every rank v
+// times. Actions between two computations that are posted together form a
+// batch (`batched_with_next`), as torch.distributed.batch_isend_irecv posts
+// them: a rank posts all of a batch's sends and receives, then waits for all.
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace commgrad::pp {
+
+enum class ActionKind {
+  kForward,         ///< forward of a microbatch on a stage
+  kBackward,        ///< backward (input and weight gradients)
+  kSendActivation,  ///< the stage's output to the next stage's rank
+  kRecvActivation,  ///< the previous stage's output, the stage's input
+  kSendGradient,    ///< the gradient of the stage's input to the previous stage's rank
+  kRecvGradient,    ///< the gradient of the stage's output, from the next stage's rank
+};
+
+/// One step of a rank's list.
+///
+/// Example:
+///   pp::Action{pp::ActionKind::kForward, /*stage=*/1, /*microbatch=*/3}   // "F1.3"
+struct Action {
+  ActionKind kind;
+  int stage = 0;       ///< the (virtual) stage computing, sending or receiving
+  int microbatch = 0;
+  /// Posted together with the next action (both must be communication).
+  bool batched_with_next = false;
+
+  bool is_compute() const { return kind == ActionKind::kForward || kind == ActionKind::kBackward; }
+  /// "F1.3", "B0.2", "sendA1.3" (stage 1's output of microbatch 3), "recvG0.2", ...
+  std::string to_string() const;
+  bool operator==(const Action& other) const {
+    return kind == other.kind && stage == other.stage && microbatch == other.microbatch &&
+           batched_with_next == other.batched_with_next;
+  }
+};
+
+std::ostream& operator<<(std::ostream& out, const Action& action);
+
+/// Every rank's list of actions for one training step.
+struct Schedule {
+  std::string name;
+  int ranks = 1;
+  int stages_per_rank = 1;  ///< v; stage s is on rank s % ranks
+  int microbatches = 1;
+  std::vector<std::vector<Action>> actions;  ///< by rank
+
+  int stages() const { return ranks * stages_per_rank; }
+  int rank_of(int stage) const { return stage % ranks; }
+  /// One line per rank: "rank 0: F0.0 sendA0.0 F0.1 ...".
+  std::string describe() const;
+};
+
+/// GPipe: all forwards, then all backwards (Huang et al., arXiv 1811.06965).
+/// Activations of all m microbatches are alive at once.
+Schedule gpipe(int ranks, int microbatches);
+
+/// 1F1B (PipeDream-Flush; Narayanan et al., arXiv 2104.04473): ranks - r - 1
+/// warm-up forwards on rank r, then one forward and one backward in turn,
+/// then the remaining backwards. At most ranks - r microbatches in flight.
+Schedule one_f_one_b(int ranks, int microbatches);
+
+/// Interleaved 1F1B with `stages_per_rank` virtual stages per rank
+/// (Megatron-LM's schedule); needs microbatches % ranks == 0.
+Schedule interleaved_one_f_one_b(int ranks, int microbatches, int stages_per_rank);
+
+/// "gpipe", "1f1b" or "interleaved" (with stages_per_rank); errors name the
+/// valid choices.
+Schedule make_schedule(const std::string& name, int ranks, int microbatches, int stages_per_rank = 1);
+
+/// How the simulator runs a schedule: what a computation costs (time units
+/// per stage), and when a send completes.
+struct SimulationOptions {
+  TORCH_ARG(double, forward) = 1.0;
+  TORCH_ARG(double, backward) = 2.0;
+  /// true: a send completes only when the matching receive is posted (the
+  /// strictest transport: no buffering at all). false: a send completes when
+  /// posted and its data waits for the receive (a transport that buffers, as
+  /// asynchronous sends waited for later do); the bubble's closed forms
+  /// assume this.
+  TORCH_ARG(bool, rendezvous_sends) = false;
+};
+
+/// The simulated run of a schedule.
+struct SimulationResult {
+  double makespan = 0;            ///< until the last rank finished
+  std::vector<double> busy;       ///< computing time, by rank
+  std::vector<double> idle;       ///< makespan - busy, by rank
+  /// Idle share of all ranks' time: sum(idle) / (ranks * makespan).
+  double bubble_fraction = 0;
+  /// Largest number of microbatches whose forward ran but backward did not
+  /// yet, on any rank (activation memory).
+  int peak_in_flight = 0;
+};
+
+/// Runs every rank's list. Throws, naming the rank and action, when the
+/// schedule deadlocks (every rank waits), computes before its input arrived,
+/// sends what it has not computed, receives what no rank sends, or leaves a
+/// forward or backward of some stage and microbatch out or runs it twice.
+SimulationResult simulate(const Schedule& schedule, const SimulationOptions& options = {});
+
+/// The closed form of the bubble for a schedule with balanced stages:
+/// (p - 1) / (m + p - 1) for GPipe and 1F1B, and (p - 1) / (v m + p - 1)
+/// for interleaved 1F1B with v stages per rank.
+double bubble_fraction_closed_form(int ranks, int microbatches, int stages_per_rank = 1);
+
+}  // namespace commgrad::pp

@@ -1,0 +1,137 @@
+// A ZeroOptimizer's sharded state as checkpoint pieces (see the header).
+//
+// A state range covers elements [b, b + n) of a parameter's flattened local
+// tensor. The local tensor is one box of the global tensor, or, for a
+// strided partition along dim 0, k boxes that follow each other in the
+// flattening; a range then becomes one piece per box it touches.
+
+#include "commgrad/checkpoint/optimizer_state.h"
+
+#include "commgrad/checkpoint/module_state.h"
+#include "commgrad/optim/zero_optimizer.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace commgrad::checkpoint {
+namespace {
+
+// The pieces of elements [begin, begin + data.numel()) of parameter `param`'s
+// local tensor, whose state `data` is, under `name`.
+std::vector<TensorPiece> range_pieces(const torch::nn::Module& module, const std::string& param, const std::string& name,
+                                      int64_t begin, const at::Tensor& data, bool required) {
+  const at::Tensor local = module.named_parameters()[param];
+  const auto blocks = parameter_blocks(module, param, local);
+  const int64_t length = data.numel();
+  std::vector<TensorPiece> pieces;
+  auto piece = [&](const ParameterBlock& b, int64_t flat_begin, const at::Tensor& tensor) {
+    TensorPiece p;
+    p.name = name;
+    p.global_shape = b.global_shape;
+    if (!b.shape.empty()) {
+      p.box_offset = b.offset;
+      p.box_shape = b.shape;
+    }
+    p.flat_begin = flat_begin;
+    p.flat_end = flat_begin + tensor.numel();
+    p.tensor = tensor;
+    p.required = required;
+    pieces.push_back(std::move(p));
+  };
+  if (blocks.size() == 1) {
+    piece(blocks[0], begin, data);
+    return pieces;
+  }
+  TORCH_CHECK(blocks[0].dim == 0, "[commgrad] checkpoint: optimizer state of '", param,
+              "', partitioned with a stride along dim ", blocks[0].dim,
+              ": only strided partitions along dim 0 can hold flat ranges");
+  const int64_t per_block = local.numel() / static_cast<int64_t>(blocks.size());
+  for (size_t j = 0; j < blocks.size(); ++j) {
+    const int64_t lo = std::max<int64_t>(begin, j * per_block);
+    const int64_t hi = std::min<int64_t>(begin + length, (j + 1) * per_block);
+    if (lo < hi) piece(blocks[j], lo - j * per_block, data.narrow(0, lo - begin, hi - lo));
+  }
+  return pieces;
+}
+
+std::string state_name(const std::string& prefix, const std::string& state, const std::string& param) {
+  return prefix + state + "/" + param;
+}
+
+}  // namespace
+
+std::vector<TensorPiece> optimizer_pieces(optim::ZeroOptimizer& zero, const std::string& prefix) {
+  const auto& module = *zero.ddp().module();
+  std::vector<TensorPiece> pieces;
+  for (const auto& s : zero.state_shards()) {
+    auto more = range_pieces(module, s.param, state_name(prefix, s.state, s.param), s.param_begin, s.tensor, true);
+    pieces.insert(pieces.end(), more.begin(), more.end());
+  }
+  pieces.push_back(TensorPiece::whole(prefix + "step", at::full({1}, zero.step_count(), at::kLong)));
+  return pieces;
+}
+
+std::vector<TensorPiece> optimizer_load_pieces(optim::ZeroOptimizer& zero, const std::string& prefix) {
+  const auto& module = *zero.ddp().module();
+  const auto names = zero.state_names();
+  std::vector<TensorPiece> pieces;
+  for (const auto& shard : zero.shards()) {
+    for (const auto& seg : shard.segments) {
+      for (const auto& state : names) {
+        auto data = at::zeros({seg.length}, at::TensorOptions().dtype(shard.state_dtype));
+        auto more = range_pieces(module, seg.name, state_name(prefix, state, seg.name), seg.param_begin, data, false);
+        pieces.insert(pieces.end(), more.begin(), more.end());
+      }
+    }
+  }
+  pieces.push_back(TensorPiece::whole(prefix + "step", at::zeros({1}, at::kLong)));
+  return pieces;
+}
+
+void restore_optimizer(optim::ZeroOptimizer& zero, const std::vector<TensorPiece>& pieces, const LoadResult& result,
+                       const std::string& prefix) {
+  const std::set<std::string> skipped(result.skipped.begin(), result.skipped.end());
+  const auto names = zero.state_names();
+  const auto& module = *zero.ddp().module();
+  std::vector<optim::ZeroOptimizer::StateShard> shards;
+  std::map<std::string, std::pair<int, int>> found;  // state -> (loaded, skipped) ranges
+  size_t next = 0;
+  for (const auto& shard : zero.shards()) {
+    for (const auto& seg : shard.segments) {
+      for (const auto& state : names) {
+        // The same enumeration as optimizer_load_pieces(): this range's pieces.
+        const auto name = state_name(prefix, state, seg.name);
+        const size_t count = range_pieces(module, seg.name, name, seg.param_begin,
+                                          at::empty({seg.length}, at::TensorOptions().dtype(shard.state_dtype)), false)
+                                 .size();
+        TORCH_CHECK(next + count <= pieces.size() && pieces[next].name == name, "[commgrad] restore_optimizer: the "
+                    "pieces are not those optimizer_load_pieces() made for this optimizer (expected '", name, "')");
+        std::vector<at::Tensor> parts;
+        for (size_t i = next; i < next + count; ++i) parts.push_back(pieces[i].tensor.reshape({-1}));
+        next += count;
+        if (skipped.count(name)) {
+          ++found[state].second;
+          continue;
+        }
+        ++found[state].first;
+        shards.push_back({seg.name, state, seg.param_begin, parts.size() == 1 ? parts[0] : at::cat(parts)});
+      }
+    }
+  }
+  TORCH_CHECK(next < pieces.size() && pieces[next].name == prefix + "step", "[commgrad] restore_optimizer: no '",
+              prefix, "step' piece (use optimizer_load_pieces())");
+  TORCH_CHECK(!skipped.count(prefix + "step"), "[commgrad] restore_optimizer: the checkpoint in ", result.directory,
+              " holds no optimizer state under '", prefix, "'");
+  for (const auto& [state, counts] : found) {
+    TORCH_CHECK(counts.first == 0 || counts.second == 0, "[commgrad] restore_optimizer: the checkpoint in ",
+                result.directory, " holds state '", state, "' for only some of the parameters (", counts.second,
+                " of this rank's ranges missing)");
+  }
+  zero.load_state_shards(shards, pieces[next].tensor.item<int64_t>());
+}
+
+}  // namespace commgrad::checkpoint

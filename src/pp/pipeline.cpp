@@ -1,0 +1,291 @@
+// Pipeline: one rank's part of a schedule, executed.
+//
+// State per (stage, microbatch): the stage's input (a leaf that requires
+// grad when it is an activation, so backward stops there and its gradient
+// is what goes to the previous stage), its output, and on the last stage
+// the loss, scaled by 1/m so that the gradients are those of the mean loss
+// over the microbatches. Everything of a microbatch on a stage is dropped
+// after its backward: only the microbatches in flight hold activations.
+//
+// Wire. Each message is a header (int64[12]: magic, stage and microbatch it
+// is for, kind, dtype, rank, sizes) followed by the data, on tag 2 s + kind
+// of the receiving stage s (kind 0 activation, 1 gradient), so messages of
+// different stages or directions between the same two ranks never match
+// each other, and within one the order of microbatches is the same on both
+// sides. The receiver checks the header against what its schedule expects.
+// A batch's sends are posted first (not waited for until the end of the
+// step), then its receives, one message after the other.
+
+#include "commgrad/pp/pipeline.h"
+
+#include "commgrad/dist/check.h"
+#include "commgrad/ops/raw.h"
+#include "commgrad/util/names.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <map>
+#include <utility>
+
+namespace commgrad::pp {
+namespace {
+
+constexpr const char* kOp = "Pipeline";
+constexpr int64_t kMagic = 0x636770;  // "cgp"
+constexpr int64_t kMaxDims = 6;
+constexpr int64_t kHeaderSize = 6 + kMaxDims;
+
+using Key = std::pair<int, int>;  // stage, microbatch
+
+bool is_activation(ActionKind kind) { return kind == ActionKind::kSendActivation || kind == ActionKind::kRecvActivation; }
+
+// The stage that receives what `a` sends or receives.
+int receiving_stage(const Action& a) {
+  switch (a.kind) {
+    case ActionKind::kSendActivation: return a.stage + 1;
+    case ActionKind::kSendGradient: return a.stage - 1;
+    default: return a.stage;
+  }
+}
+
+int tag_of(const Action& a) { return 2 * receiving_stage(a) + (is_activation(a.kind) ? 0 : 1); }
+
+}  // namespace
+
+struct Pipeline::Impl {
+  std::vector<StageFunction> stages;
+  LossFunction loss;
+  PipelineOptions options{1};
+  Group group;
+  Schedule schedule;
+  int rank = 0;
+  std::map<int, int> last_backward;  // stage -> the microbatch of its last backward on this rank
+  Action current{ActionKind::kForward, 0, 0};  // what runs now (for errors)
+
+  struct Slot {
+    at::Tensor input, output, loss, grad_output, grad_input;
+  };
+  std::map<Key, Slot> slots;
+  std::vector<std::pair<ops::raw::Pending, at::Tensor>> sends;  // kept alive until waited for
+  std::vector<double> losses;
+  at::Tensor inputs, targets;
+
+  int last_stage() const { return schedule.stages() - 1; }
+  std::string where(const Action& a) const {
+    return c10::str("stage ", a.stage, " microbatch ", a.microbatch, " (", a.to_string(), ")");
+  }
+  at::Tensor microbatch_of(const at::Tensor& batch, int mb) const {
+    return batch.chunk(schedule.microbatches, 0)[mb];
+  }
+  void forward(const Action& a);
+  void backward(const Action& a);
+  void post_send(const Action& a);
+  void run_batch(const std::vector<Action>& batch);
+};
+
+Pipeline::Pipeline(std::vector<StageFunction> stages, LossFunction loss, PipelineOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  auto& m = *impl_;
+  m.group = ops::raw::resolve_group(options.group());
+  m.rank = m.group.rank();
+  COMMGRAD_CHECK(static_cast<bool>(loss), kOp, m.group, "the loss function is empty");
+  m.schedule = make_schedule(options.schedule(), m.group.size(), options.microbatches(), options.stages_per_rank());
+  COMMGRAD_CHECK(static_cast<int>(stages.size()) == options.stages_per_rank(), kOp, m.group, "the ",
+                 options.schedule(), " schedule puts ", options.stages_per_rank(), " stage(s) on each rank, but this rank got ",
+                 stages.size());
+  for (size_t i = 0; i < stages.size(); ++i) {
+    COMMGRAD_CHECK(static_cast<bool>(stages[i]), kOp, m.group, "stage function ", i, " is empty");
+  }
+  COMMGRAD_CHECK(options.no_sync().empty() || options.no_sync().size() == stages.size(), kOp, m.group,
+                 "no_sync has ", options.no_sync().size(), " functions for ", stages.size(), " stages on this rank");
+  m.stages = std::move(stages);
+  m.loss = std::move(loss);
+  m.options = std::move(options);
+  for (const auto& a : m.schedule.actions[m.rank]) {
+    if (a.kind == ActionKind::kBackward) m.last_backward[a.stage] = a.microbatch;
+  }
+}
+
+Pipeline::~Pipeline() = default;
+Pipeline::Pipeline(Pipeline&&) noexcept = default;
+Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
+
+const Schedule& Pipeline::schedule() const { return impl_->schedule; }
+const Group& Pipeline::group() const { return impl_->group; }
+std::vector<int> Pipeline::stages() const {
+  std::vector<int> out;
+  for (int v = 0; v < impl_->schedule.stages_per_rank; ++v) out.push_back(v * impl_->schedule.ranks + impl_->rank);
+  return out;
+}
+
+void Pipeline::Impl::forward(const Action& a) {
+  auto& slot = slots[{a.stage, a.microbatch}];
+  if (a.stage == 0) {
+    slot.input = microbatch_of(inputs, a.microbatch);
+  } else if (schedule.rank_of(a.stage - 1) == rank) {
+    const auto& prev = slots.at({a.stage - 1, a.microbatch}).output;
+    slot.input = prev.detach().requires_grad_(prev.is_floating_point());
+  }  // else: received into slot.input
+  slot.output = stages[a.stage / schedule.ranks](slot.input);
+  COMMGRAD_CHECK(slot.output.defined(), kOp, group, where(a), ": the stage returned an undefined tensor");
+  if (a.stage == last_stage()) {
+    const auto l = loss(slot.output, microbatch_of(targets, a.microbatch));
+    COMMGRAD_CHECK(l.numel() == 1, kOp, group, where(a), ": the loss must be a scalar, got ", tensor_name(l));
+    losses[a.microbatch] = l.item<double>();
+    slot.loss = l / schedule.microbatches;
+  }
+}
+
+void Pipeline::Impl::backward(const Action& a) {
+  auto& slot = slots.at({a.stage, a.microbatch});
+  // Data parallelism: only the stage's last backward of the step reduces.
+  std::shared_ptr<void> no_sync;
+  if (!options.no_sync().empty() && last_backward.at(a.stage) != a.microbatch) {
+    no_sync = options.no_sync()[a.stage / schedule.ranks]();
+  }
+  if (a.stage == last_stage()) {
+    torch::autograd::backward({slot.loss});
+  } else {
+    if (schedule.rank_of(a.stage + 1) == rank) slot.grad_output = slots.at({a.stage + 1, a.microbatch}).grad_input;
+    COMMGRAD_CHECK(slot.grad_output.sizes() == slot.output.sizes(), kOp, group, where(a), ": the gradient of the output is ",
+                   tensor_name(slot.grad_output), ", but the output is ", tensor_name(slot.output));
+    torch::autograd::backward({slot.output}, {slot.grad_output});
+  }
+  if (a.stage > 0 && slot.input.requires_grad()) {
+    slot.grad_input = slot.input.grad().defined() ? slot.input.grad() : at::zeros_like(slot.input);
+  }
+  // What the next stage's backward on this rank still needs stays; the rest goes.
+  slot.output = at::Tensor();
+  slot.loss = at::Tensor();
+  slot.grad_output = at::Tensor();
+  slot.input = at::Tensor();
+  if (a.stage < last_stage() && schedule.rank_of(a.stage + 1) == rank) slots.erase({a.stage + 1, a.microbatch});
+}
+
+void Pipeline::Impl::post_send(const Action& a) {
+  current = a;
+  const auto& slot = slots.at({a.stage, a.microbatch});
+  const bool activation = a.kind == ActionKind::kSendActivation;
+  const at::Tensor data = (activation ? slot.output : slot.grad_input).detach().contiguous();
+  COMMGRAD_CHECK(data.dim() <= kMaxDims, kOp, group, where(a), ": ", tensor_name(data), " has more than ", kMaxDims,
+                 " dims");
+  auto header = at::zeros({kHeaderSize}, at::kLong);
+  auto* h = header.data_ptr<int64_t>();
+  h[0] = kMagic;
+  h[1] = receiving_stage(a);
+  h[2] = a.microbatch;
+  h[3] = activation ? 0 : 1;
+  h[4] = static_cast<int64_t>(data.scalar_type());
+  h[5] = data.dim();
+  for (int64_t d = 0; d < data.dim(); ++d) h[6 + d] = data.size(d);
+  const int peer = schedule.rank_of(receiving_stage(a));
+  const auto options = ops::SendOptions(peer).tag(tag_of(a));
+  sends.emplace_back(ops::raw::send(header, options, group), header);
+  sends.emplace_back(ops::raw::send(data, options, group), data);
+  if (!activation) slots.at({a.stage, a.microbatch}).grad_input = at::Tensor();  // sent: no longer needed here
+}
+
+void Pipeline::Impl::run_batch(const std::vector<Action>& batch) {
+  std::vector<const Action*> recvs;
+  for (const auto& a : batch) {
+    if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGradient) {
+      post_send(a);
+    } else {
+      recvs.push_back(&a);
+    }
+  }
+  // One message after the other: a transport may deliver the messages of
+  // one peer in order whatever their tags (shm does), so a receive is not
+  // posted before the one sent before it has arrived.
+  for (const auto* pa : recvs) {
+    const Action& a = *pa;
+    current = a;
+    const bool activation = is_activation(a.kind);
+    const int peer = schedule.rank_of(activation ? a.stage - 1 : a.stage + 1);
+    const auto options = ops::RecvOptions(peer).tag(tag_of(a));
+    const auto header = ops::raw::recv({kHeaderSize}, ops::RecvOptions(options).dtype(at::kLong), group).wait();
+    const auto* h = header.data_ptr<int64_t>();
+    COMMGRAD_CHECK(h[0] == kMagic && h[1] == a.stage && h[2] == a.microbatch && h[3] == (activation ? 0 : 1) &&
+                       h[5] >= 0 && h[5] <= kMaxDims,
+                   kOp, group, where(a), ": expected the ", activation ? "activation" : "gradient", " of stage ",
+                   a.stage, " microbatch ", a.microbatch, ", but the header received says stage ", h[1],
+                   " microbatch ", h[2], " kind ", h[3], " (magic ", h[0], ")");
+    const std::vector<int64_t> sizes(h + 6, h + 6 + h[5]);
+    auto t = ops::raw::recv(sizes, ops::RecvOptions(options).dtype(static_cast<at::ScalarType>(h[4])), group).wait();
+    auto& slot = slots[{a.stage, a.microbatch}];
+    if (activation) {
+      slot.input = t.requires_grad_(t.is_floating_point());
+    } else {
+      slot.grad_output = t;
+    }
+  }
+}
+
+PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
+  auto& m = *impl_;
+  const int mbs = m.schedule.microbatches;
+  const bool first = m.rank == m.schedule.rank_of(0);
+  const bool last = m.rank == m.schedule.rank_of(m.last_stage());
+  auto check_batch = [&](const at::Tensor& t, const char* what) {
+    COMMGRAD_CHECK(t.defined() && t.dim() >= 1, kOp, m.group, "step(): the ", what, " must be a tensor of at least one dim on this rank, got ",
+                   t.defined() ? tensor_name(t) : std::string("an undefined tensor"));
+    COMMGRAD_CHECK(t.size(0) % mbs == 0, kOp, m.group, "step(): a batch of ", t.size(0), " ", what, " (", tensor_name(t),
+                   ") does not split into ", mbs, " microbatches of equal size");
+  };
+  if (first) check_batch(inputs, "inputs");
+  if (last) check_batch(targets, "targets");
+  m.inputs = inputs;
+  m.targets = targets;
+  m.losses.assign(mbs, 0.0);
+  m.slots.clear();
+  m.sends.clear();
+  const auto& actions = m.schedule.actions[m.rank];
+  try {
+    for (size_t i = 0; i < actions.size();) {
+      const Action& a = actions[i];
+      m.current = a;
+      try {
+        if (a.kind == ActionKind::kForward) {
+          m.forward(a);
+          ++i;
+        } else if (a.kind == ActionKind::kBackward) {
+          m.backward(a);
+          ++i;
+        } else {
+          std::vector<Action> batch;
+          do {
+            batch.push_back(actions[i]);
+          } while (actions[i++].batched_with_next);
+          m.run_batch(batch);
+        }
+      } catch (const c10::Error& e) {
+        const std::string what = e.what_without_backtrace();
+        if (what.find(" microbatch ") != std::string::npos && what.find("[commgrad] Pipeline") != std::string::npos) throw;
+        COMMGRAD_CHECK(false, kOp, m.group, m.where(m.current), " failed: ", what);
+      }
+    }
+    try {
+      for (auto& s : m.sends) s.first.wait();
+    } catch (const c10::Error& e) {
+      COMMGRAD_CHECK(false, kOp, m.group, "waiting for this step's sends failed: ", e.what_without_backtrace());
+    }
+  } catch (...) {
+    m.slots.clear();
+    m.sends.clear();
+    throw;
+  }
+  m.sends.clear();
+  m.slots.clear();
+  // Every rank reports the loss: the last stage's rank broadcasts it.
+  auto losses = at::from_blob(m.losses.data(), {mbs}, at::kDouble).clone();
+  if (m.group.size() > 1) {
+    losses = ops::raw::broadcast(losses, ops::BroadcastOptions().src(m.schedule.rank_of(m.last_stage())), m.group).wait();
+  }
+  PipelineStepResult result;
+  result.microbatch_losses.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + mbs);
+  for (double l : result.microbatch_losses) result.loss += l / mbs;
+  return result;
+}
+
+}  // namespace commgrad::pp

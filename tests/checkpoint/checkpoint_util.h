@@ -1,0 +1,85 @@
+#pragma once
+// Helpers of the checkpoint tests: a temporary root, test tensors of every
+// dtype, splits, and the error check.
+
+#include <commgrad/checkpoint.h>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+namespace commgrad::testing {
+
+namespace fs = std::filesystem;
+
+/// A fresh directory under the temporary directory, removed at the end.
+class TempRoot {
+ public:
+  explicit TempRoot(const std::string& tag) {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = fs::temp_directory_path() /
+            ("commgrad-ckpt-" + std::string(info ? info->name() : "x") + "-" + tag + "-" + std::to_string(::getpid()));
+    fs::remove_all(path_);
+  }
+  ~TempRoot() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string str() const { return path_.string(); }
+  fs::path path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+/// The global test tensor: element i is i (mod something the dtype holds), of `dtype`.
+inline at::Tensor global_tensor(at::IntArrayRef shape, at::ScalarType dtype) {
+  int64_t n = 1;
+  for (const int64_t s : shape) n *= s;
+  at::Tensor t = at::arange(n, at::kLong);
+  if (dtype == at::kBool) t = t.remainder(3) == 1;
+  else if (dtype == at::kByte || dtype == at::kChar) t = t.remainder(100);
+  return t.to(dtype).reshape(shape);
+}
+
+/// [begin, end) of part `i` of `n` of a length (the first parts one longer when uneven).
+inline std::pair<int64_t, int64_t> split(int64_t length, int n, int i) {
+  const int64_t base = length / n;
+  const int64_t extra = length % n;
+  const int64_t begin = i * base + std::min<int64_t>(i, extra);
+  return {begin, begin + base + (i < extra ? 1 : 0)};
+}
+
+/// The piece of `full` that is rank i of n's part along `dim` (a copy, or a view with `view`).
+inline checkpoint::TensorPiece row_piece(const std::string& name, const at::Tensor& full, int64_t dim, int n, int i) {
+  const auto [b, e] = split(full.size(dim), n, i);
+  checkpoint::TensorPiece p;
+  p.name = name;
+  p.global_shape = full.sizes().vec();
+  p.box_offset.assign(full.dim(), 0);
+  p.box_offset[dim] = b;
+  p.box_shape = full.sizes().vec();
+  p.box_shape[dim] = e - b;
+  p.tensor = full.narrow(dim, b, e - b).clone();
+  return p;
+}
+
+/// Runs f, which must throw a c10::Error whose message contains every part.
+inline void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    const std::string m = e.what_without_backtrace();
+    for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
+    return;
+  }
+  ADD_FAILURE() << "no error was raised";
+}
+
+}  // namespace commgrad::testing
