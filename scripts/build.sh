@@ -5,6 +5,9 @@
 #   COMMGRAD_TORCH=system into ./build-system, against Debian's libtorch-dev
 #   COMMGRAD_BUILD_DIR    another build directory
 #   scripts/build.sh [cmake --build target...]
+# Without targets, on the pypi line, it also installs the Python package
+# (python/: `import commgrad`) into the virtual environment, its extension
+# linked against this build tree (built in <build dir>/python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
@@ -26,3 +29,13 @@ fi
 targets=()
 for t in "$@"; do targets+=(--target "$t"); done
 cmake --build "$build_dir" -j "$jobs" "${targets[@]}"
+
+if [[ $COMMGRAD_TORCH == pypi && $# -eq 0 ]]; then
+  # --no-build-isolation: the extension must be built against the
+  # environment's own torch; --no-deps: pip leaves torch alone.
+  echo "build: installing the Python package (python/) into ${COMMGRAD_VENV#"$PWD"/}"
+  tree=$(cd "$build_dir" && pwd)
+  CMAKE_BUILD_PARALLEL_LEVEL=$jobs "$COMMGRAD_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    --no-build-isolation --no-deps \
+    -C cmake.define.CMAKE_PREFIX_PATH="$tree" -C build-dir="$tree/python" ./python
+fi

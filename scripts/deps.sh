@@ -2,7 +2,8 @@
 # Installs what commgrad needs, only when something is missing (idempotent:
 # a second run installs nothing and prints nothing).
 #   COMMGRAD_TORCH=pypi    (default) PyPI's torch wheel (scripts/torch-requirements.txt)
-#                          into the project's virtual environment .venv
+#                          into the project's virtual environment .venv, and
+#                          what the Python package needs (scripts/python-requirements.txt)
 #   COMMGRAD_TORCH=system  Debian's libtorch-dev 1.13 and libgloo-dev
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,4 +64,20 @@ if ! "$COMMGRAD_VENV/bin/python" -c 'import safetensors' 2>/dev/null; then
   echo "deps: installing the test requirements into ${COMMGRAD_VENV#"$PWD"/}"
   "$COMMGRAD_VENV/bin/python" -m pip install -q --disable-pip-version-check --progress-bar off \
     -r scripts/test-requirements.txt
+fi
+
+# The Python package's build backend and test tools, pinned.
+if ! "$COMMGRAD_VENV/bin/python" - scripts/python-requirements.txt <<'PY' 2>/dev/null; then
+import sys
+from importlib.metadata import version
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if line:
+        name, wanted = line.split("==")
+        if version(name) != wanted:
+            sys.exit(1)
+PY
+  echo "deps: installing the Python package's build and test tools (scripts/python-requirements.txt)"
+  "$COMMGRAD_VENV/bin/python" -m pip install -q --disable-pip-version-check --progress-bar off \
+    -r scripts/python-requirements.txt
 fi

@@ -6,7 +6,8 @@
 # COMMGRAD_TORCH=pypi|system runs one line only. Arguments go to ctest (e.g.
 # `scripts/test.sh -L unit`) and skip the sanitizer build. Without arguments,
 # the shm transport's tests then also run under AddressSanitizer + UBSan on
-# one line (system when it runs; COMMGRAD_TEST_SANITIZER=0 skips it).
+# one line (system when it runs; COMMGRAD_TEST_SANITIZER=0 skips it), and on
+# the pypi line the Python package's tests (python/tests, pytest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,6 +67,26 @@ for line in "${lines[@]}"; do
   summaries+=("LibTorch line '$line' ($("$dir/bin/commgrad-run" --version)): $passed passed, $failed failed, $skipped skipped (ctest exit $rc); deps $(minutes $((t1 - t0))), build $(minutes $((t2 - t1))), tests $(minutes $((t3 - t2)))")
   [[ -z $flaky ]] || summaries+=("LibTorch line '$line': FLAKY (failed, then passed when rerun alone): $flaky")
   total_passed=$((total_passed + passed)) total_failed=$((total_failed + failed)) total_skipped=$((total_skipped + skipped))
+
+  if [[ $line == pypi && $# -eq 0 ]]; then
+    # The Python package (`import commgrad`, installed by build.sh): pytest
+    # starts its jobs under torchrun (python/tests).
+    t4=$SECONDS
+    venv=$(bash -c 'source scripts/lib.sh; echo "$COMMGRAD_VENV"')
+    pylog=$dir/pytest-summary.log
+    set +e
+    (cd python && "$venv/bin/python" -m pytest -q -p no:cacheprovider tests) | tee "$pylog"
+    py_rc=${PIPESTATUS[0]}
+    set -e
+    # "12 passed, 1 skipped in 95.20s"
+    last=$(grep -E '[0-9]+ (passed|failed|error)' "$pylog" | tail -1)
+    count() { sed -n "s/.*\b\([0-9][0-9]*\) $1.*/\1/p" <<<"$last" | head -1; }
+    py_passed=$(count passed) py_failed=$(count failed) py_errors=$(count error) py_skipped=$(count skipped)
+    py_passed=${py_passed:-0} py_failed=$((${py_failed:-0} + ${py_errors:-0})) py_skipped=${py_skipped:-0}
+    ((py_rc == 0)) || { status=1; ((py_failed > 0)) || py_failed=1; }
+    summaries+=("LibTorch line '$line': Python package (pytest under torchrun): $py_passed passed, $py_failed failed, $py_skipped skipped (pytest exit $py_rc); $(minutes $((SECONDS - t4)))")
+    total_passed=$((total_passed + py_passed)) total_failed=$((total_failed + py_failed)) total_skipped=$((total_skipped + py_skipped))
+  fi
 
   if [[ $line == "$sanitizer_line" && "${COMMGRAD_TEST_SANITIZER:-1}" != 0 && $# -eq 0 ]]; then
     # The shm transport's in-process tests under AddressSanitizer + UBSan, in

@@ -144,11 +144,11 @@ bool all_same(const std::vector<std::string>& v) {
 }
 
 // Connects a member's transports: the one of CPU tensors (state.backend) and,
-// where this process sees CUDA devices, the one of CUDA tensors (Gloo's
-// object is shared when it carries both), as state.requested_backend asks;
-// `prefix` keys the transports' stores. Returns once every member has
+// with `cuda` where this process sees CUDA devices, the one of CUDA tensors
+// (Gloo's object is shared when it carries both), as state.requested_backend
+// asks; `prefix` keys the transports' stores. Returns once every member has
 // connected (see the top of the file).
-void connect_transports(detail::GroupState& state, const std::string& prefix, const char* op) {
+void connect_transports(detail::GroupState& state, const std::string& prefix, const char* op, bool cuda = true) {
   detail::TransportConfig config;
   config.backend = state.backend;
   config.store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/transport", state.root_store);
@@ -164,8 +164,10 @@ void connect_transports(detail::GroupState& state, const std::string& prefix, co
   state.transport = cpu.backend;
   state.capabilities = cpu.capabilities;
 
-  state.cuda_backend =
-      resolve_cuda_backend(state.requested_backend, state.launch.local_world_size, cuda_device_count());
+  if (cuda) {
+    state.cuda_backend =
+        resolve_cuda_backend(state.requested_backend, state.launch.local_world_size, cuda_device_count());
+  }
   if (state.cuda_backend == state.backend) {
     state.cuda_transport = state.transport;
     state.cuda_capabilities = state.capabilities;
@@ -239,6 +241,35 @@ Group make_world_group(const InitOptions& options) {
   state->requested_backend = backend;
   if (options.terminate_handler()) install_terminate_handler();
   connect_transports(*state, "commgrad/world", "init_process_group");
+  return Group(std::move(state));
+}
+
+Group connect_group(const detail::StorePtr& store, int rank, int size, const ConnectOptions& options) {
+  TORCH_CHECK(store, "[commgrad] connect_group '", options.name(), "': the store is null");
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "[commgrad] connect_group '", options.name(),
+              "': needs rank in [0, size) and size >= 1; got rank ", rank, ", size ", size);
+  LaunchEnvironment env;
+  env.rank = rank;
+  env.world_size = size;
+  env.local_rank = rank;
+  env.local_world_size = size;
+  const auto timeout = resolve_timeout(options.timeout());
+  auto joined = join(store, env, timeout);
+
+  auto state = std::make_shared<detail::GroupState>();
+  state->name = options.name();
+  state->rank = rank;
+  state->global_rank = rank;
+  for (int r = 0; r < size; ++r) state->ranks.push_back(r);
+  state->hosts = joined.hosts;
+  state->addresses = joined.addresses;
+  state->timeout = timeout;
+  state->root_store = store;
+  state->store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world", store);
+  state->launch = env;
+  state->requested_backend = options.backend();
+  state->backend = resolve_backend(options.backend(), state->hosts);
+  connect_transports(*state, "commgrad/world", "connect_group", /*cuda=*/false);
   return Group(std::move(state));
 }
 

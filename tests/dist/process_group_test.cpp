@@ -168,6 +168,44 @@ TEST(ProcessGroup, ExplicitStoreNeedsValidRankAndSize) {
               HasSubstr("rank and world_size options need an explicit store"));
 }
 
+// connect_group: what the "commgrad" torch.distributed backend (python/)
+// builds for each of PyTorch's groups, over the store c10d hands it.
+TEST(ProcessGroup, ConnectGroupPicksShmOnOneHostAndLeavesTheProcessAlone) {
+  const int n = 3;
+  const int threads_before = at::get_num_threads();
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> backends(n), describes(n);
+  std::vector<float> sums(n, 0.0f);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < n; ++r) {
+    ranks.emplace_back([&, r] {
+      Group g = connect_group(store, r, n, ConnectOptions().name("tp0"));
+      backends[r] = g.backend_name();
+      describes[r] = g.describe();
+      std::vector<at::Tensor> t{at::full({4}, static_cast<float>(r + 1))};
+      g.transport().allreduce(t)->wait();
+      sums[r] = t[0][0].item<float>();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(backends[r], "shm");
+    EXPECT_EQ(describes[r], c10::str("rank ", r, "/", n, " group 'tp0' (shm)"));
+    EXPECT_EQ(sums[r], 6.0f);
+  }
+  // No thread count, CUDA device or terminate handler is set for the caller.
+  EXPECT_EQ(at::get_num_threads(), threads_before);
+}
+
+TEST(ProcessGroup, ConnectGroupRejectsBadRanksAndBackends) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  EXPECT_THAT(message_of([&] { connect_group(store, 2, 2, ConnectOptions().name("pg3")); }),
+              HasSubstr("connect_group 'pg3': needs rank in [0, size)"));
+  EXPECT_THAT(message_of([&] { connect_group(nullptr, 0, 1); }), HasSubstr("the store is null"));
+  EXPECT_THAT(message_of([&] { connect_group(store, 0, 1, ConnectOptions().backend("mpi2")); }),
+              HasSubstr("backend 'mpi2' is not available"));
+}
+
 TEST(ProcessGroup, IntraOpThreadsAlsoLimitOpenBlasOwnPool) {
   using GetFn = int (*)();
   auto get = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));

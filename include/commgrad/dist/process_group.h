@@ -55,6 +55,33 @@ Group init_process_group(const InitOptions& options = {});
 /// in-process multi-rank harnesses run one rank per thread.
 Group make_world_group(const InitOptions& options);
 
+/// Options of connect_group().
+struct ConnectOptions {
+  /// "auto" (shm when every rank is on one host, hierarchical or Gloo when
+  /// they span hosts), "gloo", "shm" or "hierarchical"; see resolve_backend().
+  TORCH_ARG(std::string, backend) = "auto";
+  /// Connect and collective timeout; 0 means COMMGRAD_TIMEOUT or kDefaultTimeout.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::milliseconds(0);
+  /// The group's name in error messages.
+  TORCH_ARG(std::string, name) = "world";
+};
+
+/// Builds a group of `size` ranks that meet in `store`, a store the caller
+/// has already rendezvoused and prefixed for this group alone (as c10d does
+/// for the backends it creates): the ranks exchange their host identities
+/// there, "auto" becomes shm when they share a host (decided for this group,
+/// as new_group() does), and the transport of CPU tensors connects. Unlike
+/// make_world_group() it has no process-wide effects: it sets no thread
+/// counts, no CUDA device and no terminate handler, and creates no transport
+/// for CUDA tensors. This is the group behind the "commgrad" backend that
+/// `import commgrad` registers with torch.distributed.
+///
+/// Example:
+///   auto group = commgrad::connect_group(store, rank, size,
+///                                        commgrad::ConnectOptions().name("tp0"));
+///   group.transport().allreduce(tensors)->wait();
+Group connect_group(const detail::StorePtr& store, int rank, int size, const ConnectOptions& options = {});
+
 /// Leaves the job: waits for every rank (so rank 0 keeps the store alive until
 /// the others are done) and releases the world and all sub-groups.
 void destroy_process_group();

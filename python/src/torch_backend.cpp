@@ -1,0 +1,282 @@
+// TorchBackend: c10d's face of a commgrad group for torch.distributed.
+//
+// The creator function `import commgrad` registers gets c10d's prefixed store
+// for one group; connect_group() exchanges host identities there and connects
+// shm (one host), hierarchical or Gloo (several hosts). Each op is then one
+// call on that transport, which already implements every collective c10d has
+// for CPU tensors (shm_process_group.h; Gloo's and the hierarchical ones for
+// groups across hosts). What this file adds is small: PREMUL_SUM as a local
+// scaling before SUM (NCCL's op, which FSDP uses to average; the scaling costs
+// one pass over the data, less than the transport's own), a timeout set by
+// setTimeout() for calls that name none, a sequence number, and commgrad's
+// error context on transport errors that lack it (Gloo's own messages).
+
+#include "torch_backend.h"
+
+#include "coalesced_work.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+namespace commgrad::python {
+namespace {
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// ReduceOp.PREMUL_SUM: NCCL's op (torch.distributed._make_nccl_premul_sum), a
+// factor that is a scalar or a one-element tensor.
+bool is_premul_sum(const c10d::ReduceOp& op) { return op.op_ == c10d::ReduceOp::PREMUL_SUM; }
+
+// Multiplies `t` in place by the PREMUL_SUM factor of `op`.
+void premultiply(at::Tensor& t, const c10d::ReduceOp& op) {
+  auto* factor = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK(factor != nullptr, "[commgrad] PREMUL_SUM without a factor");
+  if (factor->tensor_factor.defined()) {
+    t.mul_(factor->tensor_factor.to(t.device()));
+  } else {
+    t.mul_(factor->double_factor);
+  }
+}
+
+c10d::ReduceOp sum_op() { return c10d::ReduceOp(c10d::ReduceOp::SUM); }
+
+}  // namespace
+
+TorchBackend::TorchBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                           std::chrono::milliseconds timeout, const std::string& group_name)
+    : c10d::Backend(rank, size),
+      group_(connect_group(store, rank, size, ConnectOptions().timeout(timeout).name(group_name))) {}
+
+std::chrono::milliseconds TorchBackend::timeout_or(std::chrono::milliseconds requested) const {
+  if (requested != c10d::kUnsetTimeout || timeout_.count() <= 0) return requested;
+  return timeout_;
+}
+
+template <class Call>
+WorkPtr TorchBackend::run(const char* op, Call&& call) {
+  ++sequence_;
+  try {
+    return call(group_.transport());
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (what.find("[commgrad]") != std::string::npos) throw;
+    TORCH_CHECK(false, "[commgrad] ", op, " ", group_.describe(), ": ", what);
+  }
+}
+
+// ~~~ reductions ~~~
+
+WorkPtr TorchBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  if (is_premul_sum(opts.reduceOp)) {
+    for (auto& t : tensors) premultiply(t, opts.reduceOp);  // in place: allreduce overwrites them anyway
+    o.reduceOp = sum_op();
+  }
+  return run("all_reduce", [&](c10d::Backend& t) { return t.allreduce(tensors, o); });
+}
+
+WorkPtr TorchBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                          const c10d::AllreduceCoalescedOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  if (is_premul_sum(opts.reduceOp)) {
+    for (auto& t : tensors) premultiply(t, opts.reduceOp);
+    o.reduceOp = sum_op();
+  }
+  return run("all_reduce_coalesced", [&](c10d::Backend& t) { return t.allreduce_coalesced(tensors, o); });
+}
+
+WorkPtr TorchBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  TORCH_CHECK(!is_premul_sum(opts.reduceOp), "[commgrad] reduce ", group_.describe(),
+              ": ReduceOp.PREMUL_SUM is offered for all_reduce and reduce_scatter only");
+  return run("reduce", [&](c10d::Backend& t) { return t.reduce(tensors, o); });
+}
+
+WorkPtr TorchBackend::reduce_scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                     const c10d::ReduceScatterOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  if (is_premul_sum(opts.reduceOp)) {
+    for (auto& list : inputs) {
+      for (auto& t : list) {
+        t = t.clone();  // the inputs are only read
+        premultiply(t, opts.reduceOp);
+      }
+    }
+    o.reduceOp = sum_op();
+  }
+  return run("reduce_scatter", [&](c10d::Backend& t) { return t.reduce_scatter(outputs, inputs, o); });
+}
+
+WorkPtr TorchBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                           const c10d::ReduceScatterOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  at::Tensor in = input.contiguous();
+  if (is_premul_sum(opts.reduceOp)) {
+    in = input.clone();  // the input is only read
+    premultiply(in, opts.reduceOp);
+    o.reduceOp = sum_op();
+  }
+  return run("reduce_scatter_tensor", [&](c10d::Backend& t) { return t._reduce_scatter_base(output, in, o); });
+}
+
+WorkPtr TorchBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                      const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "[commgrad] reduce_scatter_tensor_coalesced ", group_.describe(), ": ",
+              outputs.size(), " outputs for ", inputs.size(), " inputs");
+  std::vector<WorkPtr> works;
+  for (size_t i = 0; i < inputs.size(); ++i) works.push_back(_reduce_scatter_base(outputs[i], inputs[i], opts));
+  return c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED);
+}
+
+// ~~~ data movement ~~~
+
+WorkPtr TorchBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  return run("broadcast", [&](c10d::Backend& t) { return t.broadcast(tensors, o); });
+}
+
+WorkPtr TorchBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                const c10d::AllgatherOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  if (group_.backend_name() != "shm" && outputs.size() == 1 && inputs.size() == 1 && uneven(outputs[0])) {
+    return allgather_padded(outputs[0], inputs[0], o);
+  }
+  return run("all_gather", [&](c10d::Backend& t) { return t.allgather(outputs, inputs, o); });
+}
+
+bool TorchBackend::uneven(const std::vector<at::Tensor>& outputs) {
+  for (const auto& t : outputs) {
+    if (t.numel() != outputs.front().numel()) return true;
+  }
+  return false;
+}
+
+// shm gathers tensors of different sizes natively; Gloo does not. Every rank
+// knows every rank's size (its outputs have them), so each pads its input to
+// the largest, one flat all-gather moves them, and the parts are copied out
+// once it is done (this call waits for it).
+WorkPtr TorchBackend::allgather_padded(std::vector<at::Tensor>& outputs, at::Tensor& input,
+                                       const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "[commgrad] all_gather ", group_.describe(), ": ",
+              outputs.size(), " output tensors for a group of ", getSize());
+  TORCH_CHECK(input.numel() == outputs[getRank()].numel(), "[commgrad] all_gather ", group_.describe(), ": input ",
+              input.sizes(), " does not match this rank's output ", outputs[getRank()].sizes());
+  int64_t most = 0;
+  for (const auto& t : outputs) most = std::max(most, t.numel());
+  auto padded = at::zeros({most}, input.options());
+  padded.narrow(0, 0, input.numel()).copy_(input.reshape({-1}));
+  auto gathered = at::empty({getSize() * most}, input.options());
+  run("all_gather", [&](c10d::Backend& t) { return t._allgather_base(gathered, padded, opts); })->wait();
+  for (int r = 0; r < getSize(); ++r) {
+    outputs[r].copy_(gathered.narrow(0, r * most, outputs[r].numel()).view(outputs[r].sizes()));
+  }
+  return c10::make_intrusive<CoalescedWork>(std::vector<WorkPtr>{}, outputs, c10d::OpType::ALLGATHER);
+}
+
+WorkPtr TorchBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  // Flat views: Gloo takes a stacked output ([n, *input.shape]) for n
+  // tensors of the input's shape and rejects it.
+  at::Tensor out = output.is_contiguous() ? output.view({-1}) : output;
+  at::Tensor in = input.contiguous().view({-1});
+  return run("all_gather_into_tensor", [&](c10d::Backend& t) { return t._allgather_base(out, in, o); });
+}
+
+WorkPtr TorchBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "[commgrad] all_gather_into_tensor_coalesced ", group_.describe(), ": ",
+              outputs.size(), " outputs for ", inputs.size(), " inputs");
+  std::vector<WorkPtr> works;
+  for (size_t i = 0; i < inputs.size(); ++i) works.push_back(_allgather_base(outputs[i], inputs[i], opts));
+  return c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED);
+}
+
+WorkPtr TorchBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& output_lists,
+                                          std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(output_lists.size() == inputs.size(), "[commgrad] all_gather_coalesced ", group_.describe(), ": ",
+              output_lists.size(), " output lists for ", inputs.size(), " inputs");
+  std::vector<WorkPtr> works;
+  std::vector<at::Tensor> flat;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<std::vector<at::Tensor>> outs{output_lists[i]};
+    std::vector<at::Tensor> in{inputs[i]};
+    works.push_back(allgather(outs, in, opts));
+    flat.insert(flat.end(), output_lists[i].begin(), output_lists[i].end());
+  }
+  return c10::make_intrusive<CoalescedWork>(std::move(works), std::move(flat), c10d::OpType::COALESCED);
+}
+
+WorkPtr TorchBackend::gather_into_tensor(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts) {
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  if (getRank() == opts.rootRank) {
+    TORCH_CHECK(output.is_contiguous() && output.numel() == input.numel() * getSize(), "[commgrad] gather_into_tensor ",
+                group_.describe(), ": the output must be contiguous and hold ", getSize(), " x ", input.numel(),
+                " elements, got ", output.sizes(), (output.is_contiguous() ? "" : " (not contiguous)"), " for input ",
+                input.sizes());
+    const auto parts = output.reshape({getSize(), -1});
+    for (int r = 0; r < getSize(); ++r) outputs[0].push_back(parts[r].view(input.sizes()));
+  } else {
+    outputs.clear();
+  }
+  std::vector<at::Tensor> inputs{input};
+  return gather(outputs, inputs, opts);
+}
+
+WorkPtr TorchBackend::gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                             const c10d::GatherOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  return run("gather", [&](c10d::Backend& t) { return t.gather(outputs, inputs, o); });
+}
+
+WorkPtr TorchBackend::scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                              const c10d::ScatterOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  return run("scatter", [&](c10d::Backend& t) { return t.scatter(outputs, inputs, o); });
+}
+
+WorkPtr TorchBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
+                                    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  at::Tensor in = input.contiguous();  // Gloo rejects strided inputs; shm would stage them the same way
+  return run("all_to_all_single", [&](c10d::Backend& t) {
+    return t.alltoall_base(output, in, output_split_sizes, input_split_sizes, o);
+  });
+}
+
+WorkPtr TorchBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                               const c10d::AllToAllOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  return run("all_to_all", [&](c10d::Backend& t) { return t.alltoall(outputs, inputs, o); });
+}
+
+WorkPtr TorchBackend::barrier(const c10d::BarrierOptions& opts) {
+  auto o = opts;
+  o.timeout = timeout_or(opts.timeout);
+  return run("barrier", [&](c10d::Backend& t) { return t.barrier(o); });
+}
+
+WorkPtr TorchBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+  return run("send", [&](c10d::Backend& t) { return t.send(tensors, dst_rank, tag); });
+}
+
+WorkPtr TorchBackend::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+  return run("recv", [&](c10d::Backend& t) { return t.recv(tensors, src_rank, tag); });
+}
+
+}  // namespace commgrad::python

@@ -1,0 +1,101 @@
+"""Bad input and failures on the "commgrad" backend: clear errors naming op,
+rank, group and shapes, never a hang.
+
+    torchrun --nproc-per-node 2 errors.py MODE
+
+MODE "input": mismatched and malformed arguments, then a timeout on a
+sub-group; the world group still works afterwards. MODE "dead_peer": rank 1
+exits in the middle of the job; rank 0's next collective fails within the
+group's timeout, naming the rank that is gone.
+"""
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import init
+
+MODE = sys.argv[1]
+RANK, N = init("commgrad", timeout_s=30)
+results = []
+
+
+def expect_error(name, fn, *needles):
+    """`fn` must raise, within seconds, an error whose message has every needle."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        missing = [n for n in needles if n not in msg]
+        took = time.monotonic() - t0
+        status = "ok" if not missing else f"missing {missing}"
+        results.append((name, status, took, msg.splitlines()[0][:300]))
+        return
+    results.append((name, "no error", time.monotonic() - t0, ""))
+
+
+def report():
+    for name, status, took, msg in results:
+        print(f"[rank {RANK}] CHECK {name}: {status} ({took:.1f}s): {msg}", flush=True)
+    bad = [r for r in results if r[1] != "ok"]
+    print(f"[rank {RANK}] errors: {len(results) - len(bad)} of {len(results)} checks passed", flush=True)
+    return not bad
+
+
+if MODE == "input":
+    # Shapes that differ across ranks: both ranks fail, naming both shapes.
+    expect_error("all_reduce shapes differ", lambda: dist.all_reduce(torch.ones(4 + RANK)),
+                 "allreduce", f"rank {RANK}/{N}", "group", "16 bytes", "20 bytes")
+    # dtypes that differ across ranks.
+    expect_error("broadcast dtypes differ",
+                 lambda: dist.broadcast(torch.ones(4, dtype=torch.float32 if RANK == 0 else torch.float64), src=0),
+                 "broadcast", f"rank {RANK}/{N}", "Float", "Double")
+    # A flat output of the wrong size (every rank).
+    expect_error("all_gather_into_tensor output size",
+                 lambda: dist.all_gather_into_tensor(torch.zeros(3 * N + 1), torch.ones(3)),
+                 "allgather", f"rank {RANK}/{N}", "[3]", f"[{3 * N + 1}]")
+    # An input that does not split into N equal parts.
+    expect_error("reduce_scatter_tensor not divisible",
+                 lambda: dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2 * N + 1)),
+                 "reduce_scatter", f"rank {RANK}/{N}", f"[{2 * N + 1}]")
+    # Splits that do not add up to the tensor.
+    expect_error("all_to_all_single bad splits",
+                 lambda: dist.all_to_all_single(torch.zeros(4), torch.ones(4), [1] * N, [3] * N),
+                 "alltoall", f"rank {RANK}/{N}", "[4]")
+    # A reduction that is not defined for the dtype.
+    expect_error("bitwise and of floats", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND),
+                 "allreduce", f"rank {RANK}/{N}", "BAND", "Float")
+    # The world group still works after all of that.
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((4,), float(N))), x
+    # A sub-group on which only rank 0 calls: it fails within its timeout.
+    pair = dist.new_group(list(range(N)), timeout=datetime.timedelta(seconds=3))
+    if RANK == 0:
+        expect_error("timeout", lambda: dist.all_reduce(torch.ones(4), group=pair), "allreduce", "rank 0/", "group", "timed out", "rank 1")
+        took = results[-1][2]
+        if took > 20:
+            results.append(("timeout within the group's timeout", f"took {took:.1f}s", took, ""))
+    dist.barrier()
+    y = torch.ones(4)
+    dist.all_reduce(y)
+    assert torch.equal(y, torch.full((4,), float(N))), y
+    ok = report()
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+if MODE == "dead_peer":
+    group = dist.new_group(list(range(N)), timeout=datetime.timedelta(seconds=10))
+    x = torch.ones(4)
+    dist.all_reduce(x, group=group)
+    if RANK == 1:
+        os._exit(0)  # gone without a word; torchrun only notices at the end
+    time.sleep(0.5)
+    expect_error("dead peer", lambda: dist.all_reduce(torch.ones(1 << 16), group=group), "allreduce", "rank 0/", "rank 1", "died")
+    ok = report() and results[-1][2] < 20
+    os._exit(0 if ok else 1)  # the world cannot shut down cleanly without rank 1
