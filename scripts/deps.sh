@@ -3,7 +3,7 @@
 # a second run installs nothing and prints nothing).
 #   COMMGRAD_TORCH=pypi    (default) PyPI's torch wheel (scripts/torch-requirements.txt)
 #                          into the project's virtual environment .venv, and
-#                          what the Python package needs (scripts/python-requirements.txt)
+#                          the Python build and test tools (scripts/python-requirements.txt)
 #   COMMGRAD_TORCH=system  Debian's libtorch-dev 1.13 and libgloo-dev
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,14 +59,7 @@ if [[ $have != "$wanted" ]]; then
   "$COMMGRAD_VENV/bin/python" -m pip install -q --disable-pip-version-check --progress-bar off \
     -r scripts/torch-requirements.txt
 fi
-# What the tests use from Python (safetensors reads a checkpoint's shard files).
-if ! "$COMMGRAD_VENV/bin/python" -c 'import safetensors' 2>/dev/null; then
-  echo "deps: installing the test requirements into ${COMMGRAD_VENV#"$PWD"/}"
-  "$COMMGRAD_VENV/bin/python" -m pip install -q --disable-pip-version-check --progress-bar off \
-    -r scripts/test-requirements.txt
-fi
-
-# The Python package's build backend and test tools, pinned.
+# The Python package's build backend and what the tests use from Python, pinned.
 if ! "$COMMGRAD_VENV/bin/python" - scripts/python-requirements.txt <<'PY' 2>/dev/null; then
 import sys
 from importlib.metadata import version
@@ -77,7 +70,7 @@ for line in open(sys.argv[1]):
         if version(name) != wanted:
             sys.exit(1)
 PY
-  echo "deps: installing the Python package's build and test tools (scripts/python-requirements.txt)"
+  echo "deps: installing the Python build and test tools (scripts/python-requirements.txt)"
   "$COMMGRAD_VENV/bin/python" -m pip install -q --disable-pip-version-check --progress-bar off \
     -r scripts/python-requirements.txt
 fi
