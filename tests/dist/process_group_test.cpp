@@ -201,7 +201,7 @@ TEST(ProcessGroup, ConnectGroupRejectsBadRanksAndBackends) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   EXPECT_THAT(message_of([&] { connect_group(store, 2, 2, ConnectOptions().name("pg3")); }),
               HasSubstr("connect_group 'pg3': needs rank in [0, size)"));
-  EXPECT_THAT(message_of([&] { connect_group(nullptr, 0, 1); }), HasSubstr("the store is null"));
+  EXPECT_THAT(message_of([&] { connect_group(detail::StorePtr(), 0, 1); }), HasSubstr("the store is null"));
   EXPECT_THAT(message_of([&] { connect_group(store, 0, 1, ConnectOptions().backend("mpi2")); }),
               HasSubstr("backend 'mpi2' is not available"));
 }
