@@ -22,7 +22,7 @@ from common import Checks, init
 
 BACKEND, OUT_DIR = sys.argv[1], sys.argv[2]
 RANK, N = init(BACKEND)
-STEPS = 8
+STEPS = 20
 DIM, HIDDEN = 16, 24  # HIDDEN divisible by 1-4 ranks (DTensor shards it)
 
 
