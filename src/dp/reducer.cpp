@@ -354,10 +354,13 @@ void DdpReducer::finish_bucket(size_t b, std::exception_ptr& error) {
     }
   }
   work = CommWork{};
-  if (release()) {
-    bucket.buffer = at::Tensor();
-    bucket.views.clear();
-  }
+  release_buffer(bucket);
+}
+
+void DdpReducer::release_buffer(Bucket& bucket) {
+  if (!release()) return;
+  bucket.buffer = at::Tensor();
+  bucket.views.clear();
 }
 
 std::string DdpReducer::bucket_context(size_t b) const {
@@ -470,10 +473,7 @@ void DdpReducer::wait_all_quietly() {
       COMMGRAD_LOG(kWarn, kOp, " ", group_.describe(), ": ignoring a failed bucket reduction: ", e.what());
     }
     b.work = CommWork{};
-    if (release()) {
-      b.buffer = at::Tensor();
-      b.views.clear();
-    }
+    release_buffer(b);
   }
 }
 

@@ -95,7 +95,17 @@ struct ZeroOptimizer::Impl {
   double clip();
   void all_gather_parameters();
   Shard* shard_with(const std::string& param, int64_t param_begin, size_t* segment);
+  /// The state of a shard's range: the inner optimizer's, plus "master" for
+  /// float32 master weights; nullopt before the first step.
+  std::optional<ParamState> state_of(const Shard& s) const;
 };
+
+std::optional<ParamState> ZeroOptimizer::Impl::state_of(const Shard& s) const {
+  if (!s.master.defined()) return std::nullopt;
+  auto state = get_param_state(*optimizer, s.master);
+  if (state && s.separate_master) state->tensors.emplace_back(kMaster, s.master);
+  return state;
+}
 
 ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, OptimizerFactory make_optimizer,
                              ZeroOptimizerOptions options)
@@ -319,12 +329,10 @@ std::vector<ZeroShardInfo> ZeroOptimizer::shards() const {
 }
 
 int64_t ZeroOptimizer::state_bytes() const {
-  int64_t bytes = 0;
+  int64_t bytes = 0;  // master weights count as optimizer state
   for (const auto& s : impl_->shards) {
-    if (!s.master.defined()) continue;
-    if (auto state = get_param_state(*impl_->optimizer, s.master)) {
+    if (auto state = impl_->state_of(s)) {
       for (const auto& entry : state->tensors) bytes += bytes_of(entry.second);
-      if (s.separate_master) bytes += bytes_of(s.master);  // master weights count as optimizer state
     }
   }
   return bytes;
@@ -343,15 +351,11 @@ int64_t ZeroOptimizer::gradient_bytes() const {
 std::vector<ZeroOptimizer::StateShard> ZeroOptimizer::state_shards() const {
   std::vector<StateShard> out;
   for (const auto& s : impl_->shards) {
-    if (!s.master.defined()) continue;
-    const auto state = get_param_state(*impl_->optimizer, s.master);
+    const auto state = impl_->state_of(s);
     if (!state) continue;
     for (const auto& seg : s.info.segments) {
       for (const auto& [name, tensor] : state->tensors) {
         out.push_back({seg.name, name, seg.param_begin, tensor.narrow(0, seg.shard_offset, seg.length)});
-      }
-      if (s.separate_master) {
-        out.push_back({seg.name, kMaster, seg.param_begin, s.master.narrow(0, seg.shard_offset, seg.length)});
       }
     }
   }
@@ -368,8 +372,7 @@ std::vector<std::string> ZeroOptimizer::state_names() {
 
 int64_t ZeroOptimizer::step_count() const {
   for (const auto& s : impl_->shards) {
-    if (!s.master.defined()) continue;
-    if (auto state = get_param_state(*impl_->optimizer, s.master)) return state->step.value_or(0);
+    if (auto state = impl_->state_of(s)) return state->step.value_or(0);
   }
   return 0;
 }
@@ -422,15 +425,12 @@ void ZeroOptimizer::load_state_shards(const std::vector<StateShard>& shards, int
 torch::OrderedDict<std::string, at::Tensor> ZeroOptimizer::full_state_dict() {
   auto& m = *impl_;
   at::NoGradGuard no_grad;
-  auto names = param_state_names(*m.optimizer);
-  names.push_back(kMaster);
+  const auto names = state_names();
   torch::OrderedDict<std::string, at::Tensor> out;
   // Which state tensors exist anywhere (a rank with empty ranges has none).
   auto present = at::zeros({static_cast<int64_t>(names.size()) + 1}, at::kLong);
   for (const auto& s : m.shards) {
-    if (!s.master.defined()) continue;
-    if (auto state = get_param_state(*m.optimizer, s.master)) {
-      if (s.separate_master) state->tensors.emplace_back(kMaster, s.master);
+    if (auto state = m.state_of(s)) {
       for (size_t k = 0; k < names.size(); ++k) {
         for (const auto& entry : state->tensors) {
           if (entry.first == names[k]) present[k] = 1;
@@ -445,12 +445,9 @@ torch::OrderedDict<std::string, at::Tensor> ZeroOptimizer::full_state_dict() {
     for (auto& s : m.shards) {
       // Every rank's ranges of a bucket share one dtype (the master's).
       auto mine = at::zeros({s.chunk}, s.params.options().dtype(s.state_dtype));
-      if (s.master.defined()) {
-        if (auto state = get_param_state(*m.optimizer, s.master)) {
-          if (s.separate_master) state->tensors.emplace_back(kMaster, s.master);
-          for (const auto& entry : state->tensors) {
-            if (entry.first == names[k]) mine.narrow(0, 0, entry.second.numel()).copy_(entry.second);
-          }
+      if (auto state = m.state_of(s)) {
+        for (const auto& entry : state->tensors) {
+          if (entry.first == names[k]) mine.narrow(0, 0, entry.second.numel()).copy_(entry.second);
         }
       }
       const auto full = ops::raw::all_gather(mine, {}, m.group).wait();
@@ -466,8 +463,7 @@ torch::OrderedDict<std::string, at::Tensor> ZeroOptimizer::full_state_dict() {
 
 void ZeroOptimizer::load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& full) {
   auto& m = *impl_;
-  auto names = param_state_names(*m.optimizer);
-  names.push_back(kMaster);
+  const auto names = state_names();
   const auto* step = full.find("step");
   COMMGRAD_CHECK(step, kOp, m.group, "load_full_state_dict: no 'step' entry");
   std::vector<StateShard> mine;

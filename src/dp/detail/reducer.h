@@ -93,6 +93,7 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
   void mark_ready(size_t index);
   void launch_ready_buckets(bool during_backward);
   void ensure_buffer(Bucket& bucket);
+  void release_buffer(Bucket& bucket);  // with release_gradients: free it until the next backward
   void finish_bucket(size_t b, std::exception_ptr& error);
   bool release() const { return options_.release_gradients(); }
   bool as_bucket_view() const { return options_.gradient_as_bucket_view() && !release(); }
