@@ -1,35 +1,45 @@
-// A small GPT trained tensor x pipeline x data parallel, checked against
-// the same model on one rank.
+// A small GPT trained tensor x pipeline x data parallel (+ sequence
+// parallel), checked against the same model on one rank.
 //
-//   commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2 [--microbatches 4] [--steps 10]
-//                               [--schedule 1f1b|gpipe|interleaved] [--check]
+//   commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2 [--sp] [--microbatches 4] [--steps 10]
+//                               [--schedule 1f1b|gpipe|interleaved] [--stages-per-rank 2]
+//                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
+//                               [--curve PREFIX|none] [--check]
 //
-// The model: a vocabulary-parallel embedding plus learned positions, N
-// ParallelTransformerLayers (pre-LayerNorm, causal attention, Megatron's
-// column/row-parallel split), a final LayerNorm and a vocabulary-parallel
-// output layer with vocabulary-parallel cross entropy. Every layer is
-// initialised from its own seed, so the model is the same at every layout.
-// The ranks follow Megatron's order (tp::make_model_parallel): a pipeline of
-// `pp` stages (layers split evenly), each stage split over `tp` ranks, and
-// `dp` replicas of the whole, trained with the sharded optimizer (ZeRO-2,
-// AdamW, global-norm clipping over every stage and TP rank) on a
-// deterministic byte-level corpus. Each step takes a global batch of 8
-// sequences: every replica its 8/dp rows, split into `microbatches`.
+// The model (examples/gpt/model.h): a vocabulary-parallel embedding plus
+// learned positions, 4 ParallelTransformerLayers, a final LayerNorm and the
+// output layer tied to the embedding, with vocabulary-parallel cross
+// entropy. The ranks follow Megatron's order (tp::make_model_parallel): a
+// pipeline of `pp` ranks (each with `stages-per-rank` stages under the
+// interleaved schedule), each stage split over `tp` ranks, and `dp` replicas
+// of the whole, trained with the sharded optimizer (ZeRO-2, AdamW,
+// global-norm clipping over every stage and TP rank; the tied embedding's
+// gradient summed between the first and last stage). Each step takes a
+// global batch of 8 sequences of a deterministic corpus (examples/gpt/
+// corpus.h; --text FILE: the file's bytes): every replica its 8/dp rows,
+// split into `microbatches`.
 //
-// With --check every rank also trains the model alone (TP = PP = DP = 1) on
-// the whole batches and rank 0 compares the loss curves step by step: the
-// program exits non-zero when they part by more than 1e-5 (relative; float32,
-// different reduction orders).
+// Rank 0 shows the progress (one updating line on a terminal, plain lines
+// otherwise) and writes the loss curve to PREFIX.csv and PREFIX.svg
+// (default gpt_train_loss). --save DIR writes a sharded checkpoint (model
+// and optimizer) at the end, and every K steps with --save-every; --resume
+// DIR continues from its latest step under any layout.
 //
-//   [0] GPT: 4 layers, hidden 32, 4 heads, vocab 64, sequence 16; TP=2 x PP=2 x DP=2, 1f1b, 4 microbatches
-//   [0] step 1/10: loss 4.359748 (one rank 4.359748)
+// With --check every rank also trains the model alone (TP = PP = DP = 1)
+// from step 1 and rank 0 compares the curves step by step (after a resume,
+// the steps this run trained): the program exits non-zero when they part by
+// more than 1e-5 (relative; float32, different reduction orders).
+//
+//   [0] GPT: 4 layers, hidden 32, 4 heads, vocab 64, sequence 16, tied embeddings; TP=2 x PP=2 x DP=2, 1f1b, ...
+//   [0] step 1/10: loss 4.171530, 2409 tokens/s, ETA 0 s
 //   [0] ...
-//   [0] step 10/10: loss 3.172173 (one rank 3.172173)
-//   [0] max relative difference from one rank 9.2e-08 (tolerance 1e-05): ok
-//
-// Not yet: tied input/output embeddings, sequence parallelism, the
-// interleaved schedule, --save/--resume, a live progress line and the CSV
-// and plot of the curve.
+//   [0] check step 10/10: loss 3.027105 (one rank 3.027105)
+//   [0] max relative difference from one rank 7.4e-08 (tolerance 1e-05): ok
+
+#include "gpt/corpus.h"
+#include "gpt/loss_curve.h"
+#include "gpt/model.h"
+#include "gpt/progress.h"
 
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
@@ -40,122 +50,107 @@
 #include <vector>
 
 namespace tp = commgrad::tp;
+namespace checkpoint = commgrad::checkpoint;
 
 namespace {
 
-constexpr int64_t kVocab = 64;
-constexpr int64_t kSeq = 16;
-constexpr int64_t kHidden = 32;
-constexpr int64_t kHeads = 4;
-constexpr int64_t kFfn = 64;
-constexpr int64_t kLayers = 4;
 constexpr int64_t kBatch = 8;  // global, divisible by dp * microbatches for dp, m in {1, 2, 4, 8}
 constexpr double kTolerance = 1e-5;
 
 struct Config {
   int tp = 1, pp = 1, dp = 1;
+  bool sp = false;
   int microbatches = 4;
   int steps = 10;
   std::string schedule = "1f1b";
+  int stages_per_rank = 0;  // 0: 2 for the interleaved schedule, else 1
+  std::string save, resume, text;
+  int save_every = 0;
+  std::string curve = "gpt_train_loss";
   bool check = false;
+
+  std::string layout() const {
+    return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp) +
+           (sp ? " (SP)" : "");
+  }
 };
 
-// The stages of the model this rank holds: stage `stage` of `stages`.
-struct GptStageImpl : torch::nn::Module {
-  GptStageImpl(int stage, int stages, const commgrad::Group& tp_group) : first(stage == 0), last(stage + 1 == stages) {
-    if (first) {
-      embedding = register_module(
-          "embedding", tp::VocabParallelEmbedding(tp::VocabParallelEmbeddingOptions(kVocab, kHidden, tp_group).seed(1)));
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
-      positions = register_parameter("positions", at::randn({kSeq, 1, kHidden}, gen) * 0.02);
-    }
-    const int64_t per_stage = kLayers / stages;
-    for (int64_t l = stage * per_stage; l < (stage + 1) * per_stage; ++l) {
-      layers.push_back(register_module(
-          "layer" + std::to_string(l),
-          tp::ParallelTransformerLayer(tp::ParallelTransformerLayerOptions(kHidden, kHeads, kFfn, tp_group).seed(100 + l))));
-    }
-    if (last) {
-      final_norm = register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
-      head = register_module("head", tp::ColumnParallelLinear(
-                                         tp::ColumnParallelLinearOptions(kHidden, kVocab, tp_group).bias(false).seed(3)));
-    }
-  }
-  // First stage: token ids [b, s]; others: activations [s, b, h]. Last stage: logits [s, b, V/tp].
-  torch::Tensor forward(const torch::Tensor& input) {
-    auto x = first ? embedding(input.t()) + positions : input;
-    for (auto& layer : layers) x = layer(x);
-    return last ? head(final_norm(x)) : x;
-  }
-  bool first, last;
-  tp::VocabParallelEmbedding embedding{nullptr};
-  torch::Tensor positions;
-  std::vector<tp::ParallelTransformerLayer> layers;
-  torch::nn::LayerNorm final_norm{nullptr};
-  tp::ColumnParallelLinear head{nullptr};
-};
-TORCH_MODULE(GptStage);
-
-// A deterministic byte-level corpus: words of a small alphabet with a
-// repeating structure, so the loss falls within a few steps. Step k's batch:
-// inputs [kBatch, kSeq] and targets (the next tokens).
-std::pair<torch::Tensor, torch::Tensor> batch_of(int k) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + k);
-  auto start = at::randint(0, kVocab, {kBatch, 1}, gen);
-  auto steps = at::arange(kSeq + 1).unsqueeze(0);
-  auto tokens = (start * 5 + steps * 3 + steps.div(4, "floor") * 7).remainder(kVocab);
-  return {tokens.narrow(1, 0, kSeq).contiguous(), tokens.narrow(1, 1, kSeq).contiguous()};
-}
-
-// The groups of a layout (tp::ParallelState's, or one rank's own group for all three).
+// The groups of a layout (tp::ParallelState's, or one rank's own group for all).
 struct Layout {
-  commgrad::Group tp, pp, dp;
+  commgrad::Group tp, pp, dp, embedding;
 };
 
-std::unique_ptr<commgrad::optim::ZeroOptimizer> make_optimizer(GptStage& stage, const Layout& state) {
-  return std::make_unique<commgrad::optim::ZeroOptimizer>(
-      stage,
-      [](std::vector<torch::Tensor> shards) {
-        return std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
-      },
-      commgrad::optim::ZeroOptimizerOptions(commgrad::dp::DistributedDataParallelOptions(state.dp))
-          .stage(2)
-          .max_grad_norm(1.0)
-          .tensor_parallel_group(state.tp)
-          .pipeline_parallel_group(state.pp));
-}
-
-// Trains `steps` steps at the layout of `state`; returns the loss of each step
-// (the mean over the replicas), the same on every rank.
-std::vector<double> train(const Config& c, const Layout& state, int microbatches) {
-  const int stages = state.pp.size();
-  GptStage stage(state.pp.rank(), stages, state.tp);
-  auto zero = make_optimizer(stage, state);
-  const auto tp_group = state.tp;
-  auto loss = [tp_group](const torch::Tensor& logits, const torch::Tensor& targets) {
-    return tp::vocab_parallel_cross_entropy(logits, targets.t(), tp::CrossEntropyOptions().group(tp_group));
-  };
-  commgrad::pp::Pipeline pipe({[stage](const torch::Tensor& x) mutable { return stage->forward(x); }}, loss,
-                              commgrad::pp::PipelineOptions(microbatches)
-                                  .schedule(c.schedule == "interleaved" && stages == 1 ? "1f1b" : c.schedule)
-                                  .group(state.pp)
-                                  .no_sync({commgrad::pp::no_sync_of(*zero)}));
-  const int dp = state.dp.rank();
-  const int replicas = state.dp.size();
-  std::vector<double> losses;
-  for (int k = 0; k < c.steps; ++k) {
-    auto [x, y] = batch_of(k);
-    zero->zero_grad();
-    const auto result = pipe.step(x.chunk(replicas, 0)[dp], y.chunk(replicas, 0)[dp]);
-    zero->step();
-    auto mean = commgrad::ops::raw::all_reduce(torch::full({1}, result.loss, torch::kDouble),
-                                               commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg),
-                                               state.dp)
-                    .wait();
-    losses.push_back(mean.item<double>());
+// One rank's part of the model, its optimizer and its pipeline.
+class Trainer {
+ public:
+  Trainer(const Config& c, const gpt::GptConfig& model_config, const Layout& layout)
+      : layout_(layout),
+        model_(model_config, layout.pp.rank(), layout.pp.size(), c.stages_per_rank, layout.tp) {
+    zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
+        model_,
+        [](std::vector<torch::Tensor> shards) {
+          return std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
+        },
+        commgrad::optim::ZeroOptimizerOptions(commgrad::dp::DistributedDataParallelOptions(layout.dp))
+            .stage(2)
+            .max_grad_norm(1.0)
+            .tensor_parallel_group(layout.tp)
+            .pipeline_parallel_group(layout.pp)
+            .tied_parameters(model_->tied_parameters())
+            .tied_group(layout.embedding));
+    std::vector<commgrad::pp::StageFunction> stages;
+    for (int v = 0; v < c.stages_per_rank; ++v) {
+      stages.push_back([model = model_, v](const torch::Tensor& x) mutable { return model->forward_stage(v, x); });
+    }
+    pipe_ = std::make_unique<commgrad::pp::Pipeline>(
+        std::move(stages),
+        [model = model_](const torch::Tensor& logits, const torch::Tensor& y) { return model->loss(logits, y); },
+        commgrad::pp::PipelineOptions(c.microbatches)
+            .schedule(layout.pp.size() == 1 && c.schedule == "interleaved" ? "1f1b" : c.schedule)
+            .stages_per_rank(c.stages_per_rank)
+            .group(layout.pp)
+            .no_sync({commgrad::pp::no_sync_of(*zero_)}));
   }
-  return losses;
-}
+
+  // Step k (0-based) of the corpus; returns the loss (the mean over the
+  // replicas), the same on every rank.
+  double step(const gpt::Corpus& corpus, int k) {
+    auto [x, y] = corpus.batch(k, kBatch, model_->config().sequence);
+    const int replicas = layout_.dp.size();
+    const int replica = layout_.dp.rank();
+    zero_->zero_grad();
+    const auto result = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
+    zero_->step();
+    return commgrad::ops::raw::all_reduce(torch::full({1}, result.loss, torch::kDouble),
+                                          commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg), layout_.dp)
+        .wait()
+        .item<double>();
+  }
+
+  void save(const std::string& root, int step, const std::string& layout) {
+    auto pieces = checkpoint::module_pieces(*model_);
+    for (auto& p : checkpoint::optimizer_pieces(*zero_)) pieces.push_back(std::move(p));
+    checkpoint::save(root, step, pieces, {{"layout", layout}}, checkpoint::SaveOptions().keep(2));
+  }
+
+  // Loads the latest step under `root`; returns it and the layout it was saved at.
+  std::pair<int, std::string> load(const std::string& root) {
+    auto model = checkpoint::module_pieces(*model_);
+    auto optim = checkpoint::optimizer_load_pieces(*zero_);
+    auto all = model;
+    all.insert(all.end(), optim.begin(), optim.end());
+    const auto result = checkpoint::load(root, all);
+    checkpoint::restore_optimizer(*zero_, std::vector<checkpoint::TensorPiece>(all.begin() + model.size(), all.end()),
+                                  result);
+    return {static_cast<int>(result.step), result.metadata.value("layout", std::string("?"))};
+  }
+
+ private:
+  Layout layout_;
+  gpt::GptRank model_;
+  std::unique_ptr<commgrad::optim::ZeroOptimizer> zero_;
+  std::unique_ptr<commgrad::pp::Pipeline> pipe_;
+};
 
 Config parse(int argc, char** argv) {
   Config c;
@@ -165,25 +160,55 @@ Config parse(int argc, char** argv) {
     if (flag == "--tp" && value) c.tp = std::stoi(argv[++i]);
     else if (flag == "--pp" && value) c.pp = std::stoi(argv[++i]);
     else if (flag == "--dp" && value) c.dp = std::stoi(argv[++i]);
+    else if (flag == "--sp") c.sp = true;
     else if (flag == "--microbatches" && value) c.microbatches = std::stoi(argv[++i]);
     else if (flag == "--steps" && value) c.steps = std::stoi(argv[++i]);
     else if (flag == "--schedule" && value) c.schedule = argv[++i];
+    else if (flag == "--stages-per-rank" && value) c.stages_per_rank = std::stoi(argv[++i]);
+    else if (flag == "--save" && value) c.save = argv[++i];
+    else if (flag == "--save-every" && value) c.save_every = std::stoi(argv[++i]);
+    else if (flag == "--resume" && value) c.resume = argv[++i];
+    else if (flag == "--text" && value) c.text = argv[++i];
+    else if (flag == "--curve" && value) c.curve = argv[++i];
     else if (flag == "--check") c.check = true;
     else {
       throw std::invalid_argument(
-          "usage: gpt_train [--tp N] [--pp N] [--dp N] [--microbatches N] [--steps N] "
-          "[--schedule 1f1b|gpipe|interleaved] [--check]");
+          "usage: gpt_train [--tp N] [--pp N] [--dp N] [--sp] [--microbatches N] [--steps N] "
+          "[--schedule 1f1b|gpipe|interleaved] [--stages-per-rank V] [--save DIR [--save-every K]] "
+          "[--resume DIR] [--text FILE] [--curve PREFIX|none] [--check]");
     }
   }
-  if (kLayers % c.pp != 0) {
-    throw std::invalid_argument(std::to_string(kLayers) + " layers do not split into " + std::to_string(c.pp) + " stages");
+  if (c.stages_per_rank == 0) c.stages_per_rank = c.schedule == "interleaved" ? 2 : 1;
+  if (c.stages_per_rank != 1 && c.schedule != "interleaved") {
+    throw std::invalid_argument("--stages-per-rank " + std::to_string(c.stages_per_rank) +
+                                " needs --schedule interleaved");
   }
   if (kBatch % (c.dp * c.microbatches) != 0) {
     throw std::invalid_argument("the global batch of " + std::to_string(kBatch) + " does not split into " +
                                 std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
   }
-  if (c.schedule == "interleaved") throw std::invalid_argument("--schedule interleaved: not yet (one stage per rank)");
+  if (c.save_every < 0 || (c.save_every > 0 && c.save.empty())) {
+    throw std::invalid_argument("--save-every needs --save DIR and a positive number of steps");
+  }
   return c;
+}
+
+// Trains the model alone on every rank (a world of one per rank; new_group
+// is collective over the world) from step 1; returns the losses.
+std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus) {
+  commgrad::Group alone;
+  for (int r = 0; r < commgrad::world_size(); ++r) {
+    auto g = commgrad::new_group({r}, commgrad::NewGroupOptions().name("alone" + std::to_string(r)));
+    if (r == commgrad::rank()) alone = g;
+  }
+  c.schedule = "1f1b";
+  c.stages_per_rank = 1;
+  auto config = model_config;
+  config.sequence_parallel = false;
+  Trainer trainer(c, config, Layout{alone, alone, alone, alone});
+  std::vector<double> losses;
+  for (int k = 0; k < c.steps; ++k) losses.push_back(trainer.step(corpus, k));
+  return losses;
 }
 
 }  // namespace
@@ -198,45 +223,68 @@ int main(int argc, char** argv) {
       throw std::invalid_argument("--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) + " x --dp " +
                                   std::to_string(c.dp) + " is not the world size " + std::to_string(n));
     }
+    gpt::GptConfig model_config;
+    const auto corpus =
+        c.text.empty() ? gpt::Corpus::synthetic(model_config.vocab) : gpt::Corpus::from_file(c.text, model_config.sequence);
+    model_config.vocab = corpus.vocab();
+    model_config.sequence_parallel = c.sp;
     if (rank == 0) {
       std::cout << commgrad::build_info().to_string() << "\n";
-      std::printf("GPT: %lld layers, hidden %lld, %lld heads, vocab %lld, sequence %lld; TP=%d x PP=%d x DP=%d, %s, %d "
-                  "microbatches\n",
-                  static_cast<long long>(kLayers), static_cast<long long>(kHidden), static_cast<long long>(kHeads),
-                  static_cast<long long>(kVocab), static_cast<long long>(kSeq), c.tp, c.pp, c.dp, c.schedule.c_str(),
-                  c.microbatches);
+      std::printf("GPT: %lld layers, hidden %lld, %lld heads, vocab %lld, sequence %lld, tied embeddings; %s, %s",
+                  static_cast<long long>(model_config.layers), static_cast<long long>(model_config.hidden),
+                  static_cast<long long>(model_config.heads), static_cast<long long>(model_config.vocab),
+                  static_cast<long long>(model_config.sequence), c.layout().c_str(), c.schedule.c_str());
+      if (c.stages_per_rank > 1) std::printf(" (%d stages per rank)", c.stages_per_rank);
+      std::printf(", %d microbatches; data %s\n", c.microbatches, corpus.describe().c_str());
       std::fflush(stdout);
     }
     const auto state = tp::make_model_parallel(c.tp, c.pp, commgrad::world());
-    const auto losses = train(c, Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
-                                        state.data_parallel_group()},
-                              c.microbatches);
-
-    std::vector<double> reference;
-    if (c.check) {
-      // Every rank alone: a world of one per rank (new_group is collective over the world).
-      commgrad::Group alone;
-      for (int r = 0; r < n; ++r) {
-        auto g = commgrad::new_group({r}, commgrad::NewGroupOptions().name("alone" + std::to_string(r)));
-        if (r == rank) alone = g;
-      }
-      reference = train(c, Layout{alone, alone, alone}, c.microbatches);
+    Trainer trainer(c, model_config,
+                    Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(), state.data_parallel_group(),
+                           state.embedding_group()});
+    int start = 0;  // steps done before this run
+    if (!c.resume.empty()) {
+      const auto [step, saved_layout] = trainer.load(c.resume);
+      start = step;
+      if (rank == 0) std::printf("resumed from step %d of %s (saved at %s)\n", start, c.resume.c_str(), saved_layout.c_str());
     }
-    double worst = 0;
-    for (int k = 0; k < c.steps; ++k) {
-      if (c.check) worst = std::max(worst, std::abs(losses[k] - reference[k]) / std::abs(reference[k]));
-      if (rank == 0) {
-        if (c.check) {
-          std::printf("step %d/%d: loss %.6f (one rank %.6f)\n", k + 1, c.steps, losses[k], reference[k]);
-        } else {
-          std::printf("step %d/%d: loss %.6f\n", k + 1, c.steps, losses[k]);
+    std::vector<gpt::CurvePoint> curve;
+    gpt::Progress progress(start + 1, c.steps, kBatch * model_config.sequence);
+    int saved = -1;
+    for (int k = start; k < c.steps; ++k) {
+      curve.push_back({k + 1, trainer.step(corpus, k), std::nullopt});
+      if (rank == 0) progress.step(k + 1, curve.back().loss);
+      if (!c.save.empty() && (k + 1 == c.steps || (c.save_every > 0 && (k + 1) % c.save_every == 0))) {
+        trainer.save(c.save, k + 1, c.layout());
+        saved = k + 1;
+      }
+    }
+    if (rank == 0) {
+      progress.finish();
+      if (saved > 0) std::printf("saved step %d in %s\n", saved, c.save.c_str());
+    }
+
+    bool ok = true;
+    if (c.check) {
+      const auto reference = train_alone(c, model_config, corpus);
+      double worst = 0;
+      for (auto& point : curve) {
+        point.reference = reference[point.step - 1];
+        worst = std::max(worst, std::abs(point.loss - *point.reference) / std::abs(*point.reference));
+        if (rank == 0) {
+          std::printf("check step %d/%d: loss %.6f (one rank %.6f)\n", point.step, c.steps, point.loss, *point.reference);
         }
       }
+      ok = worst <= kTolerance;
+      if (rank == 0) {
+        std::printf("max relative difference from one rank %.2g (tolerance %.0e): %s\n", worst, kTolerance,
+                    ok ? "ok" : "MISMATCH");
+      }
     }
-    const bool ok = !c.check || worst <= kTolerance;
-    if (c.check && rank == 0) {
-      std::printf("max relative difference from one rank %.2g (tolerance %.0e): %s\n", worst, kTolerance,
-                  ok ? "ok" : "MISMATCH");
+    if (rank == 0 && c.curve != "none" && !curve.empty()) {
+      gpt::write_csv(c.curve + ".csv", curve);
+      gpt::write_svg(c.curve + ".svg", curve, "gpt_train " + c.layout() + ", " + c.schedule);
+      std::printf("loss curve: %s.csv, %s.svg\n", c.curve.c_str(), c.curve.c_str());
     }
     std::fflush(stdout);
     commgrad::destroy_process_group();

@@ -101,7 +101,7 @@ struct EndOfBackward {
 }  // namespace
 
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& tensors, int64_t first_cap_bytes,
-                                                int64_t cap_bytes) {
+                                                int64_t cap_bytes, const std::vector<char>& alone) {
   struct Open {
     std::vector<size_t> indices;
     int64_t bytes = 0;
@@ -112,6 +112,14 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& t
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     auto& bucket = open[{static_cast<int>(t.scalar_type()), t.device().str()}];
+    if (i < alone.size() && alone[i]) {
+      // Close the open bucket first: buckets launch in order, so the ones
+      // after this tensor must not wait for gradients that come later.
+      if (!bucket.indices.empty()) buckets.push_back(std::move(bucket.indices));
+      bucket.indices.clear();
+      buckets.push_back({i});
+      continue;
+    }
     bucket.indices.push_back(i);
     bucket.bytes += t.numel() * static_cast<int64_t>(t.element_size());
     if (bucket.bytes >= (bucket.first ? first_cap_bytes : cap_bytes)) {
@@ -133,15 +141,22 @@ DdpReducer::DdpReducer(Group group, DistributedDataParallelOptions options, std:
     : group_(std::move(group)), options_(std::move(options)), buffers_(std::move(buffers)) {
   // Reduction order: reverse registration order.
   std::vector<at::Tensor> ordered;
+  std::vector<char> alone;
+  const auto& own = options_.own_bucket();
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
     Param p;
     p.name = it->first;
     p.tensor = it->second;
+    alone.push_back(std::find(own.begin(), own.end(), p.name) != own.end());
     params_.push_back(std::move(p));
     ordered.push_back(it->second);
   }
-  const auto assignment =
-      assign_buckets(ordered, mib_to_bytes(options_.first_bucket_cap_mb()), mib_to_bytes(options_.bucket_cap_mb()));
+  for (const auto& name : own) {
+    COMMGRAD_CHECK(std::any_of(params_.begin(), params_.end(), [&](const Param& p) { return p.name == name; }), kOp,
+                   group_, "own_bucket names '", name, "', which is not a trainable parameter of the module");
+  }
+  const auto assignment = assign_buckets(ordered, mib_to_bytes(options_.first_bucket_cap_mb()),
+                                         mib_to_bytes(options_.bucket_cap_mb()), alone);
 
   at::NoGradGuard no_grad;
   const int64_t multiple = options_.bucket_multiple();

@@ -21,6 +21,9 @@
 // gradient: their segments are summed over the TP group first (one
 // all-reduce; the TP ranks of one DP rank have the same ranges), which is
 // what tp::allreduce_sequence_parallel_grads() does for unsharded training.
+// Tied parameters (a pipeline's shared embedding) sit alone in their
+// buckets, so their copies on the ranks of the tied group have the same
+// ranges; this rank's range of each is summed over the tied group next.
 // Then optional clipping by the global norm: each rank sums the squares of
 // its ranges (float64; with a TP group, TP-replicated parameters only on TP
 // rank 0), one all-reduce over the DP group (and one over the TP group)
@@ -77,6 +80,7 @@ struct ZeroOptimizer::Impl {
                                        // ZeRO-1: an alias of DDP's bucket buffer)
     std::vector<char> counted;         // per segment: part of the global norm on this rank
     std::vector<char> partial;         // per segment: a partial_grad parameter, summed over TP in step()
+    bool tied = false;                 // the bucket of a tied parameter, summed over the tied group in step()
     bool fresh = false;                // reduced since the last step
   };
 
@@ -90,7 +94,9 @@ struct ZeroOptimizer::Impl {
   Group partial_group;  // the TP group of partial_grad (sequence-parallel) parameters
 
   void build_shards();
+  void check_tied() const;
   void sum_partial_gradients();
+  void sum_tied_gradients();
   void install_hook();
   double clip();
   void all_gather_parameters();
@@ -121,8 +127,16 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
   m.module = std::move(module);
   m.options = std::move(options);
   const Group group = ops::raw::resolve_group(m.options.ddp().group());
+  for (const auto& name : m.options.tied_parameters()) {
+    const auto* p = m.module->named_parameters().find(name);
+    COMMGRAD_CHECK(p != nullptr && p->requires_grad(), kOp, group, "tied parameter '", name,
+                   "' is not a trainable parameter of the module");
+  }
   auto ddp_options = m.options.ddp();
+  auto own_bucket = ddp_options.own_bucket();
+  own_bucket.insert(own_bucket.end(), m.options.tied_parameters().begin(), m.options.tied_parameters().end());
   ddp_options.group(group)
+      .own_bucket(own_bucket)
       .bucket_multiple(group.size())
       .release_gradients(m.options.stage() == 2)
       .gradient_as_bucket_view(m.options.stage() == 1);
@@ -136,6 +150,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
                    "; only floating-point parameters can be optimized");
   }
   m.build_shards();
+  m.check_tied();
   std::vector<at::Tensor> masters;
   for (const auto& s : m.shards) {
     if (s.master.defined()) masters.push_back(s.master);
@@ -154,8 +169,11 @@ void ZeroOptimizer::Impl::build_shards() {
   const auto specs = tp::shard_specs(*module);
   const bool tp = options.tensor_parallel_group().defined() && options.tensor_parallel_group().size() > 1;
   const bool tp_first = !tp || options.tensor_parallel_group().rank() == 0;
+  const auto& tied = options.tied_parameters();
+  const bool tied_first = !options.tied_group().defined() || options.tied_group().rank() == 0;
   for (const auto& bucket : ddp->buckets()) {
     Shard s;
+    s.tied = bucket.names.size() == 1 && std::find(tied.begin(), tied.end(), bucket.names.front()) != tied.end();
     s.info.bucket_numel = bucket.numel;
     s.info.padded_numel = bucket.padded_numel;
     s.chunk = bucket.padded_numel / n;
@@ -180,7 +198,7 @@ void ZeroOptimizer::Impl::build_shards() {
       if (lo < hi) {
         s.info.segments.push_back({name, lo - offset, lo - s.info.begin, hi - lo});
         const bool replicated = !specs.contains(name) || !specs[name].spec.is_partitioned();
-        s.counted.push_back(!replicated || tp_first);
+        s.counted.push_back((!replicated || tp_first) && (!s.tied || tied_first));
         const bool partial = specs.contains(name) && specs[name].spec.partial_grad;
         s.partial.push_back(partial);
         if (partial && !partial_group.defined()) {
@@ -225,6 +243,23 @@ void ZeroOptimizer::Impl::install_hook() {
   });
 }
 
+namespace {
+
+// Sums `parts` (views) over `group` in place, with one all-reduce. Every rank
+// of the group passes parts of the same sizes.
+void sum_in_place(std::vector<at::Tensor>& parts, const Group& group) {
+  if (parts.empty()) return;
+  auto flat = at::cat(parts);
+  ops::raw::all_reduce_(flat, {}, group).wait();
+  int64_t offset = 0;
+  for (auto& part : parts) {
+    part.copy_(flat.narrow(0, offset, part.numel()));
+    offset += part.numel();
+  }
+}
+
+}  // namespace
+
 void ZeroOptimizer::Impl::sum_partial_gradients() {
   if (!partial_group.defined() || partial_group.size() == 1) return;
   std::vector<at::Tensor> parts;
@@ -234,13 +269,43 @@ void ZeroOptimizer::Impl::sum_partial_gradients() {
       if (s.partial[i]) parts.push_back(s.master.grad().narrow(0, seg.shard_offset, seg.length));
     }
   }
-  if (parts.empty()) return;  // the same on every rank of the TP group: their ranges are alike
-  auto flat = at::cat(parts);
-  ops::raw::all_reduce_(flat, {}, partial_group).wait();
-  int64_t offset = 0;
-  for (auto& part : parts) {
-    part.copy_(flat.narrow(0, offset, part.numel()));
-    offset += part.numel();
+  sum_in_place(parts, partial_group);  // the same sizes on every rank of the TP group: their ranges are alike
+}
+
+void ZeroOptimizer::Impl::sum_tied_gradients() {
+  const auto& tied = options.tied_group();
+  if (!tied.defined() || tied.size() == 1) return;
+  std::vector<at::Tensor> parts;
+  for (auto& s : shards) {
+    if (s.tied && s.master.defined()) parts.push_back(s.master.grad());
+  }
+  sum_in_place(parts, tied);  // the copies' buckets, and so their ranges, are alike (check_tied)
+}
+
+void ZeroOptimizer::Impl::check_tied() const {
+  const auto& names = options.tied_parameters();
+  const auto& tied = options.tied_group();
+  if (names.empty()) return;
+  COMMGRAD_CHECK(tied.defined(), kOp, group, "tied_parameters are named ('", names.front(),
+                 "', ...) but tied_group is not set");
+  if (tied.size() == 1) return;
+  // Every copy: the same data-parallel rank and size, and the same shapes.
+  std::vector<int64_t> mine{group.rank(), group.size(), static_cast<int64_t>(names.size())};
+  for (const auto& name : names) mine.push_back(params.at(name).numel());
+  const auto local = at::tensor(mine, at::kLong);
+  const auto local_count = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  const auto counts = ops::raw::all_gather(local_count, {}, tied).wait();
+  COMMGRAD_CHECK(counts.eq(counts[0]).all().item<bool>(), kOp, tied, "the ranks of the tied group name ",
+                 "different numbers of tied parameters (this rank ", names.size(), ")");
+  const auto all = ops::raw::all_gather(local, {}, tied).wait().view({tied.size(), -1});
+  const at::IntArrayRef my_numels = at::IntArrayRef(mine).slice(3);
+  for (int r = 0; r < tied.size(); ++r) {
+    const auto theirs = all[r].contiguous();
+    const auto* v = theirs.data_ptr<int64_t>();
+    COMMGRAD_CHECK(theirs.equal(local), kOp, tied, "the tied parameters ('", names.front(),
+                   "', ...) are not split like group rank ", r, "'s copies: this rank has data-parallel rank ",
+                   mine[0], "/", mine[1], " and ", shape_name(my_numels), " elements, rank ", r, " has ", v[0],
+                   "/", v[1], " and ", shape_name(at::IntArrayRef(v + 3, mine.size() - 3)), " elements");
   }
 }
 
@@ -291,6 +356,7 @@ double ZeroOptimizer::step() {
     if (s.master.defined()) s.master.mutable_grad() = s.separate_master ? s.grad.to(at::kFloat) : s.grad;
   }
   m.sum_partial_gradients();
+  m.sum_tied_gradients();
   const double norm = m.options.max_grad_norm() > 0 ? m.clip() : -1.0;
   m.optimizer->step();
   for (auto& s : m.shards) {

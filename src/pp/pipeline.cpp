@@ -61,6 +61,7 @@ struct Pipeline::Impl {
   Schedule schedule;
   int rank = 0;
   std::map<int, int> last_backward;  // stage -> the microbatch of its last backward on this rank
+  Action rank_last_backward{ActionKind::kBackward, 0, 0};  // this rank's last backward of a step
   Action current{ActionKind::kForward, 0, 0};  // what runs now (for errors)
 
   struct Slot {
@@ -97,13 +98,16 @@ Pipeline::Pipeline(std::vector<StageFunction> stages, LossFunction loss, Pipelin
   for (size_t i = 0; i < stages.size(); ++i) {
     COMMGRAD_CHECK(static_cast<bool>(stages[i]), kOp, m.group, "stage function ", i, " is empty");
   }
-  COMMGRAD_CHECK(options.no_sync().empty() || options.no_sync().size() == stages.size(), kOp, m.group,
-                 "no_sync has ", options.no_sync().size(), " functions for ", stages.size(), " stages on this rank");
+  COMMGRAD_CHECK(options.no_sync().size() <= 1 || options.no_sync().size() == stages.size(), kOp, m.group,
+                 "no_sync has ", options.no_sync().size(), " functions for ", stages.size(),
+                 " stages on this rank (give one per stage, or one for all of them)");
   m.stages = std::move(stages);
   m.loss = std::move(loss);
   m.options = std::move(options);
   for (const auto& a : m.schedule.actions[m.rank]) {
-    if (a.kind == ActionKind::kBackward) m.last_backward[a.stage] = a.microbatch;
+    if (a.kind != ActionKind::kBackward) continue;
+    m.last_backward[a.stage] = a.microbatch;
+    m.rank_last_backward = a;
   }
 }
 
@@ -140,9 +144,14 @@ void Pipeline::Impl::forward(const Action& a) {
 void Pipeline::Impl::backward(const Action& a) {
   auto& slot = slots.at({a.stage, a.microbatch});
   // Data parallelism: only the stage's last backward of the step reduces.
+  // One function for several stages (one DistributedDataParallel over all
+  // of this rank's stages): only the rank's very last backward reduces.
   std::shared_ptr<void> no_sync;
-  if (!options.no_sync().empty() && last_backward.at(a.stage) != a.microbatch) {
-    no_sync = options.no_sync()[a.stage / schedule.ranks]();
+  const auto& hold = options.no_sync();
+  if (hold.size() == 1 && stages.size() > 1) {
+    if (!(a == rank_last_backward)) no_sync = hold.front()();
+  } else if (!hold.empty() && last_backward.at(a.stage) != a.microbatch) {
+    no_sync = hold[a.stage / schedule.ranks]();
   }
   if (a.stage == last_stage()) {
     torch::autograd::backward({slot.loss});

@@ -6,6 +6,8 @@
 //   pipeline group k = [k, k + W/p, k + 2 W/p, ...]               k < W / p
 //   data group (i, j) = [i W/p + j, i W/p + j + t, ...] < (i+1) W/p
 //                                                     i < p, j < t
+//   embedding group k = the first and last rank of pipeline group k (the
+//                       pipeline group itself when p <= 2: no new group)
 // Every rank creates every group, in this order (new_group is collective over
 // the world, and each call must be made by all ranks in the same order), and
 // keeps the three it belongs to.
@@ -35,6 +37,7 @@ struct ParallelStateData {
   Group tensor;
   Group pipeline;
   Group data;
+  Group embedding;  // undefined on the middle stages of a pipeline
 };
 }  // namespace detail
 
@@ -47,7 +50,8 @@ thread_local ParallelState t_scoped;
 
 // Creates the groups of `layout` (a list of rank lists) and returns the one
 // this rank belongs to.
-Group make_groups(const std::vector<std::vector<int>>& layout, const char* prefix, int my_rank) {
+Group make_groups(const std::vector<std::vector<int>>& layout, const char* prefix, int my_rank,
+                  bool every_rank = true) {
   Group mine;
   for (size_t k = 0; k < layout.size(); ++k) {
     Group g = new_group(layout[k], NewGroupOptions().name(c10::str(prefix, k)));
@@ -55,7 +59,8 @@ Group make_groups(const std::vector<std::vector<int>>& layout, const char* prefi
       if (r == my_rank) mine = g;
     }
   }
-  TORCH_INTERNAL_ASSERT(mine.defined() && mine.is_member(), "rank ", my_rank, " is in no ", prefix, " group");
+  TORCH_INTERNAL_ASSERT(!every_rank || (mine.defined() && mine.is_member()), "rank ", my_rank, " is in no ", prefix,
+                        " group");
   return mine;
 }
 
@@ -72,6 +77,7 @@ const Group& ParallelState::world() const { return checked().world; }
 const Group& ParallelState::tensor_parallel_group() const { return checked().tensor; }
 const Group& ParallelState::pipeline_parallel_group() const { return checked().pipeline; }
 const Group& ParallelState::data_parallel_group() const { return checked().data; }
+const Group& ParallelState::embedding_group() const { return checked().embedding; }
 
 std::string ParallelState::describe() const {
   if (!data_) return "(no parallel state)";
@@ -118,6 +124,13 @@ ParallelState make_model_parallel(int tp, int pp, const Group& world_group) {
   data_ptr->tensor = make_groups(tensor, "tp", me);
   data_ptr->pipeline = make_groups(pipeline, "pp", me);
   data_ptr->data = make_groups(data, "dp", me);
+  if (pp <= 2) {
+    data_ptr->embedding = data_ptr->pipeline;  // the first and last stage are the whole pipeline
+  } else {
+    std::vector<std::vector<int>> embedding;
+    for (const auto& ranks : pipeline) embedding.push_back({ranks.front(), ranks.back()});
+    data_ptr->embedding = make_groups(embedding, "emb", me, /*every_rank=*/false);
+  }
   return ParallelState(std::move(data_ptr));
 }
 

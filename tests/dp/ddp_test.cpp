@@ -287,6 +287,21 @@ TEST(DdpTest, BucketsFollowReverseRegistrationOrderAndCaps) {
   });
 }
 
+TEST(DdpTest, OwnBucketParametersSitAlone) {
+  spawn_ranks(1, [&](Group& group) {
+    auto net = std::make_shared<Mlp>();  // fc1 4x8, fc2 8x8, fc3 8x2 (float32)
+    DistributedDataParallel ddp(net, DistributedDataParallelOptions(group).own_bucket({"fc2.weight"}));
+    const auto buckets = ddp.buckets();
+    // It closes the bucket before it, so the buckets stay in gradient order.
+    ASSERT_EQ(buckets.size(), 3u);
+    EXPECT_EQ(buckets[0].names, (std::vector<std::string>{"fc3.bias", "fc3.weight", "fc2.bias"}));
+    EXPECT_EQ(buckets[1].names, std::vector<std::string>{"fc2.weight"});
+    EXPECT_EQ(buckets[2].names, (std::vector<std::string>{"fc1.bias", "fc1.weight"}));
+    EXPECT_THAT(message_of([&] { DistributedDataParallel(net, DistributedDataParallelOptions(group).own_bucket({"fc9"})); }),
+                HasSubstr("own_bucket names 'fc9', which is not a trainable parameter of the module"));
+  });
+}
+
 TEST(DdpTest, PaddedBucketsAndReleasedGradientsLiveOnlyInTheHook) {
   // bucket_multiple pads every buffer; release_gradients leaves no .grad()
   // after backward, the hook's result being the only copy, with at most two

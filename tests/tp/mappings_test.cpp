@@ -48,6 +48,28 @@ TEST(TpParallelState, MegatronRankOrderTp2Pp2) {
     EXPECT_EQ(ranks_of(s.pipeline_parallel_group()), (r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3}));
     EXPECT_EQ(ranks_of(s.data_parallel_group()), std::vector<int>{r});
     EXPECT_EQ(s.describe(), c10::str("tp ", r % 2, "/2 (gloo) pp ", r / 2, "/2 (gloo) dp 0/1 (gloo) (world 4, gloo)"));
+    EXPECT_EQ(s.embedding_group(), s.pipeline_parallel_group());  // two stages: both hold the embedding
+  });
+}
+
+TEST(TpParallelState, EmbeddingGroupsJoinTheFirstAndLastStage) {
+  // W = 6, TP = 1, PP = 3: pipelines [0, 2, 4] and [1, 3, 5]; the middle stage has none.
+  spawn_ranks(6, [](Group& world) {
+    auto s = tp::make_model_parallel(1, 3, world);
+    const int r = world.rank();
+    if (r == 2 || r == 3) {
+      EXPECT_FALSE(s.embedding_group().defined());
+    } else {
+      EXPECT_EQ(ranks_of(s.embedding_group()), (r % 2 == 0 ? std::vector<int>{0, 4} : std::vector<int>{1, 5}));
+      // It works: the first stage's rank is its rank 0.
+      auto sum = tp::reduce_from_tp_region(torch::full({1}, static_cast<float>(r)), s.embedding_group());
+      EXPECT_EQ(sum.item<float>(), r % 2 == 0 ? 4.f : 6.f);
+      EXPECT_EQ(s.embedding_group().rank(), r < 2 ? 0 : 1);
+    }
+  });
+  spawn_ranks(2, [](Group& world) {
+    auto s = tp::make_model_parallel(1, 1, world);  // no pipeline: a group of one
+    EXPECT_EQ(ranks_of(s.embedding_group()), std::vector<int>{world.rank()});
   });
 }
 

@@ -72,6 +72,10 @@ struct DistributedDataParallelOptions {
   /// elements. A sharded optimizer pads to the group size, so that a
   /// reduce-scatter splits every bucket into equal parts.
   TORCH_ARG(int64_t, bucket_multiple) = 1;
+  /// Parameters (named_parameters() names) that get a bucket of their own.
+  /// A sharded optimizer puts a tied parameter (one copy on each of two
+  /// pipeline stages) there, so that every copy splits into the same ranges.
+  TORCH_ARG(std::vector<std::string>, own_bucket);
   /// Gradients live only as long as their reduction (ZeRO-2): the hook copies
   /// each gradient into its bucket and drops `.grad()`; a bucket's buffer is
   /// allocated when its first gradient arrives and freed once its hook's

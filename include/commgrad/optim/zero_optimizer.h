@@ -73,6 +73,20 @@ struct ZeroOptimizerOptions {
   /// The pipeline-parallel group, when the module is one stage of a
   /// pipeline: the global norm for clipping then sums over the stages too.
   TORCH_ARG(Group, pipeline_parallel_group);
+  /// Parameters (named_parameters() names) of which another rank of
+  /// `tied_group` holds a copy that must stay equal: the input embedding of
+  /// a pipeline's first stage tied to the output layer of its last
+  /// (Megatron's shared embedding). Each gets a bucket of its own, so every
+  /// copy is split into the same ranges over the data-parallel group; step()
+  /// sums this rank's range of their reduced gradients over `tied_group`
+  /// (after the data-parallel reduce-scatter, as Megatron does) and the
+  /// global norm counts them once. Every rank of `tied_group` must name
+  /// parameters of the same shapes, in the same order, at the same
+  /// data-parallel rank and size.
+  TORCH_ARG(std::vector<std::string>, tied_parameters);
+  /// The ranks holding the copies of tied_parameters
+  /// (tp::ParallelState::embedding_group()).
+  TORCH_ARG(Group, tied_group);
   /// DistributedDataParallel's options (group, bucket sizes, reduction).
   TORCH_ARG(dp::DistributedDataParallelOptions, ddp);
 };

@@ -66,7 +66,10 @@ struct PipelineOptions {
   /// no_sync_of(ddp) of the stage's DistributedDataParallel). Every
   /// backward of a stage but its last microbatch's runs under it, so the
   /// gradients are reduced over the DP group once per step, after the last
-  /// microbatch, as Megatron does. Empty: no data parallelism.
+  /// microbatch, as Megatron does. One function for v > 1 stages (a single
+  /// DistributedDataParallel or ZeroOptimizer over all of the rank's
+  /// stages): every backward but the rank's last runs under it. Empty: no
+  /// data parallelism.
   TORCH_ARG(std::vector<NoSyncFunction>, no_sync);
 };
 

@@ -53,6 +53,11 @@ class ParallelState {
   const Group& pipeline_parallel_group() const;
   /// This rank's data-parallel group ("dp<k>").
   const Group& data_parallel_group() const;
+  /// The first and the last rank of this rank's pipeline group, which hold
+  /// the tied input and output embeddings (Megatron's embedding group):
+  /// their gradients are summed over it. The pipeline group itself when it
+  /// has one or two ranks; undefined on the ranks of the middle stages.
+  const Group& embedding_group() const;
 
   int tensor_parallel_rank() const { return tensor_parallel_group().rank(); }
   int tensor_parallel_size() const { return tensor_parallel_group().size(); }

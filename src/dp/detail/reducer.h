@@ -30,9 +30,11 @@ void broadcast_from_first(const Group& group, const std::vector<at::Tensor>& ten
 /// Splits tensors (given in reduction order) into buckets: one dtype per
 /// bucket; a bucket closes once it holds at least its limit in bytes (the
 /// first bucket of each dtype `first_cap_bytes`, the others `cap_bytes`).
-/// Returns tensor indices per bucket, ordered by their first tensor.
+/// A tensor whose `alone` entry is set gets a bucket of its own (and closes
+/// the open bucket of its dtype). Returns tensor indices per bucket,
+/// ordered by their first tensor.
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& tensors, int64_t first_cap_bytes,
-                                                int64_t cap_bytes);
+                                                int64_t cap_bytes, const std::vector<char>& alone = {});
 
 /// Everything DistributedDataParallel does after construction: the hooks,
 /// the buckets, and the end-of-backward reduction.

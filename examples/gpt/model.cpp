@@ -1,0 +1,105 @@
+#include "model.h"
+
+#include <stdexcept>
+
+namespace gpt {
+
+namespace tp = commgrad::tp;
+
+GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int stages_per_rank,
+                         const commgrad::Group& tp_group)
+    : config_(config), tp_group_(tp_group), pp_size_(pp_size), stage_count_(pp_size * stages_per_rank) {
+  const int tp = tp_group.size();
+  if (config.layers % stage_count_ != 0) {
+    throw std::invalid_argument(std::to_string(config.layers) + " layers do not split into " +
+                                std::to_string(stage_count_) + " stages");
+  }
+  if (config.vocab % tp != 0 || (config.sequence_parallel && config.sequence % tp != 0)) {
+    throw std::invalid_argument("the vocabulary (" + std::to_string(config.vocab) + ") or, with sequence parallelism, "
+                                "the sequence (" + std::to_string(config.sequence) + ") does not split over TP=" +
+                                std::to_string(tp));
+  }
+  const int64_t per_stage = config.layers / stage_count_;
+  for (int v = 0; v < stages_per_rank; ++v) {
+    const int global = v * pp_size + pp_rank;
+    stages_.push_back({global, global * per_stage, (global + 1) * per_stage});
+  }
+  const bool first = stages_.front().global == 0;
+  const bool last = stages_.back().global == stage_count_ - 1;
+  if (first || last) {
+    // N(0, 1) rows scaled by 1/sqrt(h), so the tied output starts near uniform.
+    embedding_ = register_module(
+        "embedding", tp::VocabParallelEmbedding(tp::VocabParallelEmbeddingOptions(config.vocab, config.hidden, tp_group)
+                                                    .seed(1)));
+    torch::NoGradGuard no_grad;
+    embedding_->weight.mul_(1.0 / std::sqrt(static_cast<double>(config.hidden)));
+  }
+  if (first) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
+    positions_ = register_parameter("positions", at::randn({config.sequence, 1, config.hidden}, gen) * 0.02);
+  }
+  layers_.resize(config.layers, tp::ParallelTransformerLayer{nullptr});
+  for (const auto& s : stages_) {
+    for (int64_t l = s.first_layer; l < s.end_layer; ++l) {
+      layers_[l] = register_module(
+          "layer" + std::to_string(l),
+          tp::ParallelTransformerLayer(tp::ParallelTransformerLayerOptions(config.hidden, config.heads, config.ffn,
+                                                                           tp_group)
+                                           .sequence_parallel(config.sequence_parallel)
+                                           .seed(100 + l)));
+    }
+  }
+  if (last) {
+    final_norm_ = register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.hidden})));
+    if (config.sequence_parallel) {
+      // Inside the sequence-parallel region: each TP rank sees its chunk.
+      set_shard_spec("final_norm.weight", tp::ShardSpec::sequence_parallel(), tp_group);
+      set_shard_spec("final_norm.bias", tp::ShardSpec::sequence_parallel(), tp_group);
+    }
+  }
+}
+
+torch::Tensor GptRankImpl::forward_stage(int local, const torch::Tensor& input) {
+  const auto& s = stages_.at(local);
+  torch::Tensor x = input;
+  if (s.global == 0) {
+    x = embedding_(input.t()) + positions_;  // [s, b, h]
+    if (config_.sequence_parallel) x = tp::scatter_to_sequence_parallel_region(x, tp_group_);
+  }
+  for (int64_t l = s.first_layer; l < s.end_layer; ++l) x = layers_[l](x);
+  if (s.global == stage_count_ - 1) {
+    x = final_norm_(x);
+    // The output layer: column-parallel over the vocabulary, with the
+    // embedding's weight (Family 1: identity forward, gradient all-reduced).
+    x = config_.sequence_parallel ? tp::gather_from_sequence_parallel_region(x, tp_group_)
+                                  : tp::copy_to_tp_region(x, tp_group_);
+    x = torch::matmul(x, embedding_->weight.t());
+  }
+  return x;
+}
+
+torch::Tensor GptRankImpl::forward(const torch::Tensor& ids) {
+  if (pp_size_ != 1) throw std::logic_error("GptRank::forward: the rank holds part of a pipeline; use pp::Pipeline");
+  torch::Tensor x = ids;
+  for (size_t v = 0; v < stages_.size(); ++v) x = forward_stage(static_cast<int>(v), x);
+  return x;
+}
+
+torch::Tensor GptRankImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
+  return tp::vocab_parallel_cross_entropy(logits, targets.t(), tp::CrossEntropyOptions().group(tp_group_));
+}
+
+std::vector<std::string> GptRankImpl::tied_parameters() const {
+  const bool first = stages_.front().global == 0;
+  const bool last = stages_.back().global == stage_count_ - 1;
+  if (first != last) return {"embedding.weight"};
+  return {};
+}
+
+std::vector<int> GptRankImpl::stages() const {
+  std::vector<int> out;
+  for (const auto& s : stages_) out.push_back(s.global);
+  return out;
+}
+
+}  // namespace gpt

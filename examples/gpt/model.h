@@ -1,0 +1,84 @@
+#pragma once
+// The small GPT of examples/gpt_train and bench/gpt_bench, as one rank of a
+// tensor x pipeline layout holds it.
+//
+// The model: a vocabulary-parallel embedding plus learned positions, N
+// ParallelTransformerLayers (pre-LayerNorm, causal attention, Megatron's
+// column/row-parallel split), a final LayerNorm and the output layer, whose
+// weight is the embedding's (tied, vocabulary-parallel), with
+// vocabulary-parallel cross entropy. With sequence parallelism the
+// activations between the embedding and the output layer are split along
+// the sequence over the TP group (Megatron's SP).
+//
+// A pipeline of p ranks with v stages per rank cuts the layers into p v
+// stages of equal size; stage s lives on pipeline rank s % p. The rank of
+// the first stage holds the embedding and the positions, the rank of the
+// last stage the final norm and a copy of the embedding for the output
+// layer (Megatron's shared embedding: the two copies' gradients are summed
+// over tp::ParallelState::embedding_group()). Parameters are named as the
+// whole model names them ("layer3.attention.qkv.weight", "embedding.weight")
+// and every layer is initialised from its own seed, so the model is the same
+// at every layout and checkpoints move between layouts.
+
+#include <commgrad/commgrad.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace gpt {
+
+/// The model's sizes and how it is split.
+struct GptConfig {
+  int64_t vocab = 64;
+  int64_t sequence = 16;
+  int64_t hidden = 32;
+  int64_t heads = 4;
+  int64_t ffn = 64;
+  int64_t layers = 4;
+  bool sequence_parallel = false;
+};
+
+/// The layers of the stages one rank holds (see the file comment).
+class GptRankImpl : public torch::nn::Module, public commgrad::tp::ShardedModule {
+ public:
+  /// Pipeline rank `pp_rank` of `pp_size`, `stages_per_rank` stages on each,
+  /// split over `tp_group`. Errors when the layers do not split into the
+  /// stages or the vocabulary or sequence not over the TP group.
+  GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int stages_per_rank, const commgrad::Group& tp_group);
+
+  /// This rank's `local`-th stage (global stage local * pp_size + pp_rank):
+  /// token ids [b, s] in on the first stage, activations [s, b, h] (or
+  /// [s/tp, b, h] with SP) between stages, logits [s, b, V/tp] out of the last.
+  torch::Tensor forward_stage(int local, const torch::Tensor& input);
+  /// The whole model on one rank of a pipeline of one: ids -> logits.
+  torch::Tensor forward(const torch::Tensor& ids);
+  /// Cross entropy of one microbatch: logits [s, b, V/tp], targets [b, s].
+  torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) const;
+
+  /// The names of the parameters tied to another rank's copy
+  /// ({"embedding.weight"} on the ranks of the first and the last stage when
+  /// they differ, else none).
+  std::vector<std::string> tied_parameters() const;
+  /// The global stages this rank holds.
+  std::vector<int> stages() const;
+  const GptConfig& config() const { return config_; }
+
+ private:
+  struct Stage {
+    int global = 0;
+    int64_t first_layer = 0, end_layer = 0;
+  };
+  GptConfig config_;
+  commgrad::Group tp_group_;
+  int pp_size_ = 1;
+  int stage_count_ = 1;
+  std::vector<Stage> stages_;
+  commgrad::tp::VocabParallelEmbedding embedding_{nullptr};
+  torch::Tensor positions_;
+  std::vector<commgrad::tp::ParallelTransformerLayer> layers_;  // by global index; null where another rank has it
+  torch::nn::LayerNorm final_norm_{nullptr};
+};
+TORCH_MODULE(GptRank);
+
+}  // namespace gpt
