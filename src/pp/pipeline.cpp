@@ -25,6 +25,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <chrono>
 #include <map>
 #include <utility>
 
@@ -250,16 +251,18 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
   m.slots.clear();
   m.sends.clear();
   const auto& actions = m.schedule.actions[m.rank];
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  Clock::duration busy{};
   try {
     for (size_t i = 0; i < actions.size();) {
       const Action& a = actions[i];
       m.current = a;
       try {
-        if (a.kind == ActionKind::kForward) {
-          m.forward(a);
-          ++i;
-        } else if (a.kind == ActionKind::kBackward) {
-          m.backward(a);
+        if (a.is_compute()) {
+          const auto begin = Clock::now();
+          a.kind == ActionKind::kForward ? m.forward(a) : m.backward(a);
+          busy += Clock::now() - begin;
           ++i;
         } else {
           std::vector<Action> batch;
@@ -286,12 +289,15 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
   }
   m.sends.clear();
   m.slots.clear();
+  const auto end = Clock::now();
   // Every rank reports the loss: the last stage's rank broadcasts it.
   auto losses = at::from_blob(m.losses.data(), {mbs}, at::kDouble).clone();
   if (m.group.size() > 1) {
     losses = ops::raw::broadcast(losses, ops::BroadcastOptions().src(m.schedule.rank_of(m.last_stage())), m.group).wait();
   }
   PipelineStepResult result;
+  result.compute_seconds = std::chrono::duration<double>(busy).count();
+  result.step_seconds = std::chrono::duration<double>(end - start).count();
   result.microbatch_losses.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + mbs);
   for (double l : result.microbatch_losses) result.loss += l / mbs;
   return result;

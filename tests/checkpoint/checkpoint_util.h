@@ -2,6 +2,8 @@
 // Helpers of the checkpoint tests: a temporary root, test tensors of every
 // dtype, splits, and the error check.
 
+#include "harness/temp_dir.h"
+
 #include <commgrad/checkpoint.h>
 
 #include <ATen/ATen.h>
@@ -12,31 +14,7 @@
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
 namespace commgrad::testing {
-
-namespace fs = std::filesystem;
-
-/// A fresh directory under the temporary directory, removed at the end.
-class TempRoot {
- public:
-  explicit TempRoot(const std::string& tag) {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("commgrad-ckpt-" + std::string(info ? info->name() : "x") + "-" + tag + "-" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-  }
-  ~TempRoot() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string str() const { return path_.string(); }
-  fs::path path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 /// The global test tensor: element i is i (mod something the dtype holds), of `dtype`.
 inline at::Tensor global_tensor(at::IntArrayRef shape, at::ScalarType dtype) {

@@ -1,12 +1,19 @@
-// examples/gpt_train under commgrad-run: the GPT trained TP x PP x DP
-// follows the one-rank loss curve (the program checks itself with --check;
-// bit for bit with pipelining alone), and the golden curve of the first
-// steps is pinned here. Plus its errors.
+// examples/gpt_train under commgrad-run: the GPT (tied embeddings) trained
+// TP x PP x DP (+SP, the interleaved schedule) follows the one-rank loss
+// curve (the program checks itself with --check, relative 1e-5), and the
+// golden curve of the first steps is pinned here. Save and resume under
+// another layout continue the curve (bit for bit under the same layout);
+// the progress lines, the loss curve files, a text corpus, and the errors.
 
 #include "harness/subprocess.h"
+#include "harness/temp_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <fstream>
+#include <regex>
+#include <sstream>
 
 namespace commgrad::testing {
 namespace {
@@ -20,53 +27,140 @@ struct Case {
 };
 void PrintTo(const Case& c, std::ostream* out) { *out << c.name; }
 
+ProcessResult gpt_train(int ranks, std::vector<std::string> args) {
+  std::vector<std::string> cmd{launcher_path(), "-n", std::to_string(ranks), "--timeout", "150",
+                               build_path("bin/gpt_train")};
+  cmd.insert(cmd.end(), args.begin(), args.end());
+  return run_process(cmd, clean_env(), std::chrono::seconds(170));
+}
+
+// "step k/N: loss X" of each progress line, by step.
+std::map<int, std::string> progress_losses(const std::string& out) {
+  std::map<int, std::string> losses;
+  const std::regex line(R"(\[0\] step (\d+)/\d+: loss ([0-9.]+), [0-9]+ tokens/s, ETA [0-9]+ s)");
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) {
+    losses[std::stoi((*it)[1])] = (*it)[2];
+  }
+  return losses;
+}
+
 class GptTrainExample : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GptTrainExample, FollowsTheOneRankCurve) {
   const auto& c = GetParam();
-  std::vector<std::string> cmd{launcher_path(), "-n", std::to_string(c.ranks), "--timeout", "150",
-                               build_path("bin/gpt_train"), "--check", "--steps", "4"};
-  cmd.insert(cmd.end(), c.args.begin(), c.args.end());
-  auto r = run_process(cmd, clean_env(), std::chrono::seconds(170));
+  std::vector<std::string> args{"--check", "--steps", "4", "--curve", "none"};
+  args.insert(args.end(), c.args.begin(), c.args.end());
+  auto r = gpt_train(c.ranks, args);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   // The golden curve: the one-rank losses of the first steps (float32).
-  EXPECT_THAT(r.out, HasSubstr("(one rank 4.359748)"));
-  EXPECT_THAT(r.out, HasSubstr("[0] step 2/4: loss 4.109256 (one rank 4.109256)"));
+  EXPECT_THAT(r.out, HasSubstr("[0] check step 1/4: loss 4.84335"));
+  EXPECT_THAT(r.out, HasSubstr("(one rank 4.843351)"));
+  EXPECT_THAT(r.out, HasSubstr("(one rank 4.615707)"));
   EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-05): ok\n"));
+  EXPECT_EQ(progress_losses(r.out).size(), 4u) << r.out;
   EXPECT_TRUE(lines_with_prefix(r.out, "[1] ").empty()) << r.out;
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, GptTrainExample,
     ::testing::Values(Case{1, {}, "one_rank"}, Case{2, {"--pp", "2"}, "pp2"},
+                      Case{4, {"--pp", "4"}, "pp4_tied_over_an_embedding_group"},
                       Case{4, {"--tp", "2", "--pp", "2", "--schedule", "gpipe"}, "tp2_pp2_gpipe"},
+                      Case{4, {"--tp", "2", "--pp", "2", "--sp"}, "tp2_pp2_sp"},
                       Case{4, {"--pp", "2", "--dp", "2", "--microbatches", "2"}, "pp2_dp2"},
-                      Case{8, {"--tp", "2", "--pp", "2", "--dp", "2"}, "tp2_pp2_dp2"}),
+                      Case{2, {"--pp", "2", "--schedule", "interleaved"}, "pp2_interleaved"},
+                      Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}, "tp2_pp2_sp_interleaved"},
+                      Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--sp"}, "tp2_pp2_dp2_sp"}),
     [](const auto& info) { return info.param.name; });
 
-TEST(GptTrainExample, PipeliningAloneIsBitForBit) {
-  auto r = run_process({launcher_path(), "-n", "4", "--timeout", "90", build_path("bin/gpt_train"), "--pp", "4",
-                        "--check", "--steps", "3"},
-                       clean_env(), std::chrono::seconds(120));
+TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
+  TempRoot root("gpt");
+  const std::string dir = root.str();
+  auto saved = gpt_train(4, {"--tp", "2", "--pp", "2", "--steps", "3", "--save", dir, "--save-every", "2", "--curve",
+                             "none"});
+  ASSERT_EQ(saved.exit_code, 0) << saved.out << saved.err;
+  EXPECT_THAT(saved.out, HasSubstr("[0] saved step 3 in " + dir));
+  EXPECT_TRUE(fs::exists(root.path() / "step-00000002"));  // --save-every 2, and the end
+  EXPECT_TRUE(fs::exists(root.path() / "step-00000003"));
+
+  // The same layout: the continuous run's losses, bit for bit.
+  auto continuous = gpt_train(4, {"--tp", "2", "--pp", "2", "--steps", "6", "--curve", "none"});
+  ASSERT_EQ(continuous.exit_code, 0) << continuous.out << continuous.err;
+  auto resumed = gpt_train(4, {"--tp", "2", "--pp", "2", "--steps", "6", "--resume", dir, "--curve", "none"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  EXPECT_THAT(resumed.out, HasSubstr("[0] resumed from step 3 of " + dir + " (saved at TP=2 x PP=2 x DP=1)"));
+  const auto want = progress_losses(continuous.out);
+  const auto got = progress_losses(resumed.out);
+  ASSERT_EQ(want.size(), 6u) << continuous.out;
+  ASSERT_EQ(got.size(), 3u) << resumed.out;
+  for (int step = 4; step <= 6; ++step) EXPECT_EQ(got.at(step), want.at(step)) << "step " << step;
+
+  // Other layouts: the one-rank curve from step 1, compared on steps 4-6.
+  for (const auto& [ranks, layout] : std::vector<std::pair<int, std::vector<std::string>>>{
+           {4, {"--pp", "2", "--dp", "2"}}, {1, {}}, {4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}}}) {
+    std::vector<std::string> args{"--steps", "6", "--resume", dir, "--check", "--curve", "none"};
+    args.insert(args.end(), layout.begin(), layout.end());
+    auto r = gpt_train(ranks, args);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-05): ok\n"));
+    EXPECT_THAT(r.out, ::testing::Not(HasSubstr("check step 3/6")));
+    EXPECT_THAT(r.out, HasSubstr("check step 6/6"));
+  }
+}
+
+TEST(GptTrainExample, WritesTheLossCurveAsCsvAndSvg) {
+  TempRoot root("curve");
+  fs::create_directories(root.path());
+  const std::string prefix = (root.path() / "loss").string();
+  auto r = gpt_train(2, {"--pp", "2", "--steps", "3", "--check", "--curve", prefix});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-  EXPECT_THAT(r.out, HasSubstr("max relative difference from one rank 0 (tolerance"));
+  EXPECT_THAT(r.out, HasSubstr("[0] loss curve: " + prefix + ".csv, " + prefix + ".svg"));
+  std::ifstream csv(prefix + ".csv");
+  std::vector<std::string> rows;
+  for (std::string line; std::getline(csv, line);) rows.push_back(line);
+  ASSERT_EQ(rows.size(), 4u);
+  EXPECT_EQ(rows[0], "step,loss,one_rank_loss");
+  EXPECT_THAT(rows[1], ::testing::StartsWith("1,4.84335"));
+  std::ifstream svg(prefix + ".svg");
+  std::stringstream text;
+  text << svg.rdbuf();
+  EXPECT_THAT(text.str(), HasSubstr("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+  EXPECT_EQ(std::count(text.str().begin(), text.str().end(), '\n') > 10, true);
+  EXPECT_THAT(text.str(), HasSubstr("one rank</text>"));
+}
+
+TEST(GptTrainExample, TrainsOnTheBytesOfATextFile) {
+  TempRoot root("text");
+  fs::create_directories(root.path());
+  const std::string file = (root.path() / "corpus.txt").string();
+  {
+    std::ofstream out(file);
+    for (int i = 0; i < 40; ++i) out << "the quick brown fox jumps over the lazy dog " << i << "\n";
+  }
+  auto r = gpt_train(2, {"--tp", "2", "--steps", "2", "--check", "--text", file, "--curve", "none"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("vocab 256"));
+  EXPECT_THAT(r.out, HasSubstr("data " + file + " ("));
+  EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-05): ok\n"));
+  r = gpt_train(1, {"--text", (root.path() / "missing.txt").string()});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("missing.txt: cannot be read"));
 }
 
 TEST(GptTrainExample, LayoutsThatDoNotFitAreErrors) {
-  auto r = run_process({launcher_path(), "-n", "3", "--timeout", "60", build_path("bin/gpt_train"), "--pp", "3"},
-                       clean_env(), std::chrono::seconds(90));
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_THAT(r.err, HasSubstr("gpt_train: 4 layers do not split into 3 stages"));
-  r = run_process({launcher_path(), "-n", "2", "--timeout", "60", build_path("bin/gpt_train"), "--dp", "2",
-                   "--microbatches", "8"},
-                  clean_env(), std::chrono::seconds(90));
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_THAT(r.err, HasSubstr("does not split into 2 replicas x 8 microbatches"));
-  r = run_process({launcher_path(), "-n", "2", "--timeout", "60", build_path("bin/gpt_train"), "--tp", "2", "--pp",
-                   "2"},
-                  clean_env(), std::chrono::seconds(90));
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_THAT(r.err, HasSubstr("--tp 2 x --pp 2 x --dp 1 is not the world size 2"));
+  const std::vector<std::pair<std::pair<int, std::vector<std::string>>, std::string>> cases{
+      {{3, {"--pp", "3"}}, "gpt_train: 4 layers do not split into 3 stages"},
+      {{2, {"--pp", "2", "--schedule", "interleaved", "--stages-per-rank", "4"}}, "4 layers do not split into 8 stages"},
+      {{2, {"--pp", "2", "--stages-per-rank", "2"}}, "--stages-per-rank 2 needs --schedule interleaved"},
+      {{2, {"--dp", "2", "--microbatches", "8"}}, "does not split into 2 replicas x 8 microbatches"},
+      {{2, {"--tp", "2", "--pp", "2"}}, "--tp 2 x --pp 2 x --dp 1 is not the world size 2"},
+      {{1, {"--save-every", "2"}}, "--save-every needs --save DIR"},
+  };
+  for (const auto& [run, message] : cases) {
+    auto r = gpt_train(run.first, run.second);
+    EXPECT_NE(r.exit_code, 0) << message;
+    EXPECT_THAT(r.err, HasSubstr(message));
+  }
 }
 
 }  // namespace

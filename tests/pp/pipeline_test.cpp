@@ -71,6 +71,8 @@ TEST_P(PipelineMatchesOneRank, LossAndEveryGradient) {
       const auto result = pipe.step(x, y);
       EXPECT_NEAR(result.loss, ref_loss.item<double>(), 1e-12);
       ASSERT_EQ(result.microbatch_losses.size(), static_cast<size_t>(c.microbatches));
+      EXPECT_GT(result.compute_seconds, 0.0);
+      EXPECT_LE(result.compute_seconds, result.step_seconds);
       for (size_t v = 0; v < mine.size(); ++v) {
         const int stage = v * c.ranks + group.rank();
         for (const auto& p : mine[v]->named_parameters()) {
@@ -138,6 +140,45 @@ TEST(PipelineTest, PipelineTimesDataParallelReducesOncePerStep) {
   }, SpawnOptions().backend("shm"));
 }
 
+TEST(PipelineTest, OneDataParallelOverAllOfARanksStagesReducesOncePerStep) {
+  // Interleaved, PP = 2 x DP = 2, v = 2: one DDP over both of a rank's
+  // stages and one no_sync function; only the rank's last backward reduces.
+  const int m = 4, v = 2;
+  const auto x = seeded_randn({4 * m, kWidth}, 1, torch::kDouble);
+  const auto y = seeded_randn({4 * m, kWidth}, 2, torch::kDouble);
+  std::vector<Block> whole;
+  for (int s = 0; s < 2 * v; ++s) whole.emplace_back(s);
+  auto h = x;
+  for (auto& b : whole) h = b->forward(h);
+  mse(h, y).backward();
+  spawn_ranks(4, [&](Group& world) {
+    auto state = tp::make_model_parallel(1, 2, world);
+    const int rank = state.pipeline_parallel_rank();
+    const int dp = state.data_parallel_rank();
+    auto both = std::make_shared<torch::nn::Module>();
+    std::vector<Block> mine;
+    std::vector<pp::StageFunction> fns;
+    for (int i = 0; i < v; ++i) {
+      mine.push_back(both->register_module("stage" + std::to_string(i), Block(i * 2 + rank)));
+      fns.push_back([b = mine.back()](const at::Tensor& in) mutable { return b->forward(in); });
+    }
+    dp::DistributedDataParallel ddp(both, state.data_parallel_group());
+    pp::Pipeline pipe(fns, mse,
+                      pp::PipelineOptions(m).schedule("interleaved").stages_per_rank(v).group(
+                          state.pipeline_parallel_group()).no_sync({pp::no_sync_of(ddp)}));
+    const auto before = state.data_parallel_group().state()->sequence.load();
+    pipe.step(x.chunk(2, 0)[dp], y.chunk(2, 0)[dp]);
+    EXPECT_EQ(static_cast<int64_t>(state.data_parallel_group().state()->sequence.load() - before),
+              static_cast<int64_t>(ddp.buckets().size()));
+    for (int i = 0; i < v; ++i) {
+      for (const auto& p : mine[i]->named_parameters()) {
+        const auto want = whole[i * 2 + rank]->named_parameters()[p.key()].grad();
+        EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-10, 1e-12)) << "stage " << i * 2 + rank << " " << p.key();
+      }
+    }
+  }, SpawnOptions().backend("shm"));
+}
+
 TEST(PipelineTest, BadInputIsAnErrorOnEveryRank) {
   spawn_ranks(2, [&](Group& group) {
     Block block(group.rank());
@@ -150,6 +191,16 @@ TEST(PipelineTest, BadInputIsAnErrorOnEveryRank) {
       EXPECT_THAT(e.what(), HasSubstr("1 microbatches for 2 pipeline ranks"));
     }
     EXPECT_THROW(pp::Pipeline({fn, fn}, mse, pp::PipelineOptions(2).group(group)), c10::Error);
+    pp::NoSyncFunction hold = [] { return std::shared_ptr<void>(); };
+    try {
+      pp::Pipeline pipe({fn, fn, fn}, mse,
+                        pp::PipelineOptions(2).schedule("interleaved").stages_per_rank(3).group(group).no_sync(
+                            {hold, hold}));
+      ADD_FAILURE() << "2 no_sync functions for 3 stages were accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(),
+                  HasSubstr("no_sync has 2 functions for 3 stages on this rank (give one per stage, or one for all"));
+    }
     pp::Pipeline pipe({fn}, mse, pp::PipelineOptions(4).group(group));
     // 6 rows do not split into 4 microbatches: rank 0 (inputs) and rank 1 (targets) both say so.
     try {

@@ -79,6 +79,12 @@ struct PipelineStepResult {
   double loss = 0;
   /// Each microbatch's loss (unscaled), on every rank.
   std::vector<double> microbatch_losses;
+  /// This rank's time in its stages' forwards and backwards, and the wall
+  /// time of its schedule (up to its sends' completion, before the loss
+  /// broadcast), in seconds: 1 - compute / step is the rank's idle share
+  /// (bubble and communication).
+  double compute_seconds = 0;
+  double step_seconds = 0;
 };
 
 /// A model cut into stages over a pipeline-parallel group.
