@@ -96,23 +96,20 @@ void restore_optimizer(optim::ZeroOptimizer& zero, const std::vector<TensorPiece
                        const std::string& prefix) {
   const std::set<std::string> skipped(result.skipped.begin(), result.skipped.end());
   const auto names = zero.state_names();
-  const auto& module = *zero.ddp().module();
   std::vector<optim::ZeroOptimizer::StateShard> shards;
   std::map<std::string, std::pair<int, int>> found;  // state -> (loaded, skipped) ranges
   size_t next = 0;
   for (const auto& shard : zero.shards()) {
     for (const auto& seg : shard.segments) {
       for (const auto& state : names) {
-        // The same enumeration as optimizer_load_pieces(): this range's pieces.
+        // In optimizer_load_pieces()'s order: this range's pieces (one per
+        // TP block it touches) are the next ones of its name; a parameter
+        // has one range per rank, so the run of that name ends there.
         const auto name = state_name(prefix, state, seg.name);
-        const size_t count = range_pieces(module, seg.name, name, seg.param_begin,
-                                          at::empty({seg.length}, at::TensorOptions().dtype(shard.state_dtype)), false)
-                                 .size();
-        TORCH_CHECK(next + count <= pieces.size() && pieces[next].name == name, "[commgrad] restore_optimizer: the "
+        TORCH_CHECK(next < pieces.size() && pieces[next].name == name, "[commgrad] restore_optimizer: the "
                     "pieces are not those optimizer_load_pieces() made for this optimizer (expected '", name, "')");
         std::vector<at::Tensor> parts;
-        for (size_t i = next; i < next + count; ++i) parts.push_back(pieces[i].tensor.reshape({-1}));
-        next += count;
+        for (; next < pieces.size() && pieces[next].name == name; ++next) parts.push_back(pieces[next].tensor.reshape({-1}));
         if (skipped.count(name)) {
           ++found[state].second;
           continue;
