@@ -40,6 +40,7 @@
 #include "gpt/loss_curve.h"
 #include "gpt/model.h"
 #include "gpt/progress.h"
+#include "gpt/trainer.h"
 
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
@@ -50,7 +51,6 @@
 #include <vector>
 
 namespace tp = commgrad::tp;
-namespace checkpoint = commgrad::checkpoint;
 
 namespace {
 
@@ -75,82 +75,15 @@ struct Config {
   }
 };
 
-// The groups of a layout (tp::ParallelState's, or one rank's own group for all).
-struct Layout {
-  commgrad::Group tp, pp, dp, embedding;
-};
-
-// One rank's part of the model, its optimizer and its pipeline.
-class Trainer {
- public:
-  Trainer(const Config& c, const gpt::GptConfig& model_config, const Layout& layout)
-      : layout_(layout),
-        model_(model_config, layout.pp.rank(), layout.pp.size(), c.stages_per_rank, layout.tp) {
-    zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
-        model_,
-        [](std::vector<torch::Tensor> shards) {
-          return std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
-        },
-        commgrad::optim::ZeroOptimizerOptions(commgrad::dp::DistributedDataParallelOptions(layout.dp))
-            .stage(2)
-            .max_grad_norm(1.0)
-            .tensor_parallel_group(layout.tp)
-            .pipeline_parallel_group(layout.pp)
-            .tied_parameters(model_->tied_parameters())
-            .tied_group(layout.embedding));
-    std::vector<commgrad::pp::StageFunction> stages;
-    for (int v = 0; v < c.stages_per_rank; ++v) {
-      stages.push_back([model = model_, v](const torch::Tensor& x) mutable { return model->forward_stage(v, x); });
-    }
-    pipe_ = std::make_unique<commgrad::pp::Pipeline>(
-        std::move(stages),
-        [model = model_](const torch::Tensor& logits, const torch::Tensor& y) { return model->loss(logits, y); },
-        commgrad::pp::PipelineOptions(c.microbatches)
-            .schedule(layout.pp.size() == 1 && c.schedule == "interleaved" ? "1f1b" : c.schedule)
-            .stages_per_rank(c.stages_per_rank)
-            .group(layout.pp)
-            .no_sync({commgrad::pp::no_sync_of(*zero_)}));
-  }
-
-  // Step k (0-based) of the corpus; returns the loss (the mean over the
-  // replicas), the same on every rank.
-  double step(const gpt::Corpus& corpus, int k) {
-    auto [x, y] = corpus.batch(k, kBatch, model_->config().sequence);
-    const int replicas = layout_.dp.size();
-    const int replica = layout_.dp.rank();
-    zero_->zero_grad();
-    const auto result = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
-    zero_->step();
-    return commgrad::ops::raw::all_reduce(torch::full({1}, result.loss, torch::kDouble),
-                                          commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg), layout_.dp)
-        .wait()
-        .item<double>();
-  }
-
-  void save(const std::string& root, int step, const std::string& layout) {
-    auto pieces = checkpoint::module_pieces(*model_);
-    for (auto& p : checkpoint::optimizer_pieces(*zero_)) pieces.push_back(std::move(p));
-    checkpoint::save(root, step, pieces, {{"layout", layout}}, checkpoint::SaveOptions().keep(2));
-  }
-
-  // Loads the latest step under `root`; returns it and the layout it was saved at.
-  std::pair<int, std::string> load(const std::string& root) {
-    auto model = checkpoint::module_pieces(*model_);
-    auto optim = checkpoint::optimizer_load_pieces(*zero_);
-    auto all = model;
-    all.insert(all.end(), optim.begin(), optim.end());
-    const auto result = checkpoint::load(root, all);
-    checkpoint::restore_optimizer(*zero_, std::vector<checkpoint::TensorPiece>(all.begin() + model.size(), all.end()),
-                                  result);
-    return {static_cast<int>(result.step), result.metadata.value("layout", std::string("?"))};
-  }
-
- private:
-  Layout layout_;
-  gpt::GptRank model_;
-  std::unique_ptr<commgrad::optim::ZeroOptimizer> zero_;
-  std::unique_ptr<commgrad::pp::Pipeline> pipe_;
-};
+// The trainer's options of a command line.
+gpt::TrainerOptions trainer_options(const Config& c) {
+  gpt::TrainerOptions o;
+  o.batch = kBatch;
+  o.microbatches = c.microbatches;
+  o.schedule = c.schedule;
+  o.stages_per_rank = c.stages_per_rank;
+  return o;
+}
 
 Config parse(int argc, char** argv) {
   Config c;
@@ -205,7 +138,7 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   c.stages_per_rank = 1;
   auto config = model_config;
   config.sequence_parallel = false;
-  Trainer trainer(c, config, Layout{alone, alone, alone, alone});
+  gpt::Trainer trainer(trainer_options(c), config, gpt::Layout{alone, alone, alone, alone});
   std::vector<double> losses;
   for (int k = 0; k < c.steps; ++k) losses.push_back(trainer.step(corpus, k));
   return losses;
@@ -239,9 +172,9 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
     const auto state = tp::make_model_parallel(c.tp, c.pp, commgrad::world());
-    Trainer trainer(c, model_config,
-                    Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(), state.data_parallel_group(),
-                           state.embedding_group()});
+    gpt::Trainer trainer(trainer_options(c), model_config,
+                         gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
+                                     state.data_parallel_group(), state.embedding_group()});
     int start = 0;  // steps done before this run
     if (!c.resume.empty()) {
       const auto [step, saved_layout] = trainer.load(c.resume);

@@ -26,14 +26,17 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
   }
   const bool first = stages_.front().global == 0;
   const bool last = stages_.back().global == stage_count_ - 1;
-  if (first || last) {
-    // N(0, 1) rows scaled by 1/sqrt(h), so the tied output starts near uniform.
-    embedding_ = register_module(
-        "embedding", tp::VocabParallelEmbedding(tp::VocabParallelEmbeddingOptions(config.vocab, config.hidden, tp_group)
-                                                    .seed(1)));
+  // N(0, 1) rows scaled by 1/sqrt(h), so the (tied) output starts near uniform.
+  auto vocab_weight = [&](const char* name, uint64_t seed) {
+    auto module = register_module(
+        name, tp::VocabParallelEmbedding(tp::VocabParallelEmbeddingOptions(config.vocab, config.hidden, tp_group)
+                                             .seed(seed)));
     torch::NoGradGuard no_grad;
-    embedding_->weight.mul_(1.0 / std::sqrt(static_cast<double>(config.hidden)));
-  }
+    module->weight.mul_(1.0 / std::sqrt(static_cast<double>(config.hidden)));
+    return module;
+  };
+  if (first || (last && config.tie)) embedding_ = vocab_weight("embedding", 1);
+  if (last && !config.tie) output_ = vocab_weight("output", 3);
   if (first) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
     positions_ = register_parameter("positions", at::randn({config.sequence, 1, config.hidden}, gen) * 0.02);
@@ -70,10 +73,11 @@ torch::Tensor GptRankImpl::forward_stage(int local, const torch::Tensor& input) 
   if (s.global == stage_count_ - 1) {
     x = final_norm_(x);
     // The output layer: column-parallel over the vocabulary, with the
-    // embedding's weight (Family 1: identity forward, gradient all-reduced).
+    // embedding's weight or, untied, its own (Family 1: identity forward,
+    // gradient all-reduced).
     x = config_.sequence_parallel ? tp::gather_from_sequence_parallel_region(x, tp_group_)
                                   : tp::copy_to_tp_region(x, tp_group_);
-    x = torch::matmul(x, embedding_->weight.t());
+    x = torch::matmul(x, (config_.tie ? embedding_ : output_)->weight.t());
   }
   return x;
 }
@@ -92,7 +96,7 @@ torch::Tensor GptRankImpl::loss(const torch::Tensor& logits, const torch::Tensor
 std::vector<std::string> GptRankImpl::tied_parameters() const {
   const bool first = stages_.front().global == 0;
   const bool last = stages_.back().global == stage_count_ - 1;
-  if (first != last) return {"embedding.weight"};
+  if (config_.tie && first != last) return {"embedding.weight"};
   return {};
 }
 

@@ -15,7 +15,11 @@
 // the first stage holds the embedding and the positions, the rank of the
 // last stage the final norm and a copy of the embedding for the output
 // layer (Megatron's shared embedding: the two copies' gradients are summed
-// over tp::ParallelState::embedding_group()). Parameters are named as the
+// over tp::ParallelState::embedding_group()). With `tie` off the output
+// layer has a weight of its own ("output.weight", vocabulary-parallel,
+// initialised as the embedding is but from another seed): the form that
+// frameworks which cannot share a weight between stages can express
+// (bench/gpt_bench.py, torch.distributed.pipelining). Parameters are named as the
 // whole model names them ("layer3.attention.qkv.weight", "embedding.weight")
 // and every layer is initialised from its own seed, so the model is the same
 // at every layout and checkpoints move between layouts.
@@ -37,6 +41,8 @@ struct GptConfig {
   int64_t ffn = 64;
   int64_t layers = 4;
   bool sequence_parallel = false;
+  /// The output layer's weight is the embedding's (false: a weight of its own).
+  bool tie = true;
 };
 
 /// The layers of the stages one rank holds (see the file comment).
@@ -58,7 +64,7 @@ class GptRankImpl : public torch::nn::Module, public commgrad::tp::ShardedModule
 
   /// The names of the parameters tied to another rank's copy
   /// ({"embedding.weight"} on the ranks of the first and the last stage when
-  /// they differ, else none).
+  /// they differ and the model is tied, else none).
   std::vector<std::string> tied_parameters() const;
   /// The global stages this rank holds.
   std::vector<int> stages() const;
@@ -75,6 +81,7 @@ class GptRankImpl : public torch::nn::Module, public commgrad::tp::ShardedModule
   int stage_count_ = 1;
   std::vector<Stage> stages_;
   commgrad::tp::VocabParallelEmbedding embedding_{nullptr};
+  commgrad::tp::VocabParallelEmbedding output_{nullptr};  // untied only: the output layer's weight
   torch::Tensor positions_;
   std::vector<commgrad::tp::ParallelTransformerLayer> layers_;  // by global index; null where another rank has it
   torch::nn::LayerNorm final_norm_{nullptr};

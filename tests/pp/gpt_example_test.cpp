@@ -52,10 +52,12 @@ TEST_P(GptTrainExample, FollowsTheOneRankCurve) {
   args.insert(args.end(), c.args.begin(), c.args.end());
   auto r = gpt_train(c.ranks, args);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-  // The golden curve: the one-rank losses of the first steps (float32).
+  // The golden curve: the one-rank losses of the first steps (float32). The
+  // reference is split into the layout's microbatches, so its sums (and the
+  // 7th digit: 4.6157064 at 2 microbatches, 4.6157070 at 4) follow them.
   EXPECT_THAT(r.out, HasSubstr("[0] check step 1/4: loss 4.84335"));
-  EXPECT_THAT(r.out, HasSubstr("(one rank 4.843351)"));
-  EXPECT_THAT(r.out, HasSubstr("(one rank 4.615707)"));
+  EXPECT_THAT(r.out, HasSubstr("(one rank 4.84335"));
+  EXPECT_THAT(r.out, HasSubstr("(one rank 4.61570"));
   EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-05): ok\n"));
   EXPECT_EQ(progress_losses(r.out).size(), 4u) << r.out;
   EXPECT_TRUE(lines_with_prefix(r.out, "[1] ").empty()) << r.out;
@@ -124,9 +126,10 @@ TEST(GptTrainExample, WritesTheLossCurveAsCsvAndSvg) {
   std::ifstream svg(prefix + ".svg");
   std::stringstream text;
   text << svg.rdbuf();
-  EXPECT_THAT(text.str(), HasSubstr("<svg xmlns=\"http://www.w3.org/2000/svg\""));
-  EXPECT_EQ(std::count(text.str().begin(), text.str().end(), '\n') > 10, true);
-  EXPECT_THAT(text.str(), HasSubstr("one rank</text>"));
+  const std::string drawing = text.str();  // one string: begin() and end() of two copies are UB
+  EXPECT_THAT(drawing, HasSubstr("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+  EXPECT_GT(std::count(drawing.begin(), drawing.end(), '\n'), 10);
+  EXPECT_THAT(drawing, HasSubstr("one rank</text>"));
 }
 
 TEST(GptTrainExample, TrainsOnTheBytesOfATextFile) {

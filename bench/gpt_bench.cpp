@@ -1,0 +1,239 @@
+// GPT training throughput per layout, and the pipeline bubble measured
+// against its closed form.
+//
+// Trains the GPT of examples/gpt (gpt::Trainer: the model, ZeRO-2 AdamW
+// with clipping, pp::Pipeline) at a benchmark size on the synthetic corpus,
+// for each layout given (or a default list fitting the world size), and
+// prints one row per layout:
+//
+//   tokens/s      global batch x sequence / p50 of the step time (the
+//                 slowest rank's wall time of a whole step: zero_grad,
+//                 pipeline, optimizer step, loss all-reduce; barrier first)
+//   bubble        1 - sum over ranks of compute / (ranks x max over ranks of
+//                 the schedule's wall time), from pp::PipelineStepResult
+//                 (compute: time inside the stages' forwards and
+//                 backwards, TP collectives and the DP reduction included;
+//                 the rest is waiting for a peer and point-to-point), p50
+//                 over the measured steps
+//   closed form   pp::bubble_fraction_closed_form(p, m, v): (p-1)/(v m+p-1),
+//                 the idle share when backward costs twice forward and
+//                 messages are free
+//
+// A layout whose world (tp x pp x dp) is not the job's is skipped with a
+// note: ranks left out of a layout would share the cores with it and
+// distort its times, so each world size is its own job.
+//
+//   commgrad-run -n 2 gpt_bench [--layout TP,PP,DP[,SCHEDULE[,V]]]... [--hidden 256] [--heads 8]
+//                               [--ffn 1024] [--layers 8] [--sequence 128] [--vocab 256] [--batch 16]
+//                               [--microbatches 4] [--warmup 2] [--steps 5] [--untie]
+//
+// --untie gives the output layer a weight of its own (GptConfig::tie), the
+// form torch.distributed.pipelining can express (bench/gpt_bench.py).
+
+#include "gpt/corpus.h"
+#include "gpt/model.h"
+#include "gpt/trainer.h"
+
+#include <commgrad/commgrad.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace tp = commgrad::tp;
+
+namespace {
+
+struct LayoutSpec {
+  int tp = 1, pp = 1, dp = 1;
+  std::string schedule = "1f1b";
+  int v = 1;
+
+  int world() const { return tp * pp * dp; }
+  std::string name() const {
+    return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp);
+  }
+};
+
+struct Config {
+  gpt::GptConfig model;
+  int64_t batch = 16;
+  int microbatches = 4;
+  int warmup = 2;
+  int steps = 5;
+  std::vector<LayoutSpec> layouts;
+};
+
+// "tp,pp,dp[,schedule[,v]]"; v defaults to 2 for the interleaved schedule.
+LayoutSpec parse_layout(const std::string& text) {
+  std::vector<std::string> parts;
+  std::istringstream in(text);
+  for (std::string part; std::getline(in, part, ',');) parts.push_back(part);
+  if (parts.size() < 3 || parts.size() > 5) {
+    throw std::invalid_argument("--layout '" + text + "': expected TP,PP,DP[,SCHEDULE[,V]]");
+  }
+  LayoutSpec l;
+  l.tp = std::stoi(parts[0]);
+  l.pp = std::stoi(parts[1]);
+  l.dp = std::stoi(parts[2]);
+  if (parts.size() > 3) l.schedule = parts[3];
+  l.v = parts.size() > 4 ? std::stoi(parts[4]) : l.schedule == "interleaved" ? 2 : 1;
+  if (l.tp < 1 || l.pp < 1 || l.dp < 1 || l.v < 1) throw std::invalid_argument("--layout '" + text + "': sizes below 1");
+  if (l.schedule != "1f1b" && l.schedule != "gpipe" && l.schedule != "interleaved") {
+    throw std::invalid_argument("--layout '" + text + "': schedule must be 1f1b, gpipe or interleaved");
+  }
+  if (l.v != 1 && l.schedule != "interleaved") {
+    throw std::invalid_argument("--layout '" + text + "': V needs the interleaved schedule");
+  }
+  return l;
+}
+
+// The layouts of the benchmark at `n` ranks.
+std::vector<LayoutSpec> default_layouts(int n) {
+  if (n == 1) return {{1, 1, 1}};
+  if (n == 2) return {{1, 2, 1, "1f1b"}, {1, 2, 1, "gpipe"}, {1, 2, 1, "interleaved", 2}, {2, 1, 1}, {1, 1, 2}};
+  if (n == 4) return {{2, 2, 1, "1f1b"}, {1, 2, 2, "1f1b"}, {1, 4, 1, "1f1b"}};
+  return {{1, n, 1, "1f1b"}, {1, 1, n}};
+}
+
+Config parse(int argc, char** argv) {
+  Config c;
+  c.model.vocab = 256;
+  c.model.sequence = 128;
+  c.model.hidden = 256;
+  c.model.heads = 8;
+  c.model.ffn = 1024;
+  c.model.layers = 8;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    const bool value = i + 1 < argc;
+    if (flag == "--layout" && value) c.layouts.push_back(parse_layout(argv[++i]));
+    else if (flag == "--hidden" && value) c.model.hidden = std::stoll(argv[++i]);
+    else if (flag == "--heads" && value) c.model.heads = std::stoll(argv[++i]);
+    else if (flag == "--ffn" && value) c.model.ffn = std::stoll(argv[++i]);
+    else if (flag == "--layers" && value) c.model.layers = std::stoll(argv[++i]);
+    else if (flag == "--sequence" && value) c.model.sequence = std::stoll(argv[++i]);
+    else if (flag == "--vocab" && value) c.model.vocab = std::stoll(argv[++i]);
+    else if (flag == "--batch" && value) c.batch = std::stoll(argv[++i]);
+    else if (flag == "--microbatches" && value) c.microbatches = std::stoi(argv[++i]);
+    else if (flag == "--warmup" && value) c.warmup = std::stoi(argv[++i]);
+    else if (flag == "--steps" && value) c.steps = std::stoi(argv[++i]);
+    else if (flag == "--untie") c.model.tie = false;
+    else {
+      throw std::invalid_argument(
+          "usage: gpt_bench [--layout TP,PP,DP[,SCHEDULE[,V]]]... [--hidden N] [--heads N] [--ffn N] [--layers N] "
+          "[--sequence N] [--vocab N] [--batch N] [--microbatches N] [--warmup N] [--steps N] [--untie]");
+    }
+  }
+  if (c.steps < 1 || c.warmup < 0) throw std::invalid_argument("--steps must be at least 1 and --warmup at least 0");
+  return c;
+}
+
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Row {
+  double tokens_per_second = 0, step_ms = 0, bubble = 0, closed_form = 0, loss = 0;
+};
+
+// Trains `l` for warm-up plus measured steps; the result is the same on every rank.
+Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) {
+  const commgrad::Group world = commgrad::world();
+  const auto state = tp::make_model_parallel(l.tp, l.pp, world);
+  gpt::TrainerOptions options;
+  options.batch = c.batch;
+  options.microbatches = c.microbatches;
+  options.schedule = l.schedule;
+  options.stages_per_rank = l.v;
+  gpt::Trainer trainer(options, c.model,
+                       gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
+                                   state.data_parallel_group(), state.embedding_group()});
+  const auto sum = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kSum);
+  const auto max = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMax);
+  std::vector<double> step_times, bubbles;
+  Row row;
+  for (int k = 0; k < c.warmup + c.steps; ++k) {
+    commgrad::ops::barrier(world);
+    const double start = seconds_now();
+    row.loss = trainer.step(corpus, k);
+    const double wall = seconds_now() - start;
+    const auto& r = trainer.last_step();
+    const auto compute = commgrad::ops::raw::all_reduce(torch::full({1}, r.compute_seconds, torch::kDouble), sum, world)
+                             .wait()
+                             .item<double>();
+    const auto slowest =
+        commgrad::ops::raw::all_reduce(torch::tensor({wall, r.step_seconds}, torch::kDouble), max, world).wait();
+    if (k < c.warmup) continue;
+    step_times.push_back(slowest[0].item<double>());
+    bubbles.push_back(1.0 - compute / (world.size() * slowest[1].item<double>()));
+  }
+  row.step_ms = 1e3 * median(step_times);
+  row.tokens_per_second = static_cast<double>(c.batch * c.model.sequence) / median(step_times);
+  row.bubble = median(bubbles);
+  row.closed_form = commgrad::pp::bubble_fraction_closed_form(l.pp, c.microbatches, l.pp == 1 ? 1 : l.v);
+  return row;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Config c = parse(argc, argv);
+    commgrad::init_process_group();
+    const int n = commgrad::world_size();
+    const bool speaker = commgrad::rank() == 0;
+    if (c.layouts.empty()) c.layouts = default_layouts(n);
+    const auto corpus = gpt::Corpus::synthetic(c.model.vocab);
+    const auto& m = c.model;
+    if (speaker) {
+      std::printf("gpt_bench: %d ranks (%s), GPT %lld layers, hidden %lld, %lld heads, ffn %lld, vocab %lld, "
+                  "sequence %lld, %s; global batch %lld, %d microbatches, %d warm-up + %d measured steps\n\n",
+                  n, commgrad::world().backend_name().c_str(), static_cast<long long>(m.layers),
+                  static_cast<long long>(m.hidden), static_cast<long long>(m.heads), static_cast<long long>(m.ffn),
+                  static_cast<long long>(m.vocab), static_cast<long long>(m.sequence),
+                  m.tie ? "tied embeddings" : "untied output layer", static_cast<long long>(c.batch), c.microbatches,
+                  c.warmup, c.steps);
+      std::printf("| layout | schedule | v | tokens/s | step p50 (ms) | bubble measured | bubble closed form | "
+                  "measured / closed | loss |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+      std::fflush(stdout);
+    }
+    std::vector<std::string> notes;
+    for (const auto& l : c.layouts) {
+      const std::string schedule = l.pp == 1 ? "-" : l.schedule;
+      if (l.world() != n) {
+        notes.push_back(l.name() + " " + schedule + ": skipped, it needs " + std::to_string(l.world()) +
+                        " ranks and the job has " + std::to_string(n));
+        continue;
+      }
+      const Row r = run_layout(c, l, corpus);
+      if (speaker) {
+        char ratio[32] = "-";
+        if (r.closed_form > 0) std::snprintf(ratio, sizeof ratio, "%.2f", r.bubble / r.closed_form);
+        std::printf("| %s | %s | %d | %.0f | %.1f | %.3f | %.3f | %s | %.4f |\n", l.name().c_str(), schedule.c_str(),
+                    l.pp == 1 ? 1 : l.v, r.tokens_per_second, r.step_ms, r.bubble, r.closed_form, ratio, r.loss);
+        std::fflush(stdout);
+      }
+    }
+    if (speaker) {
+      for (const auto& note : notes) std::printf("note: %s\n", note.c_str());
+      std::fflush(stdout);
+    }
+    commgrad::destroy_process_group();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpt_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,61 @@
+#pragma once
+// One rank's part of the GPT (examples/gpt/model.h), its sharded optimizer
+// and its pipeline: what examples/gpt_train and bench/gpt_bench both train.
+//
+// The rank holds the stages pp::Pipeline gives it, split over the TP group;
+// one ZeroOptimizer (ZeRO-2, AdamW at 3e-3 with weight decay 0.01, global
+// gradient-norm clipping at 1.0 over every stage and TP rank, the tied
+// embedding summed over the embedding group) over the DP group. A step takes
+// batch k of a corpus: every replica its batch/dp rows, split into the
+// microbatches.
+
+#include "model.h"
+#include "corpus.h"
+
+#include <commgrad/commgrad.h>
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace gpt {
+
+/// The groups of a layout (tp::ParallelState's, or one rank's own group for all).
+struct Layout {
+  commgrad::Group tp, pp, dp, embedding;
+};
+
+/// How the rank trains: the global batch and the pipeline's schedule.
+struct TrainerOptions {
+  int64_t batch = 8;  // global, divisible by dp * microbatches
+  int microbatches = 4;
+  std::string schedule = "1f1b";  // "interleaved" on a pipeline of one rank runs as 1f1b
+  int stages_per_rank = 1;
+};
+
+class Trainer {
+ public:
+  Trainer(const TrainerOptions& options, const GptConfig& model_config, const Layout& layout);
+
+  /// Step k (0-based) of the corpus; returns the loss (the mean over the
+  /// replicas), the same on every rank.
+  double step(const Corpus& corpus, int k);
+  /// The pipeline's report of the last step (this rank's compute and step time).
+  const commgrad::pp::PipelineStepResult& last_step() const { return last_; }
+
+  /// Writes a sharded checkpoint (model and optimizer) of step `step` under `root`.
+  void save(const std::string& root, int step, const std::string& layout);
+  /// Loads the latest step under `root`; returns it and the layout it was saved at.
+  std::pair<int, std::string> load(const std::string& root);
+
+ private:
+  TrainerOptions options_;
+  Layout layout_;
+  GptRank model_;
+  std::unique_ptr<commgrad::optim::ZeroOptimizer> zero_;
+  std::unique_ptr<commgrad::pp::Pipeline> pipe_;
+  commgrad::pp::PipelineStepResult last_;
+};
+
+}  // namespace gpt

@@ -1,0 +1,98 @@
+// bench/gpt_bench as a user runs it, at a tiny size for one or two steps:
+// rank 0 prints the header and one row per layout of the job's world, with
+// the measured bubble beside the closed form pp::bubble_fraction_closed_form
+// gives; a layout of another world is skipped with a note; bad options end
+// every rank with a message.
+
+#include "harness/subprocess.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace commgrad::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::vector<std::string> kTiny = {"--hidden", "32", "--heads",   "4",  "--ffn",   "64", "--layers",
+                                        "4",        "--sequence", "16", "--vocab", "64", "--batch", "8",
+                                        "--microbatches", "4", "--warmup", "1", "--steps", "1"};
+
+ProcessResult gpt_bench(int n, std::vector<std::string> args) {
+  std::vector<std::string> argv = {launcher_path(), "-n", std::to_string(n), "--timeout", "60",
+                                   build_path("bin/gpt_bench")};
+  argv.insert(argv.end(), kTiny.begin(), kTiny.end());
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, clean_env({{"COMMGRAD_TIMEOUT", "30"}}), std::chrono::seconds(90));
+}
+
+// The cells of the header and data rows of rank 0's table ("| a | b |" -> {"a", "b"}).
+std::vector<std::vector<std::string>> table(const std::string& out) {
+  std::vector<std::vector<std::string>> rows;
+  for (const std::string& line : lines_with_prefix(out, "[0] | ")) {
+    std::vector<std::string> cells;
+    std::istringstream in(line.substr(5));
+    for (std::string cell; std::getline(in, cell, '|');) {
+      const auto b = cell.find_first_not_of(' '), e = cell.find_last_not_of(' ');
+      if (b != std::string::npos) cells.push_back(cell.substr(b, e - b + 1));
+    }
+    rows.push_back(cells);
+  }
+  return rows;
+}
+
+TEST(GptBench, PrintsARowPerLayoutWithTheBubbleBesideTheClosedForm) {
+  const auto r = gpt_bench(2, {"--layout", "1,2,1", "--layout", "1,2,1,interleaved", "--layout", "1,1,2",
+                               "--layout", "2,2,1,gpipe"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("[0] gpt_bench: 2 ranks"));
+  EXPECT_THAT(r.out, HasSubstr("GPT 4 layers, hidden 32, 4 heads, ffn 64, vocab 64, sequence 16, tied embeddings"));
+  const auto rows = table(r.out);
+  ASSERT_EQ(rows.size(), 4u) << r.out;  // header, three layouts
+  EXPECT_EQ(rows[0], (std::vector<std::string>{"layout", "schedule", "v", "tokens/s", "step p50 (ms)",
+                                               "bubble measured", "bubble closed form", "measured / closed", "loss"}));
+  // The closed forms at p = 2, m = 4: 1/5, interleaved v = 2: 1/9; none without a pipeline.
+  const std::vector<std::vector<std::string>> expected = {{"TP=1 x PP=2 x DP=1", "1f1b", "1", "0.200"},
+                                                          {"TP=1 x PP=2 x DP=1", "interleaved", "2", "0.111"},
+                                                          {"TP=1 x PP=1 x DP=2", "-", "1", "0.000"}};
+  for (size_t k = 0; k < expected.size(); ++k) {
+    const auto& row = rows[k + 1];
+    ASSERT_EQ(row.size(), 9u) << r.out;
+    EXPECT_EQ(row[0], expected[k][0]);
+    EXPECT_EQ(row[1], expected[k][1]);
+    EXPECT_EQ(row[2], expected[k][2]);
+    EXPECT_EQ(row[6], expected[k][3]);
+    EXPECT_GT(std::stod(row[3]), 0.0) << "tokens/s: " << r.out;
+    const double bubble = std::stod(row[5]);
+    EXPECT_GE(bubble, -0.01) << r.out;
+    EXPECT_LT(bubble, 1.0) << r.out;
+    if (k < 2) EXPECT_NEAR(std::stod(row[7]), bubble / std::stod(row[6]), 0.02) << r.out;
+    else EXPECT_EQ(row[7], "-");
+  }
+  EXPECT_THAT(r.out, HasSubstr("[0] note: TP=2 x PP=2 x DP=1 gpipe: skipped, it needs 4 ranks and the job has 2"));
+}
+
+TEST(GptBench, UntiedOutputLayer) {
+  const auto r = gpt_bench(2, {"--untie", "--layout", "1,2,1,gpipe"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("untied output layer"));
+  const auto rows = table(r.out);
+  ASSERT_EQ(rows.size(), 2u) << r.out;
+  EXPECT_EQ(rows[1][1], "gpipe");
+}
+
+TEST(GptBench, BadOptionsEndEveryRankWithAMessage) {
+  auto r = gpt_bench(2, {"--layout", "1,2"});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--layout '1,2': expected TP,PP,DP[,SCHEDULE[,V]]"));
+  r = gpt_bench(2, {"--layout", "1,2,1,zb"});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("schedule must be 1f1b, gpipe or interleaved"));
+}
+
+}  // namespace
+}  // namespace commgrad::testing
