@@ -49,10 +49,12 @@ TEST_P(PipelineTimesTensorParallel, LossAndEveryGradientMatchOneRank) {
       mine.emplace_back(
           tp::ParallelMLPOptions(kHidden, kFfn, tp_group).sequence_parallel(c.sequence_parallel).seed(10 * s + 1));
       fns.push_back([mlp = mine.back(), s, stages, sp = c.sequence_parallel, tp_group](const at::Tensor& in) mutable {
-        // Under SP the activations between stages are this TP rank's rows.
+        // Under SP the activations between stages are this TP rank's rows;
+        // the loss sees them all (gathered; backward keeps this rank's
+        // part of the gradient, which every TP rank computed whole).
         auto a = sp && s == 0 ? tp::scatter_to_sequence_parallel_region(in, tp_group) : in;
         a = mlp(a);
-        return sp && s == stages - 1 ? tp::gather_from_sequence_parallel_region(a, tp_group) : a;
+        return sp && s == stages - 1 ? tp::detail::gather_along(a, 0, tp_group, "pipeline_tp_test") : a;
       });
     }
     pp::Pipeline pipe(fns, [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); },
