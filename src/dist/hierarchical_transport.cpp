@@ -126,7 +126,7 @@ HierarchicalTransport::HierarchicalTransport(int rank, int size, HierarchyParts 
   }
   std::vector<int64_t> ranks(size);
   std::iota(ranks.begin(), ranks.end(), int64_t{0});
-  slots_are_ranks_ = slot_ == ranks;
+  slots_are_ranks_ = slot_ == ranks && parts_.hosts * widest_ == size;  // no padding either
   hosts_in_rank_order_ = order == ranks;
   host_order_ = at::tensor(order, at::kLong);
   worker_ = std::thread([this] { run(); });

@@ -104,7 +104,7 @@ class HierarchicalTransport : public TransportBase {
   HierarchyParts parts_;
   int widest_ = 1;                  // members on the largest host
   std::vector<int64_t> slot_;       // by group rank: host * widest_ + place on its host
-  bool slots_are_ranks_ = false;    // slot_[r] == r (hosts of consecutive ranks, equal in size)
+  bool slots_are_ranks_ = false;    // slot_[r] == r and no slot unused (hosts of consecutive ranks, equal in size)
   at::Tensor host_order_;           // group ranks host by host (int64), for reordering parts
   bool hosts_in_rank_order_ = false;  // host_order_ is 0..n-1
   std::mutex mutex_;
