@@ -38,6 +38,8 @@
 
 #include "detail/hierarchical_transport.h"
 
+#include "commgrad/util/buffer_pool.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/StringUtil.h>
@@ -100,16 +102,30 @@ at::Tensor back_to_back(const std::vector<at::Tensor>& parts) {
   return first.as_strided({step * static_cast<int64_t>(parts.size())}, {1});
 }
 
-// Reduces [H, ...] `copies` over dim 0 with `op` into a new tensor.
-at::Tensor combine(const at::Tensor& copies, const c10d::ReduceOp& op) {
+// The reductions the hierarchical reduce_scatter combines (combine()); the
+// others (bitwise, PREMUL_SUM) go to the flat transport, as before it had one.
+bool combinable(const c10d::ReduceOp& op) {
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return copies.sum(0, false, copies.scalar_type());
-    case c10d::ReduceOp::MAX: return copies.amax(0);
-    case c10d::ReduceOp::MIN: return copies.amin(0);
-    case c10d::ReduceOp::PRODUCT: return copies.prod(0, false, copies.scalar_type());
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::AVG:
+    case c10d::ReduceOp::MAX:
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::PRODUCT: return true;
+    default: return false;
+  }
+}
+
+// Reduces [H, ...] `copies` over dim 0 with `op` into a pooled tensor.
+at::Tensor combine(const at::Tensor& copies, const c10d::ReduceOp& op) {
+  auto out = pooled_empty(copies.sizes().slice(1), copies.options());
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return at::sum_out(out, copies, 0);
+    case c10d::ReduceOp::MAX: return at::amax_out(out, copies, 0);
+    case c10d::ReduceOp::MIN: return at::amin_out(out, copies, 0);
+    case c10d::ReduceOp::PRODUCT: return at::prod_out(out, copies, 0);
     default: break;
   }
-  TORCH_INTERNAL_ASSERT(false, "combine: reduction checked before the steps were queued");
+  TORCH_INTERNAL_ASSERT(false, "combine: only combinable() reductions reach the steps");
 }
 
 }  // namespace
@@ -219,7 +235,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalTransport::_allgather_base(at::Tensor
   if (output.numel() != input.numel() * getSize() || output.scalar_type() != input.scalar_type()) {
     return parts_.flat->_allgather_base(output, input, opts);
   }
-  at::Tensor flat = output.is_contiguous() ? output : at::empty(output.sizes(), output.options());
+  at::Tensor flat = output.is_contiguous() ? output : pooled_empty(output.sizes(), output.options());
   const auto parts = flat.view({-1}).chunk(getSize());
   return gather_steps(parts, input, flat.is_same(output) ? at::Tensor() : output);
 }
@@ -232,7 +248,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalTransport::gather_steps(std::vector<a
   if (c == 0) return submit(c10d::OpType::ALLGATHER, results, [] {});
   at::Tensor staging = slots_are_ranks_ ? back_to_back(outputs) : at::Tensor();
   const bool in_place = staging.defined();  // the outputs themselves hold the blocks
-  if (!in_place) staging = at::empty({static_cast<int64_t>(parts_.hosts) * widest_ * c}, in.options());
+  if (!in_place) staging = pooled_empty({static_cast<int64_t>(parts_.hosts) * widest_ * c}, in.options());
   return submit(c10d::OpType::ALLGATHER, results, [this, outputs, in, staging, in_place, c, copy_back]() {
     const auto blocks = staging.view({parts_.hosts, widest_ * c});
     const auto mine = blocks[parts_.host];
@@ -275,7 +291,8 @@ c10::intrusive_ptr<c10d::Work> HierarchicalTransport::gather_steps(std::vector<a
 c10::intrusive_ptr<c10d::Work> HierarchicalTransport::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                      std::vector<std::vector<at::Tensor>>& inputs,
                                                                      const c10d::ReduceScatterOptions& opts) {
-  bool equal_parts = outputs.size() == 1 && inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize();
+  bool equal_parts = outputs.size() == 1 && inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize() &&
+                     combinable(opts.reduceOp);
   for (size_t q = 0; equal_parts && q < inputs[0].size(); ++q) {
     equal_parts = inputs[0][q].numel() == outputs[0].numel() && inputs[0][q].scalar_type() == outputs[0].scalar_type();
   }
@@ -284,14 +301,16 @@ c10::intrusive_ptr<c10d::Work> HierarchicalTransport::reduce_scatter(std::vector
   if (!whole.defined()) {
     std::vector<at::Tensor> flat;
     for (const auto& t : inputs[0]) flat.push_back(t.reshape({-1}));
-    whole = at::cat(flat);
+    whole = pooled_empty({outputs[0].numel() * getSize()}, outputs[0].options());
+    at::cat_out(whole, flat);
   }
   return scatter_steps(outputs[0], whole, opts.reduceOp);
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalTransport::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                            const c10d::ReduceScatterOptions& opts) {
-  if (input.numel() != output.numel() * getSize() || input.scalar_type() != output.scalar_type()) {
+  if (input.numel() != output.numel() * getSize() || input.scalar_type() != output.scalar_type() ||
+      !combinable(opts.reduceOp)) {
     return parts_.flat->_reduce_scatter_base(output, input, opts);
   }
   return scatter_steps(output, input, opts.reduceOp);
@@ -299,24 +318,19 @@ c10::intrusive_ptr<c10d::Work> HierarchicalTransport::_reduce_scatter_base(at::T
 
 c10::intrusive_ptr<c10d::Work> HierarchicalTransport::scatter_steps(const at::Tensor& output, const at::Tensor& input,
                                                                     c10d::ReduceOp op) {
-  const auto kind = op.op_;
-  TORCH_CHECK(kind == c10d::ReduceOp::SUM || kind == c10d::ReduceOp::AVG || kind == c10d::ReduceOp::MAX ||
-                  kind == c10d::ReduceOp::MIN || kind == c10d::ReduceOp::PRODUCT,
-              "[commgrad] reduce_scatter rank ", getRank(), "/", getSize(), " group '", parts_.group_name,
-              "' (hierarchical): supports SUM, AVG, MAX, MIN and PRODUCT, got c10d::ReduceOp ", static_cast<int>(kind));
-  const bool avg = kind == c10d::ReduceOp::AVG;
+  const bool avg = op.op_ == c10d::ReduceOp::AVG;
   if (avg) op.op_ = c10d::ReduceOp::SUM;
   const int64_t c = output.numel();
   const int n = getSize();
   const at::Tensor in = input.contiguous().view({-1});
-  at::Tensor out = output.is_contiguous() ? output : at::empty(output.sizes(), output.options());
+  at::Tensor out = output.is_contiguous() ? output : pooled_empty(output.sizes(), output.options());
   return submit(c10d::OpType::REDUCE_SCATTER, {output}, [this, output, in, out, op, avg, c, n]() mutable {
     if (c == 0) return;
     // 1. The host's sum of the whole input on the leader. A non-leader's
     // output is left as it is, so it passes its input (shm allows in == out).
     at::Tensor reduced = in;
     if (parts_.local) {
-      if (parts_.leaders) reduced = at::empty_like(in);
+      if (parts_.leaders) reduced = pooled_empty(in.sizes(), in.options());
       c10d::ReduceOptions reduce;
       reduce.reduceOp = op;
       reduce.rootRank = 0;
@@ -326,8 +340,12 @@ c10::intrusive_ptr<c10d::Work> HierarchicalTransport::scatter_steps(const at::Te
     at::Tensor block;  // [L, c]: this host's members' parts, reduced over every host
     if (parts_.leaders) {
       auto rows = reduced.view({n, c});
-      at::Tensor send = hosts_in_rank_order_ ? rows : rows.index_select(0, host_order_);
-      auto received = at::empty({parts_.hosts, parts_.local_size * c}, in.options());
+      at::Tensor send = rows;
+      if (!hosts_in_rank_order_) {
+        send = pooled_empty(rows.sizes(), rows.options());
+        at::index_select_out(send, rows, 0, host_order_);
+      }
+      auto received = pooled_empty({parts_.hosts, parts_.local_size * c}, in.options());
       const int64_t width = static_cast<int64_t>(c10::elementSize(in.scalar_type())) * c;
       std::vector<int64_t> in_splits;
       for (const auto& m : parts_.members) in_splits.push_back(static_cast<int64_t>(m.size()) * width);

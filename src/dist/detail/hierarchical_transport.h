@@ -61,7 +61,8 @@ class HierarchicalTransport : public TransportBase {
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   /// The three-step reduce_scatter of equal parts (SUM, AVG, MAX, MIN,
-  /// PRODUCT; any dtype shm reduces); other shapes go to the flat transport.
+  /// PRODUCT; any dtype shm reduces); other shapes and reductions go to the
+  /// flat transport.
   c10::intrusive_ptr<c10d::Work> reduce_scatter(
       std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
       const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
