@@ -31,22 +31,11 @@ ProcessResult bench(int n, const std::string& backend, std::vector<std::string> 
   return run_process(argv, clean_env({{"COMMGRAD_TIMEOUT", "60"}}), std::chrono::seconds(150));
 }
 
-// Ranks started by hand, rank q on host hosts[q] ("ABB": rank 0 alone on A),
-// rank 0's output prefixed with "[0] ".
+// Ranks started by hand, rank q on host hosts[q] ("ABB": rank 0 alone on A).
 ProcessResult bench_on_hosts(const std::string& hosts, const std::string& args) {
-  const int n = static_cast<int>(hosts.size());
-  std::string script = "fail=0; pids=";
-  for (int q = 0; q < n; ++q) {
-    script += "; RANK=" + std::to_string(q) + " WORLD_SIZE=" + std::to_string(n) + " COMMGRAD_HOST=host" +
-              hosts[q] + " \"$BENCH\" " + args + " 2>&1 | sed 's/^/[" + std::to_string(q) + "] /' & pids=\"$pids $!\"";
-  }
-  script += "; for p in $pids; do wait $p || fail=1; done; exit $fail";
-  return run_process({"bash", "-o", "pipefail", "-c", script},
-                     clean_env({{"BENCH", build_path("bin/commgrad-bench")},
-                                {"MASTER_ADDR", "127.0.0.1"},
-                                {"MASTER_PORT", std::to_string(free_port())},
-                                {"COMMGRAD_TIMEOUT", "60"}}),
-                     std::chrono::seconds(120));
+  std::vector<int> host_of_rank;
+  for (char h : hosts) host_of_rank.push_back(h - 'A');
+  return run_on_hosts(host_of_rank, build_path("bin/commgrad-bench"), args, {{"COMMGRAD_TIMEOUT", "60"}});
 }
 
 std::vector<std::string> split(const std::string& s, char sep) {

@@ -28,24 +28,7 @@ std::vector<int> ranks_per_host(const std::vector<int>& host_of_rank) {
 
 // Starts one process per rank: rank q on host host_of_rank[q].
 ProcessResult run_layout(const std::vector<int>& host_of_rank) {
-  const int world = static_cast<int>(host_of_rank.size());
-  const auto layout = ranks_per_host(host_of_rank);
-  std::vector<int> placed(layout.size(), 0);
-  std::string script = "fail=0; pids=";
-  for (int rank = 0; rank < world; ++rank) {
-    const int h = host_of_rank[rank];
-    script += "; RANK=" + std::to_string(rank) + " WORLD_SIZE=" + std::to_string(world) +
-              " LOCAL_RANK=" + std::to_string(placed[h]++) + " LOCAL_WORLD_SIZE=" + std::to_string(layout[h]) +
-              " COMMGRAD_HOST=host" + std::to_string(h) + " \"$JOB\" 2>&1 | sed 's/^/[" + std::to_string(rank) +
-              "] /' & pids=\"$pids $!\"";
-  }
-  script += "; for p in $pids; do wait $p || fail=1; done; exit $fail";
-  return run_process({"bash", "-o", "pipefail", "-c", script},
-                     clean_env({{"JOB", build_path("tests/dist/hierarchy_job")},
-                                {"MASTER_ADDR", "127.0.0.1"},
-                                {"MASTER_PORT", std::to_string(free_port())},
-                                {"COMMGRAD_TIMEOUT", "30"}}),
-                     std::chrono::seconds(120));
+  return run_on_hosts(host_of_rank, build_path("tests/dist/hierarchy_job"), "", {{"COMMGRAD_TIMEOUT", "30"}});
 }
 
 class HierarchyLayouts : public ::testing::TestWithParam<std::vector<int>> {};
