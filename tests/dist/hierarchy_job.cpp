@@ -65,6 +65,7 @@ void compare_raw(const Group& world, const Group& flat) {
             "uneven all_gather of " + commgrad::tensor_name(uneven));
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin, ReduceOp::kProduct}) {
         if (op == ReduceOp::kAvg && !at::isFloatingType(dtype)) continue;
+        if (op == ReduceOp::kProduct && dtype == at::kBFloat16) continue;  // LibTorch 1.13 has no bfloat16 prod
         const auto full = pattern({n * k, 3}, r, op == ReduceOp::kProduct ? 2 : 5, dtype);
         for (const auto& x : {full, full.t()}) {  // dim 0, and dim 1 of a transposed (non-contiguous) input
           const auto o = ops::ReduceScatterOptions().op(op).dim(x.size(0) == 3 ? 1 : 0);
