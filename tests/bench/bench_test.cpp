@@ -159,24 +159,24 @@ TEST(Bench, LinkFloorIsAbsentOnOneHost) {
 }
 
 TEST(Bench, BadOptionsEndEveryRankWithAMessage) {
-  auto r = bench(2, "gloo", {"--op", "allreduce"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("unknown --op 'allreduce'"));
-  r = bench(2, "gloo", {"--root", "2", "--op", "broadcast"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("--root 2 is outside 0..1"));
-  r = bench(1, "gloo", {"-b", "4Q"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("bad size '4Q'"));
-  r = bench(1, "gloo", {"--link-gbps", "0"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("--link-gbps needs a positive bandwidth, got 0"));
-  r = bench(1, "gloo", {"--link-gbps", "10G"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("--link-gbps needs a non-negative number, got '10G'"));
-  r = bench(1, "gloo", {"--link-latency-us", "50"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("--link-latency-us needs --link-gbps"));
+  struct Case {
+    int ranks;
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {2, {"--op", "allreduce"}, "unknown --op 'allreduce'"},
+      {2, {"--root", "2", "--op", "broadcast"}, "--root 2 is outside 0..1"},
+      {1, {"-b", "4Q"}, "bad size '4Q'"},
+      {1, {"--link-gbps", "0"}, "--link-gbps needs a positive bandwidth, got 0"},
+      {1, {"--link-gbps", "10G"}, "--link-gbps needs a non-negative number, got '10G'"},
+      {1, {"--link-latency-us", "50"}, "--link-latency-us needs --link-gbps"},
+  };
+  for (const auto& c : cases) {
+    const auto r = bench(c.ranks, "gloo", c.args);
+    EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message));
+  }
 }
 
 }  // namespace
