@@ -110,7 +110,7 @@ std::vector<std::vector<int>> members_by_host(const std::vector<std::string>& ho
 
 // Shm inside each host, Gloo between the first members of the hosts, flat
 // Gloo for the rest (detail/hierarchical_transport.h).
-detail::TransportPtr create_hierarchical(const detail::TransportConfig& c) {
+detail::Transport create_hierarchical(const detail::TransportConfig& c) {
   const auto hosts = members_by_host(c.hosts);
   int host = 0;
   while (std::find(hosts[host].begin(), hosts[host].end(), c.rank) == hosts[host].end()) ++host;
@@ -120,6 +120,9 @@ detail::TransportPtr create_hierarchical(const detail::TransportConfig& c) {
   detail::HierarchyParts parts;
   parts.hosts = static_cast<int>(hosts.size());
   parts.local_size = static_cast<int>(mine.size());
+  parts.host = host;
+  parts.members = hosts;
+  parts.group_name = c.group_name;
   detail::TransportConfig flat = c;
   flat.store = c10::make_intrusive<c10d::PrefixStore>("flat", c.store);
   parts.flat = create_gloo(flat);
@@ -135,7 +138,13 @@ detail::TransportPtr create_hierarchical(const detail::TransportConfig& c) {
     leaders.size = parts.hosts;
     parts.leaders = create_gloo(leaders);
   }
-  return c10::make_intrusive<detail::HierarchicalTransport>(c.rank, c.size, std::move(parts));
+  auto hierarchical = c10::make_intrusive<detail::HierarchicalTransport>(c.rank, c.size, std::move(parts));
+  detail::HierarchicalTransport* pg = hierarchical.get();  // owned by the Transport returned with the table
+  detail::TransportCapabilities caps;
+  caps.reduce_scatter = [pg](at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) {
+    return pg->_reduce_scatter_base(out, in, o);
+  };
+  return {std::move(hierarchical), std::move(caps)};
 }
 
 }  // namespace
@@ -228,7 +237,7 @@ Transport create_transport(const TransportConfig& c) {
   try {
     if (c.backend == "gloo") return {create_gloo(c), {}};
     if (c.backend == "shm") return create_shm(c);
-    if (c.backend == "hierarchical") return {create_hierarchical(c), {}};
+    if (c.backend == "hierarchical") return create_hierarchical(c);
 #if COMMGRAD_HAVE_NCCL
     if (c.backend == "nccl") {
       // The communicator is created on the first collective, on the device

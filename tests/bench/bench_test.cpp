@@ -2,7 +2,9 @@
 // and shm. Each table must have one row per size, with no wrong element in
 // either the raw or the differentiable result (the bench checks both against
 // expected values on every rank), and the forward+backward and floor columns
-// where the dtype has gradients. Bad options end every rank with a message.
+// where the dtype has gradients; with --link-gbps, the link floor of the
+// group's host layout (ranks started by hand with COMMGRAD_HOST, as
+// tests/dist/hierarchy_test does). Bad options end every rank with a message.
 
 #include "harness/subprocess.h"
 
@@ -27,6 +29,13 @@ ProcessResult bench(int n, const std::string& backend, std::vector<std::string> 
                                    build_path("bin/commgrad-bench"), "--backend", backend};
   argv.insert(argv.end(), args.begin(), args.end());
   return run_process(argv, clean_env({{"COMMGRAD_TIMEOUT", "60"}}), std::chrono::seconds(150));
+}
+
+// Ranks started by hand, rank q on host hosts[q] ("ABB": rank 0 alone on A).
+ProcessResult bench_on_hosts(const std::string& hosts, const std::string& args) {
+  std::vector<int> host_of_rank;
+  for (char h : hosts) host_of_rank.push_back(h - 'A');
+  return run_on_hosts(host_of_rank, build_path("bin/commgrad-bench"), args, {{"COMMGRAD_TIMEOUT", "60"}});
 }
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -103,16 +112,71 @@ TEST(Bench, IntegerTypesHaveNoGradientColumns) {
   EXPECT_EQ(words(groups[3]), std::vector<std::string>{"n/a"}) << rows[0];
 }
 
+// The link floor: bytes across the busiest host link / bandwidth + latency x
+// steps among hosts (docs/benchmarks.md), on 1 + 2 ranks over two hosts (the
+// lone rank's link is the busiest), and xfloor = raw time / floor.
+TEST(Bench, LinkFloorFollowsTheOpAndTheHostLayout) {
+  const double gbps = 2, latency = 10;
+  const auto r = bench_on_hosts("ABB", "--op all -b 4K -e 64K -f 16 --iters 2 --warmup 0 --no-backward "
+                                       "--link-gbps 2 --link-latency-us 10");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("backend hierarchical"));
+  // Bytes across the link per byte of the table's size, and steps among the 2 hosts.
+  const std::vector<std::tuple<std::string, double, int>> floors = {
+      {"all_reduce", 1.0, 2}, {"all_gather", 2.0 / 3, 1}, {"reduce_scatter", 2.0 / 3, 1}};
+  for (const auto& [op, volume, rounds] : floors) {
+    SCOPED_TRACE(op);
+    const auto rows = rows_of(r.out, op);
+    ASSERT_EQ(rows.size(), 2u) << r.out;  // 4K, 64K
+    for (const std::string& row : rows) {
+      const auto groups = split(row, '|');
+      ASSERT_EQ(groups.size(), 7u) << row;
+      const double size = std::stod(words(groups[0])[0]);
+      const double raw = std::stod(words(groups[1])[0]);
+      const auto link = words(groups[6]);
+      ASSERT_EQ(link.size(), 2u) << row;
+      const double floor = volume * size * 8 / (gbps * 1e3) + rounds * latency;
+      EXPECT_NEAR(std::stod(link[0]), floor, 0.051) << row;
+      EXPECT_NEAR(std::stod(link[1]), raw / floor, 0.006 + 0.001 * raw / floor) << row;
+    }
+  }
+  for (const std::string op : {"broadcast", "all_to_all"}) {  // no floor
+    const auto rows = rows_of(r.out, op);
+    ASSERT_FALSE(rows.empty()) << r.out;
+    EXPECT_THAT(words(split(rows[0], '|')[6]), ::testing::ElementsAre("-", "-")) << rows[0];
+  }
+}
+
+TEST(Bench, LinkFloorIsAbsentOnOneHost) {
+  const auto r = bench(2, "shm", {"--op", "all_reduce", "-b", "4K", "-e", "4K", "--iters", "1", "--warmup", "0",
+                                  "--link-gbps", "10"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto rows = rows_of(r.out, "all_reduce");
+  ASSERT_EQ(rows.size(), 1u) << r.out;
+  const auto groups = split(rows[0], '|');
+  ASSERT_EQ(groups.size(), 7u) << rows[0];
+  EXPECT_THAT(words(groups[6]), ::testing::ElementsAre("-", "-")) << rows[0];
+}
+
 TEST(Bench, BadOptionsEndEveryRankWithAMessage) {
-  auto r = bench(2, "gloo", {"--op", "allreduce"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("unknown --op 'allreduce'"));
-  r = bench(2, "gloo", {"--root", "2", "--op", "broadcast"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("--root 2 is outside 0..1"));
-  r = bench(1, "gloo", {"-b", "4Q"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("bad size '4Q'"));
+  struct Case {
+    int ranks;
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {2, {"--op", "allreduce"}, "unknown --op 'allreduce'"},
+      {2, {"--root", "2", "--op", "broadcast"}, "--root 2 is outside 0..1"},
+      {1, {"-b", "4Q"}, "bad size '4Q'"},
+      {1, {"--link-gbps", "0"}, "--link-gbps needs a positive bandwidth, got 0"},
+      {1, {"--link-gbps", "10G"}, "--link-gbps needs a non-negative number, got '10G'"},
+      {1, {"--link-latency-us", "50"}, "--link-latency-us needs --link-gbps"},
+  };
+  for (const auto& c : cases) {
+    const auto r = bench(c.ranks, "gloo", c.args);
+    EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message));
+  }
 }
 
 }  // namespace

@@ -4,18 +4,25 @@
 // and a few shapes (including empty and non-contiguous tensors) against
 // closed forms, the differentiable all_reduce's gradient, a sub-group inside
 // one host (shm) and the data movements that run on the flat Gloo transport,
-// then prints "rank r ok (<transport>)".
+// all_gather and reduce_scatter (raw, differentiable and as direct transport
+// calls, with their gradients) against the same calls on a flat Gloo group of
+// the same ranks, then prints "rank r ok (<transport>)".
 
 #include <commgrad/commgrad.h>
 #include <commgrad/util/names.h>
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
 
 namespace {
+
+using commgrad::Group;
+using commgrad::ReduceOp;
+namespace ops = commgrad::ops;
 
 int failures = 0;
 
@@ -26,11 +33,160 @@ void check(bool ok, const std::string& what) {
   }
 }
 
+// Small integers that depend on the rank: every sum, product and average
+// below is exact in every dtype, so the two groups must agree bit for bit.
+at::Tensor pattern(at::IntArrayRef sizes, int rank, int64_t modulus, at::ScalarType dtype) {
+  int64_t numel = 1;
+  for (int64_t s : sizes) numel *= s;
+  return (at::arange(numel).view(sizes) % modulus + rank + 1).to(dtype);
+}
+
+// Raw all_gather and reduce_scatter on `world` equal those on `flat`: odd
+// sizes, dims 0 and 1 (a non-contiguous part), uneven parts, every reduction.
+void compare_raw(const Group& world, const Group& flat) {
+  const int n = world.size(), r = world.rank();
+  for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kInt}) {
+    for (int64_t k : {1, 7, 33}) {
+      const auto part = pattern({k, 3}, r, 7, dtype);
+      for (int64_t dim : {0, 1}) {
+        const auto o = ops::AllGatherOptions().dim(dim);
+        check(at::equal(ops::raw::all_gather(part, o, world).wait(), ops::raw::all_gather(part, o, flat).wait()),
+              "all_gather dim " + std::to_string(dim) + " of " + commgrad::tensor_name(part));
+      }
+      const auto strided = part.t();  // [3, k], not contiguous
+      check(at::equal(ops::raw::all_gather(strided, ops::AllGatherOptions().dim(1), world).wait(),
+                      ops::raw::all_gather(strided, ops::AllGatherOptions().dim(1), flat).wait()),
+            "all_gather of a transposed " + commgrad::tensor_name(part));
+      std::vector<int64_t> sizes;
+      for (int q = 0; q < n; ++q) sizes.push_back(k + q % 2);
+      const auto uneven = pattern({k + r % 2, 3}, r, 7, dtype);
+      const auto uo = ops::AllGatherOptions().sizes(sizes);
+      check(at::equal(ops::raw::all_gather(uneven, uo, world).wait(), ops::raw::all_gather(uneven, uo, flat).wait()),
+            "uneven all_gather of " + commgrad::tensor_name(uneven));
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin, ReduceOp::kProduct}) {
+        if (op == ReduceOp::kAvg && !at::isFloatingType(dtype)) continue;
+        if (op == ReduceOp::kProduct && dtype == at::kBFloat16) continue;  // LibTorch 1.13 has no bfloat16 prod
+        const auto full = pattern({n * k, 3}, r, op == ReduceOp::kProduct ? 2 : 5, dtype);
+        for (const auto& x : {full, full.t()}) {  // dim 0, and dim 1 of a transposed (non-contiguous) input
+          const auto o = ops::ReduceScatterOptions().op(op).dim(x.size(0) == 3 ? 1 : 0);
+          check(at::equal(ops::raw::reduce_scatter(x, o, world).wait(), ops::raw::reduce_scatter(x, o, flat).wait()),
+                std::string("reduce_scatter ") + commgrad::reduce_op_name(op) + " dim " + std::to_string(o.dim()) +
+                    " of " + commgrad::tensor_name(x));
+        }
+      }
+      const auto ro = ops::ReduceScatterOptions().sizes(sizes);
+      const auto whole = pattern({n * k + n / 2, 3}, r, 5, dtype);
+      check(at::equal(ops::raw::reduce_scatter(whole, ro, world).wait(), ops::raw::reduce_scatter(whole, ro, flat).wait()),
+            "uneven reduce_scatter of " + commgrad::tensor_name(whole));
+    }
+  }
+}
+
+// f(x, group) on both groups: equal results and equal gradients of a
+// rank-dependent weighted sum (Family 1 ops and Family 2 mappings alike).
+void compare_grad(const std::string& what, const at::Tensor& x0, const Group& world, const Group& flat,
+                  const std::function<at::Tensor(const at::Tensor&, const Group&)>& f) {
+  auto a = x0.clone().requires_grad_(true);
+  auto b = x0.clone().requires_grad_(true);
+  const auto ya = f(a, world);
+  const auto yb = f(b, flat);
+  const auto w = pattern(ya.sizes(), world.rank(), 3, ya.scalar_type());
+  (ya * w).sum().backward();
+  (yb * w).sum().backward();
+  check(at::equal(ya, yb) && at::equal(a.grad(), b.grad()), what + " and its gradient");
+}
+
+void compare_grads(const Group& world, const Group& flat) {
+  namespace tp = commgrad::tp;
+  const int n = world.size(), r = world.rank();
+  const auto part = pattern({5, 2 * n}, r, 7, at::kFloat);
+  compare_grad("ops::all_gather", part, world, flat,
+               [](const at::Tensor& x, const Group& g) { return ops::all_gather(x, ops::AllGatherOptions().dim(1), g); });
+  compare_grad("ops::reduce_scatter AVG", part.t(), world, flat, [](const at::Tensor& x, const Group& g) {
+    return ops::reduce_scatter(x, ops::ReduceScatterOptions().op(ReduceOp::kAvg), g);
+  });
+  compare_grad("tp::gather_from_sequence_parallel_region", part, world, flat, tp::gather_from_sequence_parallel_region);
+  compare_grad("tp::reduce_scatter_to_sequence_parallel_region", pattern({3 * n, 4}, r, 5, at::kDouble), world, flat,
+               tp::reduce_scatter_to_sequence_parallel_region);
+  compare_grad("tp::gather_from_tp_region", part, world, flat, tp::gather_from_tp_region);
+}
+
+// The hierarchical transport called directly, as c10d users call it: outputs
+// that are not back to back, non-contiguous outputs, every reduction, empty
+// parts, and a reduction it leaves to the flat transport.
+void check_transport_calls(const Group& world) {
+  const int n = world.size(), r = world.rank();
+  auto& t = world.transport();
+  const int64_t c = 5;
+  auto in = at::arange(c, at::kDouble) + r * 10;
+  std::vector<at::Tensor> rows;
+  for (int q = 0; q < n; ++q) rows.push_back(at::arange(c, at::kDouble) + q * 10);
+  const auto gathered = at::stack(rows);
+  auto strided_out = at::zeros({c, n}, at::kDouble).t();
+  t._allgather_base(strided_out, in)->wait();
+  check(at::equal(strided_out, gathered), "_allgather_base into a non-contiguous output");
+  std::vector<std::vector<at::Tensor>> outs(1);
+  for (int q = 0; q < n; ++q) outs[0].push_back(at::zeros({c}, at::kDouble));
+  std::vector<at::Tensor> ins{in};
+  t.allgather(outs, ins)->wait();
+  check(at::equal(at::stack(outs[0]), gathered), "allgather into separate outputs");
+  auto empty_in = at::empty({0});
+  auto empty_out = at::empty({0});
+  t._allgather_base(empty_out, empty_in)->wait();
+  t._reduce_scatter_base(empty_out, empty_in)->wait();
+  for (auto dtype : {at::kDouble, at::kLong}) {
+    for (auto op : {c10d::ReduceOp::SUM, c10d::ReduceOp::AVG, c10d::ReduceOp::MAX, c10d::ReduceOp::MIN,
+                    c10d::ReduceOp::PRODUCT}) {
+      auto full = [&](int q) { return (at::arange(n * c) % 3 + q + 1).to(dtype); };
+      at::Tensor want = full(0);
+      for (int q = 1; q < n; ++q) {
+        switch (op) {
+          case c10d::ReduceOp::MAX: want = at::maximum(want, full(q)); break;
+          case c10d::ReduceOp::MIN: want = at::minimum(want, full(q)); break;
+          case c10d::ReduceOp::PRODUCT: want = want * full(q); break;
+          default: want = want + full(q);
+        }
+      }
+      if (op == c10d::ReduceOp::AVG) want = at::is_floating_point(want) ? want / n : at::div(want, n, "trunc");
+      want = want.narrow(0, r * c, c);
+      c10d::ReduceScatterOptions opts;
+      opts.reduceOp = op;
+      const std::string what = "reduce_scatter " + std::to_string(static_cast<int>(op)) + " of " +
+                               commgrad::tensor_name(full(r));
+      auto x = full(r);
+      auto out = at::zeros({c, 2}, dtype).select(1, 0);  // not contiguous
+      t._reduce_scatter_base(out, x, opts)->wait();
+      check(at::equal(out, want) && at::equal(x, full(r)), "_" + what + " into a non-contiguous output");
+      std::vector<at::Tensor> one{at::zeros({c}, dtype)};
+      std::vector<std::vector<at::Tensor>> parts(1);
+      for (int q = 0; q < n; ++q) parts[0].push_back(x.narrow(0, q * c, c).clone());  // not back to back
+      t.reduce_scatter(one, parts, opts)->wait();
+      check(at::equal(one[0], want), what + " of separate parts");
+      parts[0] = x.chunk(n);  // back to back
+      t.reduce_scatter(one, parts, opts)->wait();
+      check(at::equal(one[0], want), what + " of back-to-back parts");
+    }
+  }
+  // BAND has no hierarchical form: it goes to the flat Gloo transport, which
+  // computes it (LibTorch 2.x) or says it does not support it (1.13).
+  c10d::ReduceScatterOptions band;
+  band.reduceOp = c10d::ReduceOp::BAND;
+  std::vector<at::Tensor> band_out{at::zeros({1}, at::kLong)};
+  std::vector<std::vector<at::Tensor>> band_in(1);
+  for (int q = 0; q < n; ++q) band_in[0].push_back(at::full({1}, q == r ? 6 : 3, at::kLong));
+  try {
+    t.reduce_scatter(band_out, band_in, band)->wait();
+    check(band_out[0].item<int64_t>() == (n > 1 ? 2 : 6), "reduce_scatter BAND on the flat transport");
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    check(message.find("does not support") != std::string::npos, "reduce_scatter BAND's error: " + message);
+  }
+  check(at::equal(ops::raw::all_gather(at::full({1}, r)).wait(), at::arange(n)), "all_gather after BAND");
+}
+
 }  // namespace
 
 int main() {
-  using commgrad::ReduceOp;
-  namespace ops = commgrad::ops;
   auto world = commgrad::init_process_group();
   const int n = world.size();
   const int r = world.rank();
@@ -86,6 +242,13 @@ int main() {
                   at::full({3}, n - 1 + 7.0)),
         "broadcast");
   ops::barrier();
+  // all_gather and reduce_scatter against a flat Gloo group of every rank.
+  std::vector<int> everyone(n);
+  for (int q = 0; q < n; ++q) everyone[q] = q;
+  const auto flat = commgrad::new_group(everyone, commgrad::NewGroupOptions().backend("gloo").name("flat"));
+  compare_raw(world, flat);
+  compare_grads(world, flat);
+  if (world.backend_name() == "hierarchical") check_transport_calls(world);
   // A sub-group of the ranks on this host: shm when it has more than one member.
   std::vector<std::vector<int>> by_host;
   std::vector<std::string> seen;
@@ -106,9 +269,12 @@ int main() {
     const auto sum = ops::all_reduce(at::ones({2}), {}, local);
     check(at::equal(sum, at::full({2}, static_cast<float>(local.size()))), "all_reduce on " + local.describe());
   }
-  // TP inside a host, DP across hosts (equal hosts): the TP group stays on shm.
+  // TP inside a host, DP across hosts (equal hosts of consecutive ranks): the TP group stays on shm.
   bool equal_hosts = by_host.size() > 1;
-  for (const auto& h : by_host) equal_hosts = equal_hosts && h.size() == by_host.front().size() && h.size() > 1;
+  for (const auto& h : by_host) {
+    equal_hosts = equal_hosts && h.size() == by_host.front().size() && h.size() > 1 &&
+                  h.back() - h.front() + 1 == static_cast<int>(h.size());  // consecutive ranks
+  }
   if (equal_hosts) {
     auto state = commgrad::tp::make_model_parallel(static_cast<int>(by_host.front().size()));
     check(state.tensor_parallel_group().backend_name() == "shm", "TP group transport in " + state.describe());

@@ -115,6 +115,27 @@ std::map<std::string, std::string> clean_env(const std::map<std::string, std::st
   return env;
 }
 
+ProcessResult run_on_hosts(const std::vector<int>& host_of_rank, const std::string& program, const std::string& args,
+                           const std::map<std::string, std::string>& env, std::chrono::milliseconds timeout) {
+  const int world = static_cast<int>(host_of_rank.size());
+  std::map<int, int> per_host, placed;
+  for (int h : host_of_rank) ++per_host[h];
+  std::string script = "fail=0; pids=";
+  for (int rank = 0; rank < world; ++rank) {
+    const int h = host_of_rank[rank];
+    script += "; RANK=" + std::to_string(rank) + " WORLD_SIZE=" + std::to_string(world) +
+              " LOCAL_RANK=" + std::to_string(placed[h]++) + " LOCAL_WORLD_SIZE=" + std::to_string(per_host[h]) +
+              " COMMGRAD_HOST=host" + std::to_string(h) + " \"$PROGRAM\" " + args + " 2>&1 | sed 's/^/[" +
+              std::to_string(rank) + "] /' & pids=\"$pids $!\"";
+  }
+  script += "; for p in $pids; do wait $p || fail=1; done; exit $fail";
+  auto all = env;
+  all["PROGRAM"] = program;
+  all["MASTER_ADDR"] = "127.0.0.1";
+  all["MASTER_PORT"] = std::to_string(free_port());
+  return run_process({"bash", "-o", "pipefail", "-c", script}, clean_env(all), timeout);
+}
+
 std::vector<std::string> lines_with_prefix(const std::string& text, const std::string& prefix) {
   std::vector<std::string> out;
   std::istringstream in(text);

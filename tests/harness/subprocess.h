@@ -38,6 +38,15 @@ std::map<std::string, std::string> clean_env(const std::map<std::string, std::st
 /// A TCP port on the loopback interface that was free a moment ago.
 int free_port();
 
+/// Runs `program args` once per rank on this machine as a job of
+/// host_of_rank.size() ranks spread over pretend hosts: rank q runs with
+/// COMMGRAD_HOST=host<host_of_rank[q]>, RANK, WORLD_SIZE, LOCAL_RANK and
+/// LOCAL_WORLD_SIZE of its host, MASTER_ADDR/MASTER_PORT on loopback and `env`
+/// (on top of clean_env()); its output lines start with "[q] ". Fails when any rank does.
+ProcessResult run_on_hosts(const std::vector<int>& host_of_rank, const std::string& program, const std::string& args,
+                           const std::map<std::string, std::string>& env,
+                           std::chrono::milliseconds timeout = std::chrono::seconds(120));
+
 /// Lines of `text` that start with `prefix`.
 std::vector<std::string> lines_with_prefix(const std::string& text, const std::string& prefix);
 

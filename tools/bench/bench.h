@@ -43,6 +43,14 @@ struct Instance {
   at::Tensor input;
 };
 
+/// What one call must move across the busiest host link, for the link
+/// floor (--link-gbps): `volume` bytes per byte of the table's size, in the
+/// busier direction of that link, and `rounds` latencies (steps among hosts).
+struct LinkCost {
+  double volume = 0;
+  int rounds = 0;
+};
+
 /// A collective: its name, how its sizes count, and how to build it.
 struct Collective {
   std::string name;
@@ -53,6 +61,8 @@ struct Collective {
   /// nccl-tests' bus bandwidth factor for n ranks.
   std::function<double(int n)> bus_factor;
   std::function<Instance(const Setup&)> make;
+  /// The link cost on hosts of `ranks_per_host` ranks; empty: no floor.
+  std::function<LinkCost(const std::vector<int>& ranks_per_host)> link = {};
 };
 
 /// Every collective commgrad-bench knows, in the order `--op all` runs them.

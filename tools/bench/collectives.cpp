@@ -5,9 +5,10 @@
 // Inputs are small integers, x_r[i] = (i mod 5) + r + 1, so every expected
 // result is exact in any floating type. The raw call is the bare transport
 // call on preallocated buffers, in place where c10d works in place; for
-// reduce_scatter, which Gloo lacks, it is the alltoall_base that carries its
-// traffic (the local sum is not counted), so the overhead column shows the
-// whole cost of the workaround's local step.
+// reduce_scatter it is the transport's own where it has one (shm,
+// hierarchical: TransportCapabilities), else, as Gloo lacks it, the
+// alltoall_base that carries its traffic (the local sum is not counted), so
+// the overhead column shows the whole cost of the workaround's local step.
 
 #include "bench.h"
 
@@ -16,6 +17,8 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
 
 namespace commgrad::bench {
 namespace {
@@ -42,6 +45,30 @@ std::function<void()> fwd_bwd(const at::Tensor& x, std::function<at::Tensor(cons
 }
 
 double all_factor(int n) { return n > 0 ? static_cast<double>(n - 1) / n : 0; }
+
+// ~~~ link floors (docs/benchmarks.md): reductions inside a host are free ~~~
+
+// all_reduce among H hosts: every host sends (and receives) at least
+// 2 (H-1)/H of the buffer (a bandwidth-optimal all_reduce of H members);
+// 2 (H-1) steps of a ring.
+LinkCost all_reduce_link(const std::vector<int>& ranks_per_host) {
+  const int h = static_cast<int>(ranks_per_host.size());
+  return {h > 1 ? 2.0 * (h - 1) / h : 0, 2 * (h - 1)};
+}
+
+// all_gather (size = output) and reduce_scatter (size = input): the host of
+// L ranks receives (all_gather) or sends (reduce_scatter) at least the n - L
+// parts of the ranks elsewhere; the smallest host's link is the busiest.
+// H - 1 steps of a ring.
+LinkCost parts_link(const std::vector<int>& ranks_per_host) {
+  const int h = static_cast<int>(ranks_per_host.size());
+  int n = 0, smallest = ranks_per_host.empty() ? 0 : ranks_per_host.front();
+  for (int l : ranks_per_host) {
+    n += l;
+    smallest = std::min(smallest, l);
+  }
+  return {h > 1 ? static_cast<double>(n - smallest) / n : 0, h - 1};
+}
 
 // ~~~ all_reduce ~~~
 
@@ -131,21 +158,38 @@ Instance reduce_scatter(const Setup& s) {
   for (int r = 0; r < n; ++r) total += pattern(s.count, r, at::kDouble);
   if (s.op == ReduceOp::kAvg) total /= n;
   auto want = total.narrow(0, s.rank * part, part).to(s.dtype);
-  auto received = at::empty({n, part}, in.input.options());
   auto group = s.group;
   auto x = in.input;
-  auto run = [received, x, group]() {
-    std::vector<int64_t> none;
-    at::Tensor out = received.view({-1}), input = x;
-    wait(group.transport().alltoall_base(out, input, none, none));
-  };
-  in.raw = run;
   const bool avg = s.op == ReduceOp::kAvg;
-  in.check_raw = [=]() {
-    run();
-    auto r = received.sum(0);
-    return count_wrong(avg ? r / n : r, want);
-  };
+  const auto& native = group.capabilities().reduce_scatter;
+  if (native && at::isFloatingType(s.dtype) && s.op != ReduceOp::kProduct) {
+    // The transport's own reduce_scatter (shm, hierarchical), as the op uses it.
+    auto out = at::empty({part}, in.input.options());
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = s.op == ReduceOp::kMax ? c10d::ReduceOp::MAX
+                    : s.op == ReduceOp::kMin ? c10d::ReduceOp::MIN
+                                             : c10d::ReduceOp::SUM;
+    in.raw = [native, out, x, opts]() mutable {
+      at::Tensor input = x;
+      wait(native(out, input, opts));
+    };
+    in.check_raw = [=]() {
+      in.raw();
+      return count_wrong(avg ? out / n : out, want);
+    };
+  } else {
+    auto received = at::empty({n, part}, in.input.options());
+    in.raw = [received, x, group]() {
+      std::vector<int64_t> none;
+      at::Tensor out = received.view({-1}), input = x;
+      wait(group.transport().alltoall_base(out, input, none, none));
+    };
+    in.check_raw = [=]() {
+      in.raw();
+      auto r = received.sum(0);
+      return count_wrong(avg ? r / n : r, want);
+    };
+  }
   const auto options = ops::ReduceScatterOptions().op(s.op);
   in.op = [options, group](const at::Tensor& x) { return ops::reduce_scatter(x, options, group); };
   in.check_op = [want](const at::Tensor& y) { return count_wrong(y, want); };
@@ -364,9 +408,10 @@ int64_t count_wrong(const at::Tensor& got, const at::Tensor& want) {
 
 const std::vector<Collective>& collectives() {
   static const std::vector<Collective> all{
-      {"all_reduce", true, false, false, [](int n) { return n > 0 ? 2.0 * (n - 1) / n : 0; }, all_reduce},
-      {"all_gather", false, false, true, all_factor, all_gather},
-      {"reduce_scatter", true, false, true, all_factor, reduce_scatter},
+      {"all_reduce", true, false, false, [](int n) { return n > 0 ? 2.0 * (n - 1) / n : 0; }, all_reduce,
+       all_reduce_link},
+      {"all_gather", false, false, true, all_factor, all_gather, parts_link},
+      {"reduce_scatter", true, false, true, all_factor, reduce_scatter, parts_link},
       {"broadcast", false, true, false, [](int) { return 1.0; }, broadcast},
       {"reduce", false, true, false, [](int) { return 1.0; }, reduce},
       {"scatter", false, true, true, all_factor, scatter},

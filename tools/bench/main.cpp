@@ -18,6 +18,12 @@
 // time and net = (forward+backward - floor) / raw; and ovh, the forward's
 // overhead over the raw call in percent (the median over rounds of each
 // round's own ratio, which cancels slow drift of a shared machine).
+//
+// With --link-gbps G (and --link-latency-us T) each row ends with the link
+// floor: the bytes that must cross the busiest host link for the op on the
+// group's hosts (Collective::link; formulas in docs/benchmarks.md), at G
+// Gbit/s, plus T per step among hosts; and xfloor = raw time / floor. "-"
+// where the op has no floor or the group lives on one host.
 
 #include "bench.h"
 
@@ -34,6 +40,7 @@
 #include <cstring>
 #include <iostream>
 #include <string>
+#include <vector>
 
 namespace commgrad::bench {
 namespace {
@@ -51,6 +58,8 @@ struct Options {
   int warmup = 5;
   bool check = true;
   bool backward = true;
+  double link_gbps = 0;        // 0: no link floor columns
+  double link_latency_us = 0;
 };
 
 void usage(std::ostream& out) {
@@ -67,7 +76,9 @@ void usage(std::ostream& out) {
          "  -n, --iters I    timed iterations per size (default 20)\n"
          "  -w, --warmup W   untimed iterations first (default 5)\n"
          "  -c, --check 0|1  check results (default 1)\n"
-         "  --no-backward    skip the forward+backward columns\n";
+         "  --no-backward    skip the forward+backward columns\n"
+         "  --link-gbps G    add the link floor (us) at G Gbit/s per host link, and xfloor\n"
+         "  --link-latency-us T  add T per step among hosts to the floor (needs --link-gbps)\n";
 }
 
 int64_t parse_size(const std::string& s) {
@@ -83,6 +94,14 @@ int64_t parse_size(const std::string& s) {
     default: TORCH_CHECK(false, "commgrad-bench: bad size '", s, "'");
   }
   return static_cast<int64_t>(v * mult);
+}
+
+double parse_number(const std::string& option, const std::string& s) {
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  TORCH_CHECK(end != s.c_str() && *end == '\0' && v >= 0, "commgrad-bench: ", option,
+              " needs a non-negative number, got '", s, "'");
+  return v;
 }
 
 at::ScalarType parse_dtype(const std::string& s) {
@@ -155,11 +174,17 @@ Options parse(int argc, char** argv) {
       o.check = std::stoi(value()) != 0;
     } else if (a == "--no-backward") {
       o.backward = false;
+    } else if (a == "--link-gbps") {
+      o.link_gbps = parse_number(a, value());
+      TORCH_CHECK(o.link_gbps > 0, "commgrad-bench: --link-gbps needs a positive bandwidth, got ", o.link_gbps);
+    } else if (a == "--link-latency-us") {
+      o.link_latency_us = parse_number(a, value());
     } else {
       usage(std::cerr);
       TORCH_CHECK(false, "commgrad-bench: unknown option '", a, "'");
     }
   }
+  TORCH_CHECK(o.link_latency_us == 0 || o.link_gbps > 0, "commgrad-bench: --link-latency-us needs --link-gbps");
   return o;
 }
 
@@ -228,6 +253,31 @@ int64_t sum_over_ranks(const Group& g, int64_t v) {
 
 double gbps(double bytes, double us) { return us > 0 ? bytes / us / 1e3 : 0; }
 
+// Ranks per host of `g`, hosts in the order of their first rank.
+std::vector<int> ranks_per_host(const Group& g) {
+  const auto& hosts = g.state()->hosts;
+  std::vector<std::string> seen;
+  std::vector<int> counts;
+  for (const auto& h : hosts) {
+    const auto it = std::find(seen.begin(), seen.end(), h);
+    if (it == seen.end()) {
+      seen.push_back(h);
+      counts.push_back(1);
+    } else {
+      ++counts[it - seen.begin()];
+    }
+  }
+  return counts;
+}
+
+// The link floor in microseconds for `size` bytes (0: none).
+double link_floor_us(const Collective& c, const Options& o, const std::vector<int>& layout, double size) {
+  if (!c.link || o.link_gbps <= 0) return 0;
+  const LinkCost cost = c.link(layout);
+  if (cost.volume <= 0) return 0;
+  return cost.volume * size * 8 / (o.link_gbps * 1e3) + cost.rounds * o.link_latency_us;
+}
+
 void run(const Collective& c, const Options& o, const Group& g) {
   const int n = g.size();
   const bool speaker = g.rank() == 0;
@@ -239,17 +289,21 @@ void run(const Collective& c, const Options& o, const Group& g) {
   if (speaker) {
     std::printf("# commgrad-bench %s: %d ranks, backend %s, %s, iters %d, warmup %d\n", c.name.c_str(), n,
                 g.backend_name().c_str(), dtype_name(o.dtype), o.iters, o.warmup);
-    std::printf("#%38s | %-31s | %-31s | %-21s | %-14s |\n", "", "raw transport call", "differentiable forward",
-                o.backward ? "forward+backward" : "", o.backward ? "autograd floor" : "");
-    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s\n",
+    std::printf("#%38s | %-31s | %-31s | %-21s | %-14s |%s\n", "", "raw transport call", "differentiable forward",
+                o.backward ? "forward+backward" : "", o.backward ? "autograd floor" : "",
+                o.link_gbps > 0 ? "        | link floor" : "");
+    const char* floor_head = o.link_gbps > 0 ? " |    floor xfloor" : "";
+    const char* floor_unit = o.link_gbps > 0 ? " |     (us) (raw)" : "";
+    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s%s\n",
                 "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw",
-                "busbw", "#wrong", "time", "busbw", "xraw", "time", "net", "ovh");
-    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s\n",
+                "busbw", "#wrong", "time", "busbw", "xraw", "time", "net", "ovh", floor_head);
+    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s%s\n",
                 "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "",
-                "(us)", "(GB/s)", "", "(us)", "xraw", "(%)");
+                "(us)", "(GB/s)", "", "(us)", "xraw", "(%)", floor_unit);
   }
   double sum_raw = 0, sum_op = 0;
   int rows = 0;
+  const auto layout = ranks_per_host(g);
   for (int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.factor) {
     int64_t count = std::max<int64_t>(bytes / elsize, 1);
     if (c.per_rank_split) count = std::max<int64_t>(count / n, 1) * n;
@@ -295,7 +349,16 @@ void run(const Collective& c, const Options& o, const Group& g) {
       } else {
         std::printf("%8s %7s %4s | %8s %5s | ", "n/a", "", "", "n/a", "");
       }
-      std::printf("%+6.1f\n", ovh);
+      std::printf("%+6.1f", ovh);
+      if (o.link_gbps > 0) {
+        const double floor = link_floor_us(c, o, layout, size);
+        if (floor > 0) {
+          std::printf(" | %8.1f %6.2f", floor, t_raw / floor);
+        } else {
+          std::printf(" | %8s %6s", "-", "-");
+        }
+      }
+      std::printf("\n");
       std::fflush(stdout);
     }
     sum_raw += gbps(size, t_raw) * factor;

@@ -22,8 +22,8 @@ std::vector<std::string> available_backends();
 /// `hosts` (one identity per member). "auto" (and "nccl", whose CPU tensors
 /// travel like c10d's "cpu:gloo,cuda:nccl") is shm when every member is on
 /// one host; "hierarchical" when they span hosts and some host has more than
-/// one of them (all_reduce as shm inside each host and Gloo between hosts,
-/// everything else on Gloo); else Gloo. "gloo" and "shm" are checked (shm
+/// one of them (all_reduce, all_gather and reduce_scatter as shm inside each
+/// host and Gloo between hosts, everything else on Gloo); else Gloo. "gloo" and "shm" are checked (shm
 /// needs one host) and returned as is; "hierarchical" becomes shm on one host
 /// and Gloo with one member per host, where it would be either of them.
 std::string resolve_backend(const std::string& requested, const std::vector<std::string>& hosts);
