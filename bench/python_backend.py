@@ -218,13 +218,16 @@ def plot(out_dir):
     speed.set(xscale="log", yscale="log", xlabel="message size",
               ylabel=f"speedup ({other} time / {mine} time)", title=f"{mine} over {other}")
     speed.axhline(1, color="gray", lw=0.8)
+    speed.axhline(50, color="gray", lw=0.8, ls=":", label="goal at 4K: 50x")
     for ax in (lat, speed):
         ax.set_xticks(sizes, [size_label(b) for b in sizes])
         ax.minorticks_off()
         ax.grid(True, which="major", lw=0.3)
         ax.legend(fontsize=7)
-    host = next(iter(runs.values()))["host"]
-    fig.suptitle(host, fontsize=7)
+    # "...; 2 CPUs, load average 6.2 at the start": one line for the runs.
+    host = next(iter(runs.values()))["host"].split(", load average")[0]
+    loads = ", ".join(f"{n} ranks {run['host'].split('load average ')[-1].split()[0]}" for n, run in sorted(runs.items()))
+    fig.suptitle(f"{host}\nload average at the start: {loads}", fontsize=7)
     fig.tight_layout()
     path = os.path.join(out_dir, "python_backend.svg")
     fig.savefig(path, metadata={"Date": None})
