@@ -19,6 +19,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
 
@@ -56,11 +57,24 @@ std::chrono::milliseconds TorchBackend::timeout_or(std::chrono::milliseconds req
   return timeout_;
 }
 
+// A blocking call (asyncOp false: a torch.distributed function called
+// without async_op=True) is waited for here, and returns no Work, which is
+// what torch.distributed's functions expect of a backend that "has synced at
+// C++ level". That saves, per call, a Work that Python would wrap, wait on and
+// free (freeing it releases its tensors, which takes the GIL back). Not while
+// torch keeps the Works of blocking calls for wait_tensor
+// (allow_inflight_collective_as_graph_input).
+WorkPtr TorchBackend::settled(WorkPtr work, bool async_op) {
+  if (async_op || c10d::allow_inflight_collective_as_graph_input()) return work;
+  work->wait();
+  return {};
+}
+
 template <class Call>
-WorkPtr TorchBackend::run(const char* op, Call&& call) {
+WorkPtr TorchBackend::run(const char* op, bool async_op, Call&& call) {
   ++sequence_;
   try {
-    return call(group_.transport());
+    return settled(call(group_.transport()), async_op);
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();
     if (what.find("[commgrad]") != std::string::npos) throw;
@@ -77,7 +91,7 @@ WorkPtr TorchBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::Al
     for (auto& t : tensors) premultiply(t, opts.reduceOp);  // in place: allreduce overwrites them anyway
     o.reduceOp = sum_op();
   }
-  return run("all_reduce", [&](c10d::Backend& t) { return t.allreduce(tensors, o); });
+  return run("all_reduce", o.asyncOp, [&](c10d::Backend& t) { return t.allreduce(tensors, o); });
 }
 
 WorkPtr TorchBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -88,7 +102,7 @@ WorkPtr TorchBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
     for (auto& t : tensors) premultiply(t, opts.reduceOp);
     o.reduceOp = sum_op();
   }
-  return run("all_reduce_coalesced", [&](c10d::Backend& t) { return t.allreduce_coalesced(tensors, o); });
+  return run("all_reduce_coalesced", o.asyncOp, [&](c10d::Backend& t) { return t.allreduce_coalesced(tensors, o); });
 }
 
 WorkPtr TorchBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
@@ -96,7 +110,7 @@ WorkPtr TorchBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::Reduc
   o.timeout = timeout_or(opts.timeout);
   TORCH_CHECK(!is_premul_sum(opts.reduceOp), "[commgrad] reduce ", group_.describe(),
               ": ReduceOp.PREMUL_SUM is offered for all_reduce and reduce_scatter only");
-  return run("reduce", [&](c10d::Backend& t) { return t.reduce(tensors, o); });
+  return run("reduce", o.asyncOp, [&](c10d::Backend& t) { return t.reduce(tensors, o); });
 }
 
 WorkPtr TorchBackend::reduce_scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
@@ -112,7 +126,7 @@ WorkPtr TorchBackend::reduce_scatter(std::vector<at::Tensor>& outputs, std::vect
     }
     o.reduceOp = sum_op();
   }
-  return run("reduce_scatter", [&](c10d::Backend& t) { return t.reduce_scatter(outputs, inputs, o); });
+  return run("reduce_scatter", o.asyncOp, [&](c10d::Backend& t) { return t.reduce_scatter(outputs, inputs, o); });
 }
 
 WorkPtr TorchBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -125,16 +139,20 @@ WorkPtr TorchBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input
     premultiply(in, opts.reduceOp);
     o.reduceOp = sum_op();
   }
-  return run("reduce_scatter_tensor", [&](c10d::Backend& t) { return t._reduce_scatter_base(output, in, o); });
+  return run("reduce_scatter_tensor", o.asyncOp,
+             [&](c10d::Backend& t) { return t._reduce_scatter_base(output, in, o); });
 }
 
 WorkPtr TorchBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                       const c10d::ReduceScatterOptions& opts) {
   TORCH_CHECK(outputs.size() == inputs.size(), "[commgrad] reduce_scatter_tensor_coalesced ", group_.describe(), ": ",
               outputs.size(), " outputs for ", inputs.size(), " inputs");
+  auto parts = opts;
+  parts.asyncOp = true;  // one Work for them all
   std::vector<WorkPtr> works;
-  for (size_t i = 0; i < inputs.size(); ++i) works.push_back(_reduce_scatter_base(outputs[i], inputs[i], opts));
-  return c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED);
+  for (size_t i = 0; i < inputs.size(); ++i) works.push_back(_reduce_scatter_base(outputs[i], inputs[i], parts));
+  return settled(c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED),
+                 opts.asyncOp);
 }
 
 // ~~~ data movement ~~~
@@ -142,7 +160,7 @@ WorkPtr TorchBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& o
 WorkPtr TorchBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
-  return run("broadcast", [&](c10d::Backend& t) { return t.broadcast(tensors, o); });
+  return run("broadcast", o.asyncOp, [&](c10d::Backend& t) { return t.broadcast(tensors, o); });
 }
 
 WorkPtr TorchBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
@@ -152,7 +170,7 @@ WorkPtr TorchBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs, s
   if (group_.backend_name() != "shm" && outputs.size() == 1 && inputs.size() == 1 && uneven(outputs[0])) {
     return allgather_padded(outputs[0], inputs[0], o);
   }
-  return run("all_gather", [&](c10d::Backend& t) { return t.allgather(outputs, inputs, o); });
+  return run("all_gather", o.asyncOp, [&](c10d::Backend& t) { return t.allgather(outputs, inputs, o); });
 }
 
 bool TorchBackend::uneven(const std::vector<at::Tensor>& outputs) {
@@ -177,11 +195,12 @@ WorkPtr TorchBackend::allgather_padded(std::vector<at::Tensor>& outputs, at::Ten
   auto padded = at::zeros({most}, input.options());
   padded.narrow(0, 0, input.numel()).copy_(input.reshape({-1}));
   auto gathered = at::empty({getSize() * most}, input.options());
-  run("all_gather", [&](c10d::Backend& t) { return t._allgather_base(gathered, padded, opts); })->wait();
+  run("all_gather", true, [&](c10d::Backend& t) { return t._allgather_base(gathered, padded, opts); })->wait();
   for (int r = 0; r < getSize(); ++r) {
     outputs[r].copy_(gathered.narrow(0, r * most, outputs[r].numel()).view(outputs[r].sizes()));
   }
-  return c10::make_intrusive<CoalescedWork>(std::vector<WorkPtr>{}, outputs, c10d::OpType::ALLGATHER);
+  return settled(c10::make_intrusive<CoalescedWork>(std::vector<WorkPtr>{}, outputs, c10d::OpType::ALLGATHER),
+                 opts.asyncOp);
 }
 
 WorkPtr TorchBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
@@ -191,31 +210,37 @@ WorkPtr TorchBackend::_allgather_base(at::Tensor& output, at::Tensor& input, con
   // tensors of the input's shape and rejects it.
   at::Tensor out = output.is_contiguous() ? output.view({-1}) : output;
   at::Tensor in = input.contiguous().view({-1});
-  return run("all_gather_into_tensor", [&](c10d::Backend& t) { return t._allgather_base(out, in, o); });
+  return run("all_gather_into_tensor", o.asyncOp, [&](c10d::Backend& t) { return t._allgather_base(out, in, o); });
 }
 
 WorkPtr TorchBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
   TORCH_CHECK(outputs.size() == inputs.size(), "[commgrad] all_gather_into_tensor_coalesced ", group_.describe(), ": ",
               outputs.size(), " outputs for ", inputs.size(), " inputs");
+  auto parts = opts;
+  parts.asyncOp = true;  // one Work for them all
   std::vector<WorkPtr> works;
-  for (size_t i = 0; i < inputs.size(); ++i) works.push_back(_allgather_base(outputs[i], inputs[i], opts));
-  return c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED);
+  for (size_t i = 0; i < inputs.size(); ++i) works.push_back(_allgather_base(outputs[i], inputs[i], parts));
+  return settled(c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED),
+                 opts.asyncOp);
 }
 
 WorkPtr TorchBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& output_lists,
                                           std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   TORCH_CHECK(output_lists.size() == inputs.size(), "[commgrad] all_gather_coalesced ", group_.describe(), ": ",
               output_lists.size(), " output lists for ", inputs.size(), " inputs");
+  auto parts = opts;
+  parts.asyncOp = true;  // one Work for them all
   std::vector<WorkPtr> works;
   std::vector<at::Tensor> flat;
   for (size_t i = 0; i < inputs.size(); ++i) {
     std::vector<std::vector<at::Tensor>> outs{output_lists[i]};
     std::vector<at::Tensor> in{inputs[i]};
-    works.push_back(allgather(outs, in, opts));
+    works.push_back(allgather(outs, in, parts));
     flat.insert(flat.end(), output_lists[i].begin(), output_lists[i].end());
   }
-  return c10::make_intrusive<CoalescedWork>(std::move(works), std::move(flat), c10d::OpType::COALESCED);
+  return settled(c10::make_intrusive<CoalescedWork>(std::move(works), std::move(flat), c10d::OpType::COALESCED),
+                 opts.asyncOp);
 }
 
 WorkPtr TorchBackend::gather_into_tensor(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts) {
@@ -238,14 +263,14 @@ WorkPtr TorchBackend::gather(std::vector<std::vector<at::Tensor>>& outputs, std:
                              const c10d::GatherOptions& opts) {
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
-  return run("gather", [&](c10d::Backend& t) { return t.gather(outputs, inputs, o); });
+  return run("gather", o.asyncOp, [&](c10d::Backend& t) { return t.gather(outputs, inputs, o); });
 }
 
 WorkPtr TorchBackend::scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                               const c10d::ScatterOptions& opts) {
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
-  return run("scatter", [&](c10d::Backend& t) { return t.scatter(outputs, inputs, o); });
+  return run("scatter", o.asyncOp, [&](c10d::Backend& t) { return t.scatter(outputs, inputs, o); });
 }
 
 WorkPtr TorchBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
@@ -253,7 +278,7 @@ WorkPtr TorchBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
   at::Tensor in = input.contiguous();  // Gloo rejects strided inputs; shm would stage them the same way
-  return run("all_to_all_single", [&](c10d::Backend& t) {
+  return run("all_to_all_single", o.asyncOp, [&](c10d::Backend& t) {
     return t.alltoall_base(output, in, output_split_sizes, input_split_sizes, o);
   });
 }
@@ -262,21 +287,21 @@ WorkPtr TorchBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at:
                                const c10d::AllToAllOptions& opts) {
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
-  return run("all_to_all", [&](c10d::Backend& t) { return t.alltoall(outputs, inputs, o); });
+  return run("all_to_all", o.asyncOp, [&](c10d::Backend& t) { return t.alltoall(outputs, inputs, o); });
 }
 
 WorkPtr TorchBackend::barrier(const c10d::BarrierOptions& opts) {
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
-  return run("barrier", [&](c10d::Backend& t) { return t.barrier(o); });
+  return run("barrier", o.asyncOp, [&](c10d::Backend& t) { return t.barrier(o); });
 }
 
 WorkPtr TorchBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
-  return run("send", [&](c10d::Backend& t) { return t.send(tensors, dst_rank, tag); });
+  return run("send", true, [&](c10d::Backend& t) { return t.send(tensors, dst_rank, tag); });
 }
 
 WorkPtr TorchBackend::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
-  return run("recv", [&](c10d::Backend& t) { return t.recv(tensors, src_rank, tag); });
+  return run("recv", true, [&](c10d::Backend& t) { return t.recv(tensors, src_rank, tag); });
 }
 
 }  // namespace commgrad::python

@@ -98,11 +98,15 @@ class TorchBackend final : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
 
  private:
-  // Runs one call on the transport: counts it, applies the timeout set by
-  // setTimeout() where the call has none, and gives a transport error that
-  // does not say where it happened commgrad's context.
+  // Runs one call on the transport: counts it, gives a transport error that
+  // does not say where it happened commgrad's context, and settles a
+  // blocking call (`async_op` false) here (see settled()).
   template <class Call>
-  c10::intrusive_ptr<c10d::Work> run(const char* op, Call&& call);
+  c10::intrusive_ptr<c10d::Work> run(const char* op, bool async_op, Call&& call);
+  // The Work to return: `work` for an asynchronous call; for a blocking one
+  // it waits for `work` and returns none (torch.distributed then has nothing
+  // to wrap, wait on and free).
+  static c10::intrusive_ptr<c10d::Work> settled(c10::intrusive_ptr<c10d::Work> work, bool async_op);
   std::chrono::milliseconds timeout_or(std::chrono::milliseconds requested) const;
   static bool uneven(const std::vector<at::Tensor>& outputs);
   c10::intrusive_ptr<c10d::Work> allgather_padded(std::vector<at::Tensor>& outputs, at::Tensor& input,

@@ -9,7 +9,7 @@ import torch
 
 
 # The 4-rank run names the backend by device, as a GPU program would
-# ("cpu:commgrad,cuda:nccl" needs a GPU; Gloo carries CUDA tensors here).
+# ("cpu:commgrad,cuda:nccl" needs a GPU, see test_devices.py; Gloo takes the CUDA slot here).
 @pytest.mark.parametrize("nproc,mine", [(2, "commgrad"), (4, "cpu:commgrad,cuda:gloo")])
 def test_training_matches_gloo(run, tmp_path, nproc, mine):
     results = {}

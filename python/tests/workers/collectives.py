@@ -249,6 +249,41 @@ def asynchronous():
     return {"out": x, "then": fut.wait()}
 
 
+def blocking():
+    """A blocking call (asyncOp False, as torch.distributed's functions make
+    it without async_op=True) is done when it returns, and commgrad returns
+    no Work for it; inside allow_inflight_collective_as_graph_input_ctx it
+    returns a finished Work, which torch keeps for wait_tensor."""
+    from torch.distributed._functional_collectives import allow_inflight_collective_as_graph_input_ctx
+    C = torch._C._distributed_c10d
+    pg = dist.distributed_c10d._get_default_group()
+    x = mine(torch.float32)
+    opts = C.AllreduceOptions()
+    opts.asyncOp = False
+    work = pg.allreduce([x], opts)
+    if work is not None:  # what torch.distributed does with a backend's Work (Gloo returns one)
+        work.wait()
+    expect_equal("blocking all_reduce", x, sum_ranks() * base(torch.float64))
+    out = torch.zeros(N * NUMEL)
+    gopts = C.AllgatherOptions()
+    gopts.asyncOp = False
+    coalesced = pg.allgather_into_tensor_coalesced([out], [mine(torch.float32)], gopts)
+    if coalesced is not None:
+        coalesced.wait()
+    expect_equal("blocking all_gather_into_tensor_coalesced", out,
+                 torch.cat([mine(torch.float64, r) for r in range(N)]))
+    with allow_inflight_collective_as_graph_input_ctx():
+        y = mine(torch.float32)
+        kept = pg.allreduce([y], opts)
+        torch.ops._c10d_functional.wait_tensor(y)
+    expect_equal("blocking all_reduce in allow_inflight_collective_as_graph_input_ctx", y,
+                 sum_ranks() * base(torch.float64))
+    if BACKEND == "commgrad":
+        assert work is None and coalesced is None, (work, coalesced)
+        assert kept is not None and kept.is_completed()
+    return {"out": x, "gathered": out}
+
+
 def barrier():
     dist.barrier()
     return {}
@@ -331,6 +366,7 @@ for dtype in DTYPES:
     checks.run(f"gather_scatter/{name}", gather_scatter, dtype)
     checks.run(f"point_to_point/{name}", point_to_point, dtype)
 checks.run("async", asynchronous)
+checks.run("blocking", blocking)
 checks.run("barrier", barrier)
 checks.run("objects", objects)
 checks.run("subgroups", subgroups)
