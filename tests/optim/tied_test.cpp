@@ -116,7 +116,7 @@ TEST_P(ZeroTied, BothCopiesFollowTheOneModel) {
           << "stage " << s << ": max difference " << (stage->w - w).abs().max().item<double>();
     }
     for (const auto& p : stage->lin->named_parameters()) {
-      const auto& want = heads[s]->named_parameters()[p.key()];
+      const auto want = heads[s]->named_parameters()[p.key()];  // a handle: the dict is a temporary
       EXPECT_TRUE(torch::allclose(p.value(), want, 1e-5, 1e-6))
           << "stage " << s << " " << p.key() << ": max difference " << (p.value() - want).abs().max().item<double>();
     }
