@@ -126,14 +126,10 @@ Config parse(int argc, char** argv) {
   return c;
 }
 
-// Trains the model alone on every rank (a world of one per rank; new_group
-// is collective over the world) from step 1; returns the losses.
+// Trains the model alone on every rank (a group of this process alone for
+// every role) from step 1; returns the losses.
 std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus) {
-  commgrad::Group alone;
-  for (int r = 0; r < commgrad::world_size(); ++r) {
-    auto g = commgrad::new_group({r}, commgrad::NewGroupOptions().name("alone" + std::to_string(r)));
-    if (r == commgrad::rank()) alone = g;
-  }
+  const commgrad::Group alone = tp::single_rank_group();
   c.schedule = "1f1b";
   c.stages_per_rank = 1;
   auto config = model_config;
