@@ -10,7 +10,7 @@
 //                       pipeline group itself when p <= 2: no new group)
 // Every rank creates every group, in this order (new_group is collective over
 // the world, and each call must be made by all ranks in the same order), and
-// keeps the three it belongs to.
+// keeps those it belongs to.
 //
 // Installed states are kept per world group (the process's world, or each
 // thread's ScopedWorld in one-rank-per-thread programs), so threads that each
