@@ -15,11 +15,21 @@
 // sides. The receiver checks the header against what its schedule expects.
 // A batch's sends are posted first (not waited for until the end of the
 // step), then its receives, one message after the other.
+//
+// Split backward (zero-bubble schedules). A forward runs under
+// tp::DeferWeightGradients, so the linear layers of the stage leave their
+// weight gradients in the slot; B is the backward without them and W
+// computes them. With data parallelism every B and W runs under no_sync
+// but the rank's (or the stage's) last W, whose gradients reach the
+// weights through autograd: their hooks fire with syncing on, and the
+// reducer's end of backward then reduces every gradient accumulated since
+// the last reduction.
 
 #include "commgrad/pp/pipeline.h"
 
 #include "commgrad/dist/check.h"
 #include "commgrad/ops/raw.h"
+#include "commgrad/tp/weight_gradients.h"
 #include "commgrad/util/names.h"
 
 #include <ATen/ATen.h>
@@ -27,6 +37,7 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <utility>
 
 namespace commgrad::pp {
@@ -61,12 +72,15 @@ struct Pipeline::Impl {
   Group group;
   Schedule schedule;
   int rank = 0;
+  // The backward (W when split) after which the gradients are reduced over
+  // data parallelism: per stage, and the rank's last.
   std::map<int, int> last_backward;  // stage -> the microbatch of its last backward on this rank
-  Action rank_last_backward{ActionKind::kBackward, 0, 0};  // this rank's last backward of a step
+  Action rank_last_backward{ActionKind::kBackward, 0, 0};
   Action current{ActionKind::kForward, 0, 0};  // what runs now (for errors)
 
   struct Slot {
     at::Tensor input, output, loss, grad_output, grad_input;
+    tp::WeightGradients weights;  // split backward: deferred by the forward, computed by W
   };
   std::map<Key, Slot> slots;
   std::vector<std::pair<ops::raw::Pending, at::Tensor>> sends;  // kept alive until waited for
@@ -82,6 +96,8 @@ struct Pipeline::Impl {
   }
   void forward(const Action& a);
   void backward(const Action& a);
+  void backward_weight(const Action& a);
+  std::shared_ptr<void> hold_sync(const Action& a) const;
   void post_send(const Action& a);
   void run_batch(const std::vector<Action>& batch);
 };
@@ -105,8 +121,9 @@ Pipeline::Pipeline(std::vector<StageFunction> stages, LossFunction loss, Pipelin
   m.stages = std::move(stages);
   m.loss = std::move(loss);
   m.options = std::move(options);
+  const auto reducing = m.schedule.splits_backward() ? ActionKind::kBackwardWeight : ActionKind::kBackward;
   for (const auto& a : m.schedule.actions[m.rank]) {
-    if (a.kind != ActionKind::kBackward) continue;
+    if (a.kind != reducing) continue;
     m.last_backward[a.stage] = a.microbatch;
     m.rank_last_backward = a;
   }
@@ -132,7 +149,11 @@ void Pipeline::Impl::forward(const Action& a) {
     const auto& prev = slots.at({a.stage - 1, a.microbatch}).output;
     slot.input = prev.detach().requires_grad_(prev.is_floating_point());
   }  // else: received into slot.input
-  slot.output = stages[a.stage / schedule.ranks](slot.input);
+  {
+    std::optional<tp::DeferWeightGradients> defer;
+    if (schedule.splits_backward()) defer.emplace(slot.weights);
+    slot.output = stages[a.stage / schedule.ranks](slot.input);
+  }
   COMMGRAD_CHECK(slot.output.defined(), kOp, group, where(a), ": the stage returned an undefined tensor");
   if (a.stage == last_stage()) {
     const auto l = loss(slot.output, microbatch_of(targets, a.microbatch));
@@ -142,18 +163,25 @@ void Pipeline::Impl::forward(const Action& a) {
   }
 }
 
+// Data parallelism: only the stage's last backward (W) of the step reduces.
+// One function for several stages (one DistributedDataParallel over all of
+// this rank's stages): only the rank's very last backward reduces. B of a
+// split backward never does.
+std::shared_ptr<void> Pipeline::Impl::hold_sync(const Action& a) const {
+  const auto& hold = options.no_sync();
+  if (hold.empty()) return nullptr;
+  const bool reducing = a.kind == (schedule.splits_backward() ? ActionKind::kBackwardWeight : ActionKind::kBackward);
+  if (hold.size() == 1 && stages.size() > 1) {
+    if (reducing && a == rank_last_backward) return nullptr;
+    return hold.front()();
+  }
+  if (reducing && last_backward.at(a.stage) == a.microbatch) return nullptr;
+  return hold[a.stage / schedule.ranks]();
+}
+
 void Pipeline::Impl::backward(const Action& a) {
   auto& slot = slots.at({a.stage, a.microbatch});
-  // Data parallelism: only the stage's last backward of the step reduces.
-  // One function for several stages (one DistributedDataParallel over all
-  // of this rank's stages): only the rank's very last backward reduces.
-  std::shared_ptr<void> no_sync;
-  const auto& hold = options.no_sync();
-  if (hold.size() == 1 && stages.size() > 1) {
-    if (!(a == rank_last_backward)) no_sync = hold.front()();
-  } else if (!hold.empty() && last_backward.at(a.stage) != a.microbatch) {
-    no_sync = hold[a.stage / schedule.ranks]();
-  }
+  const auto no_sync = hold_sync(a);
   if (a.stage == last_stage()) {
     torch::autograd::backward({slot.loss});
   } else {
@@ -170,7 +198,27 @@ void Pipeline::Impl::backward(const Action& a) {
   slot.loss = at::Tensor();
   slot.grad_output = at::Tensor();
   slot.input = at::Tensor();
-  if (a.stage < last_stage() && schedule.rank_of(a.stage + 1) == rank) slots.erase({a.stage + 1, a.microbatch});
+  if (a.stage < last_stage() && schedule.rank_of(a.stage + 1) == rank) {
+    const Key next{a.stage + 1, a.microbatch};
+    slots.at(next).grad_input = at::Tensor();
+    if (slots.at(next).weights.empty()) slots.erase(next);  // its W ran (or there is none)
+  }
+}
+
+void Pipeline::Impl::backward_weight(const Action& a) {
+  const auto it = slots.find({a.stage, a.microbatch});  // gone when its forward deferred nothing
+  const bool deferred = it != slots.end() && !it->second.weights.empty();
+  const auto no_sync = hold_sync(a);
+  // Without a deferred gradient no hook would fire, and nothing would reduce.
+  COMMGRAD_CHECK(no_sync || options.no_sync().empty() || deferred, kOp, group, where(a),
+                 ": the gradients are to be reduced over data parallelism after this W, but the stage's forward "
+                 "deferred no weight gradient (the ", schedule.name, " schedule needs commgrad's tp linear layers "
+                 "in every stage to reduce; use 1f1b)");
+  if (it == slots.end()) return;
+  it->second.weights.compute();
+  // The previous stage's B on this rank reads the input gradient here.
+  if (a.stage > 0 && schedule.rank_of(a.stage - 1) == rank && it->second.grad_input.defined()) return;
+  slots.erase(it);
 }
 
 void Pipeline::Impl::post_send(const Action& a) {
@@ -261,7 +309,13 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
       try {
         if (a.is_compute()) {
           const auto begin = Clock::now();
-          a.kind == ActionKind::kForward ? m.forward(a) : m.backward(a);
+          if (a.kind == ActionKind::kForward) {
+            m.forward(a);
+          } else if (a.kind == ActionKind::kBackward) {
+            m.backward(a);
+          } else {
+            m.backward_weight(a);
+          }
           busy += Clock::now() - begin;
           ++i;
         } else {

@@ -23,6 +23,7 @@
 #include "commgrad/pp/schedule.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -132,11 +133,20 @@ Key key_of(Kind kind, int stage, int microbatch) { return {static_cast<int>(kind
 }  // namespace
 
 std::string Action::to_string() const {
-  static const char* names[] = {"F", "B", "sendA", "recvA", "sendG", "recvG"};
+  static const char* names[] = {"F", "B", "sendA", "recvA", "sendG", "recvG", "W"};
   return names[static_cast<int>(kind)] + std::to_string(stage) + "." + std::to_string(microbatch);
 }
 
 std::ostream& operator<<(std::ostream& out, const Action& action) { return out << action.to_string(); }
+
+bool Schedule::splits_backward() const {
+  for (const auto& list : actions) {
+    for (const auto& a : list) {
+      if (a.kind == Kind::kBackwardWeight) return true;
+    }
+  }
+  return false;
+}
 
 std::string Schedule::describe() const {
   std::ostringstream out;
@@ -209,14 +219,56 @@ Schedule interleaved_one_f_one_b(int ranks, int microbatches, int stages_per_ran
   return with_communication(s, slots);
 }
 
+Schedule zero_bubble_h1(int ranks, int microbatches) {
+  check_sizes("zbh1", ranks, microbatches, 1);
+  auto s = blank("zbh1", ranks, microbatches, 1);
+  const int p = ranks, m = microbatches;
+  // List scheduling in unit time steps (every computation costs 1, there
+  // is no transfer time): at each step every free rank takes B if its
+  // output gradient is there, else F if its input is there and the memory
+  // bounds allow, else the oldest W waiting.
+  constexpr int kNever = std::numeric_limits<int>::max();
+  std::vector<std::vector<int>> input_at(p, std::vector<int>(m, kNever));  // activation (rank 0: the batch)
+  std::vector<std::vector<int>> gradient_at(p, std::vector<int>(m, kNever));
+  std::vector<std::vector<int>> forward_done(p, std::vector<int>(m, kNever));
+  std::fill(input_at[0].begin(), input_at[0].end(), 0);
+  std::vector<int> forwards(p, 0), backwards(p, 0), weights(p, 0);
+  std::vector<std::vector<Compute>> order(p);
+  for (int t = 0; std::any_of(weights.begin(), weights.end(), [&](int w) { return w < m; }); ++t) {
+    if (t > 4 * (m + p)) fail("zbh1: no order found for " + std::to_string(p) + " ranks and " + std::to_string(m) + " microbatches");
+    for (int r = 0; r < p; ++r) {
+      const int f = forwards[r], b = backwards[r];
+      if (b < m && forward_done[r][b] <= t && (r == p - 1 || gradient_at[r][b] <= t)) {
+        order[r].push_back({Kind::kBackward, r, b});
+        if (r > 0) gradient_at[r - 1][b] = t + 1;
+        ++backwards[r];
+      } else if (f < m && input_at[r][f] <= t && f - b < p - r && f - weights[r] < 2 * p - r - 1) {
+        order[r].push_back({Kind::kForward, r, f});
+        forward_done[r][f] = t + 1;
+        if (r < p - 1) input_at[r + 1][f] = t + 1;
+        ++forwards[r];
+      } else if (weights[r] < b) {
+        order[r].push_back({Kind::kBackwardWeight, r, weights[r]++});
+      } else {
+        order[r].push_back({Kind::kForward, -1, -1});  // idle this step
+      }
+    }
+  }
+  for (auto& list : order) {
+    list.erase(std::remove_if(list.begin(), list.end(), [](const Compute& c) { return c.stage < 0; }), list.end());
+  }
+  return with_communication(s, single_slots(order));
+}
+
 Schedule make_schedule(const std::string& name, int ranks, int microbatches, int stages_per_rank) {
-  if (name == "gpipe" || name == "1f1b") {
+  if (name == "gpipe" || name == "1f1b" || name == "zbh1") {
     if (stages_per_rank != 1) fail(name + " runs one stage per rank; use \"interleaved\" for " +
                                    std::to_string(stages_per_rank));
+    if (name == "zbh1") return zero_bubble_h1(ranks, microbatches);
     return name == "gpipe" ? gpipe(ranks, microbatches) : one_f_one_b(ranks, microbatches);
   }
   if (name == "interleaved") return interleaved_one_f_one_b(ranks, microbatches, stages_per_rank);
-  fail("unknown schedule \"" + name + "\" (gpipe, 1f1b, interleaved)");
+  fail("unknown schedule \"" + name + "\" (gpipe, 1f1b, interleaved, zbh1)");
 }
 
 SimulationResult simulate(const Schedule& s, const SimulationOptions& options) {
@@ -234,9 +286,15 @@ SimulationResult simulate(const Schedule& s, const SimulationOptions& options) {
     std::vector<char> done;  // per action of the batch
     std::set<Key> have;      // computed or received here
     int in_flight = 0;
+    int awaiting_weight = 0;
   };
   std::vector<Rank> ranks(s.ranks);
   SimulationResult result;
+  const bool split = s.splits_backward();
+  if (split && (options.backward_weight() < 0 || options.backward_weight() > options.backward())) {
+    fail("simulate " + s.name + ": backward_weight (" + std::to_string(options.backward_weight()) +
+         ") must lie between 0 and backward (" + std::to_string(options.backward()) + ")");
+  }
   const int last = s.stages() - 1;
   std::map<Key, int> computed;  // F and B per (stage, microbatch)
   std::map<Key, double> mailbox;  // buffered sends, by the receive they match: posting time
@@ -267,7 +325,7 @@ SimulationResult simulate(const Schedule& s, const SimulationOptions& options) {
       me.busy += options.forward();
       me.clock += options.forward();
       result.peak_in_flight = std::max(result.peak_in_flight, ++me.in_flight);
-    } else {
+    } else if (a.kind == Kind::kBackward) {
       need(r, i, Kind::kForward, a.stage, a.microbatch, "runs before the forward of the same microbatch");
       if (a.stage < last) {
         if (s.rank_of(a.stage + 1) == r) {
@@ -276,9 +334,16 @@ SimulationResult simulate(const Schedule& s, const SimulationOptions& options) {
           need(r, i, Kind::kRecvGradient, a.stage, a.microbatch, "runs before its output gradient was received");
         }
       }
-      me.busy += options.backward();
-      me.clock += options.backward();
+      const double cost = split ? options.backward() - options.backward_weight() : options.backward();
+      me.busy += cost;
+      me.clock += cost;
       --me.in_flight;
+      if (split) result.peak_awaiting_weight = std::max(result.peak_awaiting_weight, ++me.awaiting_weight);
+    } else {
+      need(r, i, Kind::kBackward, a.stage, a.microbatch, "runs before the backward of the same microbatch");
+      me.busy += options.backward_weight();
+      me.clock += options.backward_weight();
+      --me.awaiting_weight;
     }
     if (++computed[key_of(a.kind, a.stage, a.microbatch)] > 1) fail("simulate " + s.name + ": " + where(r, i) + " runs twice");
     me.have.insert(key_of(a.kind, a.stage, a.microbatch));
@@ -390,7 +455,8 @@ SimulationResult simulate(const Schedule& s, const SimulationOptions& options) {
   }
   for (int stage = 0; stage <= last; ++stage) {
     for (int mb = 0; mb < s.microbatches; ++mb) {
-      for (Kind kind : {Kind::kForward, Kind::kBackward}) {
+      for (Kind kind : {Kind::kForward, Kind::kBackward, Kind::kBackwardWeight}) {
+        if (kind == Kind::kBackwardWeight && !split) continue;
         if (!computed.count(key_of(kind, stage, mb))) {
           fail("simulate " + s.name + ": no rank runs " + Action{kind, stage, mb}.to_string());
         }
@@ -410,6 +476,14 @@ SimulationResult simulate(const Schedule& s, const SimulationOptions& options) {
 
 double bubble_fraction_closed_form(int ranks, int microbatches, int stages_per_rank) {
   return static_cast<double>(ranks - 1) / (static_cast<double>(stages_per_rank) * microbatches + ranks - 1);
+}
+
+double bubble_fraction_closed_form(const std::string& schedule, int ranks, int microbatches, int stages_per_rank) {
+  if (schedule == "zbh1") return static_cast<double>(ranks - 1) / (3.0 * microbatches + ranks - 1);
+  if (schedule != "gpipe" && schedule != "1f1b" && schedule != "interleaved") {
+    fail("bubble_fraction_closed_form: unknown schedule \"" + schedule + "\" (gpipe, 1f1b, interleaved, zbh1)");
+  }
+  return bubble_fraction_closed_form(ranks, microbatches, schedule == "interleaved" ? stages_per_rank : 1);
 }
 
 }  // namespace commgrad::pp

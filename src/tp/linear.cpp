@@ -15,6 +15,13 @@
 // as in Megatron) while dX is computed, then reduce-scatters dX along the
 // sequence while dA_r is computed.
 //
+// Zero-bubble schedules (weight_gradients.h): a forward run under
+// DeferWeightGradients saves the queue; its backward computes the input
+// gradient as above and, instead of dA_r, queues what dA_r needs (dY and
+// the layer's full input). The queued matmul is the one backward would
+// have run, and the one at::matmul's backward runs for the row layer, so
+// the gradient is the same bit for bit.
+//
 // Row-parallel (weight columns split): the local matmul of the input's
 // feature slice gives partial sums, reduced with "g" (reduce_from_tp_region)
 // or, under sequence parallelism, reduce-scattered along the sequence. The
@@ -30,6 +37,7 @@
 #include "commgrad/tp/mappings.h"
 #include "commgrad/tp/parallel_state.h"
 #include "commgrad/tp/random.h"
+#include "commgrad/tp/weight_gradients.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -55,12 +63,45 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// dA = dY^T X over all leading dims: [out, in].
+at::Tensor weight_gradient(const at::Tensor& grad_out, const at::Tensor& input) {
+  return at::matmul(grad_out.reshape({-1, grad_out.size(-1)}).t(), input.reshape({-1, input.size(-1)}));
+}
+
+// The deferral queue and the weight (the parameter itself, whose gradient
+// accumulator compute() feeds), when the forward runs under
+// DeferWeightGradients.
+struct DeferralCapsule : torch::CustomClassHolder {
+  std::shared_ptr<WeightGradients::Queue> queue;
+  at::Tensor weight;
+};
+
+void save_deferral(AutogradContext* ctx, const at::Tensor& weight) {
+  auto queue = deferring_weight_gradients();
+  if (!queue || !weight.requires_grad()) return;
+  auto capsule = c10::make_intrusive<DeferralCapsule>();
+  capsule->queue = std::move(queue);
+  capsule->weight = weight;
+  ctx->saved_data["defer"] = at::IValue::make_capsule(std::move(capsule));
+}
+
+// Queues dA = dY^T X when the forward deferred; false when it did not.
+bool defer(AutogradContext* ctx, const at::Tensor& grad_out, const at::Tensor& input) {
+  const auto it = ctx->saved_data.find("defer");
+  if (it == ctx->saved_data.end()) return false;
+  auto capsule = it->second.toCapsule();
+  auto* d = static_cast<DeferralCapsule*>(capsule.get());
+  defer_weight_gradient(*d->queue, d->weight, [grad_out, input] { return weight_gradient(grad_out, input); });
+  return true;
+}
+
 struct ColumnParallelMatmul : torch::autograd::Function<ColumnParallelMatmul> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             bool sequence_parallel, const Group& group) {
     ctx->save_for_backward({input, weight});
     ctx->saved_data["sp"] = sequence_parallel;
     save_group(ctx, group);
+    save_deferral(ctx, weight);
     const at::Tensor total =
         sequence_parallel ? ops::raw::all_gather(input, ops::AllGatherOptions().dim(0), group).wait() : input;
     return at::matmul(total, weight.t());
@@ -93,10 +134,29 @@ struct ColumnParallelMatmul : torch::autograd::Function<ColumnParallelMatmul> {
     if (need_weight) {
       const at::Tensor total = sp ? gathering.wait() : input;
       // Overlapped with the input-gradient reduction started above.
-      grad_weight = at::matmul(grad_out.reshape({-1, grad_out.size(-1)}).t(), total.reshape({-1, total.size(-1)}));
+      if (!defer(ctx, grad_out, total)) grad_weight = weight_gradient(grad_out, total);
     }
     if (reducing.defined()) grad_input = reducing.wait();
     return {grad_input, grad_weight, {}, {}};
+  }
+};
+
+// X A^T of the row-parallel layer when its weight gradient is deferred
+// (otherwise the layer calls at::matmul, whose backward this repeats).
+struct DeferredMatmul : torch::autograd::Function<DeferredMatmul> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight) {
+    ctx->save_for_backward({input, weight});
+    save_deferral(ctx, weight);
+    return at::matmul(input, weight.t());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& grad_out = grads[0];
+    at::Tensor grad_input, grad_weight;
+    if (ctx->needs_input_grad(0)) grad_input = at::matmul(grad_out, saved[1]);
+    if (ctx->needs_input_grad(1) && !defer(ctx, grad_out, saved[0])) grad_weight = weight_gradient(grad_out, saved[0]);
+    return {grad_input, grad_weight};
   }
 };
 
@@ -120,7 +180,6 @@ at::Tensor column_parallel_matmul(const at::Tensor& input, const at::Tensor& wei
                                   const Group& group) {
   return ColumnParallelMatmul::apply(input, weight, sequence_parallel, group);
 }
-
 }  // namespace detail
 
 // ~~~ ColumnParallelLinear ~~~
@@ -263,7 +322,8 @@ LinearOutput RowParallelLinearImpl::forward_with_bias(const at::Tensor& input) {
                    detail::describe(input), ") must be divisible by the tensor-parallel size ", n);
   }
   const at::Tensor x = options.input_is_parallel() ? input : scatter_to_tp_region(input, g);
-  const at::Tensor partial = at::matmul(x, weight.t());
+  const at::Tensor partial =
+      detail::deferring_weight_gradients() ? detail::DeferredMatmul::apply(x, weight) : at::matmul(x, weight.t());
   at::Tensor out = options.sequence_parallel() ? reduce_scatter_to_sequence_parallel_region(partial, g)
                                                : reduce_from_tp_region(partial, g);
   LinearOutput result;

@@ -1,7 +1,8 @@
 // Pipeline schedules in the simulator: every schedule at 1-8 ranks and
 // several microbatch counts runs to the end under rendezvous sends (a send
 // completes only when its receive is posted), every stage computes every
-// microbatch once, and the idle share equals the closed form. Plus the
+// microbatch once, and the idle share equals the closed form (also for the
+// zero-bubble ZB-H1, whose backward is split into B and W). Plus the
 // simulator's own errors: deadlocks, missing inputs, missing work.
 
 #include <commgrad/pp/schedule.h>
@@ -62,6 +63,52 @@ TEST(ScheduleTest, InterleavedDividesTheBubbleByTheStagesPerRank) {
   }
 }
 
+TEST(ScheduleTest, ZeroBubbleH1HasTheClosedFormBubbleAndOneFOneBsMemory) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = p; m <= 4 * p + 1; ++m) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      const auto s = make_schedule("zbh1", p, m);
+      ASSERT_TRUE(s.splits_backward());
+      EXPECT_NO_THROW(simulate(s, SimulationOptions().rendezvous_sends(true))) << s.describe();
+      // F, B and W cost 1 each (a whole backward 2, as for the other schedules).
+      const auto r = simulate(s);
+      EXPECT_DOUBLE_EQ(r.makespan, 3.0 * m + p - 1);
+      EXPECT_NEAR(r.bubble_fraction, bubble_fraction_closed_form("zbh1", p, m), 1e-12);
+      if (p > 1) {
+        EXPECT_LT(r.bubble_fraction, bubble_fraction_closed_form(p, m) / 2);
+      }
+      for (int k = 0; k < p; ++k) EXPECT_DOUBLE_EQ(r.busy[k], 3.0 * m);
+      EXPECT_LE(r.peak_in_flight, p);  // between F and B: as 1F1B
+      EXPECT_LE(r.peak_awaiting_weight, p);
+      // Each W comes after its own B, and each rank's Ws keep the microbatch order.
+      for (int k = 0; k < p; ++k) {
+        int next_w = 0;
+        for (const auto& a : s.actions[k]) {
+          if (a.kind == ActionKind::kBackwardWeight) {
+            EXPECT_EQ(a.microbatch, next_w++) << s.describe();
+          }
+        }
+        EXPECT_EQ(next_w, m);
+      }
+    }
+  }
+  // Costs other than the ones it was ordered for still run; the bubble stays below 1F1B's.
+  const auto s = zero_bubble_h1(4, 8);
+  const auto options = SimulationOptions().forward(1.0).backward(2.2).backward_weight(0.8);
+  EXPECT_LT(simulate(s, options).bubble_fraction, simulate(one_f_one_b(4, 8), options).bubble_fraction);
+  EXPECT_EQ(simulate(one_f_one_b(4, 8)).peak_awaiting_weight, 0);
+}
+
+TEST(ScheduleTest, ZeroBubbleH1FillsTheCooldownWithW) {
+  // Rank 1 runs W1.0 while the third activation is on its way, rank 0 its
+  // Ws while it waits for gradients, and both end with the rest.
+  EXPECT_EQ(zero_bubble_h1(2, 3).describe(),
+            "rank 0: F0.0 sendA0.0 F0.1 [sendA0.1 recvG0.0] B0.0 F0.2 [sendA0.2 recvG0.1] B0.1 W0.0 W0.1 recvG0.2 "
+            "B0.2 W0.2\n"
+            "rank 1: recvA1.0 F1.0 B1.0 [sendG1.0 recvA1.1] F1.1 B1.1 sendG1.1 W1.0 recvA1.2 F1.2 B1.2 sendG1.2 W1.1 "
+            "W1.2\n");
+}
+
 TEST(ScheduleTest, CommunicationIsDerivedAndBatched) {
   const auto s = one_f_one_b(2, 2);
   // Rank 0 posts each send with the receive its next computation needs.
@@ -76,8 +123,13 @@ TEST(ScheduleTest, BadSizesAreErrors) {
   EXPECT_THAT(error_of([] { interleaved_one_f_one_b(4, 6, 2); }),
               HasSubstr("interleaved: 6 microbatches do not split into groups of 4"));
   EXPECT_THAT(error_of([] { make_schedule("zero-bubble", 2, 4); }),
-              HasSubstr("unknown schedule \"zero-bubble\" (gpipe, 1f1b, interleaved)"));
+              HasSubstr("unknown schedule \"zero-bubble\" (gpipe, 1f1b, interleaved, zbh1)"));
   EXPECT_THAT(error_of([] { make_schedule("gpipe", 2, 4, 2); }), HasSubstr("gpipe runs one stage per rank"));
+  EXPECT_THAT(error_of([] { make_schedule("zbh1", 2, 4, 2); }), HasSubstr("zbh1 runs one stage per rank"));
+  EXPECT_THAT(error_of([] { zero_bubble_h1(3, 2); }), HasSubstr("zbh1: 2 microbatches for 3 pipeline ranks"));
+  EXPECT_THAT(error_of([] { bubble_fraction_closed_form("zb", 2, 4); }), HasSubstr("unknown schedule \"zb\""));
+  EXPECT_THAT(error_of([] { simulate(zero_bubble_h1(2, 2), SimulationOptions().backward_weight(3)); }),
+              HasSubstr("backward_weight (3.000000) must lie between 0 and backward (2.000000)"));
 }
 
 TEST(ScheduleTest, TheSimulatorFindsDeadlocks) {
@@ -112,6 +164,12 @@ TEST(ScheduleTest, TheSimulatorFindsMissingInputsAndWork) {
   auto u = gpipe(1, 1);
   u.actions[0].push_back({ActionKind::kBackward, 0, 0});
   EXPECT_THAT(error_of([&] { simulate(u); }), HasSubstr("runs twice"));
+  auto z = zero_bubble_h1(1, 2);
+  std::swap(z.actions[0][1], z.actions[0][2]);  // F0.0 W0.0 B0.0 ...
+  EXPECT_THAT(error_of([&] { simulate(z); }), HasSubstr("(W0.0) runs before the backward of the same microbatch"));
+  z = zero_bubble_h1(1, 2);
+  z.actions[0].pop_back();
+  EXPECT_THAT(error_of([&] { simulate(z); }), HasSubstr("no rank runs W0.1"));
   auto w = gpipe(2, 2);
   w.actions[0][0].stage = 1;
   EXPECT_THAT(error_of([&] { simulate(w); }), HasSubstr("rank 0 action 0 (F1.0) is not a stage of this rank"));

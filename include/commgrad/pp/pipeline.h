@@ -56,7 +56,9 @@ struct PipelineOptions {
   /* implicit */ PipelineOptions(int microbatches) : microbatches_(microbatches) {}
   /// Microbatches per step (at least the number of pipeline ranks).
   TORCH_ARG(int, microbatches);
-  /// "gpipe", "1f1b" or "interleaved".
+  /// "gpipe", "1f1b", "interleaved" or "zbh1" (zero bubble: the stages'
+  /// forwards run under tp::DeferWeightGradients, so the weight gradients of
+  /// commgrad's tp linear layers are computed in W actions of their own).
   TORCH_ARG(std::string, schedule) = "1f1b";
   /// v: stages on each rank (interleaved only).
   TORCH_ARG(int, stages_per_rank) = 1;
@@ -68,8 +70,9 @@ struct PipelineOptions {
   /// gradients are reduced over the DP group once per step, after the last
   /// microbatch, as Megatron does. One function for v > 1 stages (a single
   /// DistributedDataParallel or ZeroOptimizer over all of the rank's
-  /// stages): every backward but the rank's last runs under it. Empty: no
-  /// data parallelism.
+  /// stages): every backward but the rank's last runs under it. With a
+  /// split backward (zbh1) the last W takes the last backward's place.
+  /// Empty: no data parallelism.
   TORCH_ARG(std::vector<NoSyncFunction>, no_sync);
 };
 

@@ -22,11 +22,13 @@ namespace commgrad::pp {
 
 enum class ActionKind {
   kForward,         ///< forward of a microbatch on a stage
-  kBackward,        ///< backward (input and weight gradients)
+  kBackward,        ///< backward: input and weight gradients, or only the input gradient ("B") in
+                    ///< schedules with kBackwardWeight
   kSendActivation,  ///< the stage's output to the next stage's rank
   kRecvActivation,  ///< the previous stage's output, the stage's input
   kSendGradient,    ///< the gradient of the stage's input to the previous stage's rank
   kRecvGradient,    ///< the gradient of the stage's output, from the next stage's rank
+  kBackwardWeight,  ///< the weight gradients held back by the microbatch's backward ("W")
 };
 
 /// One step of a rank's list.
@@ -40,8 +42,10 @@ struct Action {
   /// Posted together with the next action (both must be communication).
   bool batched_with_next = false;
 
-  bool is_compute() const { return kind == ActionKind::kForward || kind == ActionKind::kBackward; }
-  /// "F1.3", "B0.2", "sendA1.3" (stage 1's output of microbatch 3), "recvG0.2", ...
+  bool is_compute() const {
+    return kind == ActionKind::kForward || kind == ActionKind::kBackward || kind == ActionKind::kBackwardWeight;
+  }
+  /// "F1.3", "B0.2", "W0.2", "sendA1.3" (stage 1's output of microbatch 3), "recvG0.2", ...
   std::string to_string() const;
   bool operator==(const Action& other) const {
     return kind == other.kind && stage == other.stage && microbatch == other.microbatch &&
@@ -60,6 +64,8 @@ struct Schedule {
   std::vector<std::vector<Action>> actions;  ///< by rank
 
   int stages() const { return ranks * stages_per_rank; }
+  /// The backward is split into B and W actions (zero-bubble schedules).
+  bool splits_backward() const;
   int rank_of(int stage) const { return stage % ranks; }
   /// One line per rank: "rank 0: F0.0 sendA0.0 F0.1 ...".
   std::string describe() const;
@@ -78,15 +84,28 @@ Schedule one_f_one_b(int ranks, int microbatches);
 /// (Megatron-LM's schedule); needs microbatches % ranks == 0.
 Schedule interleaved_one_f_one_b(int ranks, int microbatches, int stages_per_rank);
 
-/// "gpipe", "1f1b" or "interleaved" (with stages_per_rank); errors name the
-/// valid choices.
+/// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", arXiv 2401.10241):
+/// 1F1B with the backward split into B, the input gradient the previous
+/// stage waits for, and W, the weight gradients, which fill the time rank r
+/// would wait for gradients. Rank r holds at most ranks - r microbatches
+/// between F and B (as in 1F1B) and at most ranks - 1 more between B and W.
+/// The order is list scheduling with F, B and W of equal cost (B before F
+/// before W, whichever is ready), which reaches the closed form
+/// (p - 1) / (3 m + p - 1).
+Schedule zero_bubble_h1(int ranks, int microbatches);
+
+/// "gpipe", "1f1b", "interleaved" (with stages_per_rank) or "zbh1"; errors
+/// name the valid choices.
 Schedule make_schedule(const std::string& name, int ranks, int microbatches, int stages_per_rank = 1);
 
 /// How the simulator runs a schedule: what a computation costs (time units
 /// per stage), and when a send completes.
 struct SimulationOptions {
   TORCH_ARG(double, forward) = 1.0;
+  /// A whole backward; in schedules that split it, B costs backward -
+  /// backward_weight and W backward_weight.
   TORCH_ARG(double, backward) = 2.0;
+  TORCH_ARG(double, backward_weight) = 1.0;
   /// true: a send completes only when the matching receive is posted (the
   /// strictest transport: no buffering at all). false: a send completes when
   /// posted and its data waits for the receive (a transport that buffers, as
@@ -105,17 +124,25 @@ struct SimulationResult {
   /// Largest number of microbatches whose forward ran but backward did not
   /// yet, on any rank (activation memory).
   int peak_in_flight = 0;
+  /// Split schedules: the largest number of microbatches whose B ran but W
+  /// did not yet, on any rank (the weight-gradient inputs held).
+  int peak_awaiting_weight = 0;
 };
 
 /// Runs every rank's list. Throws, naming the rank and action, when the
 /// schedule deadlocks (every rank waits), computes before its input arrived,
 /// sends what it has not computed, receives what no rank sends, or leaves a
-/// forward or backward of some stage and microbatch out or runs it twice.
+/// forward or backward (or, split, a W) of some stage and microbatch out or
+/// runs it twice.
 SimulationResult simulate(const Schedule& schedule, const SimulationOptions& options = {});
 
 /// The closed form of the bubble for a schedule with balanced stages:
 /// (p - 1) / (m + p - 1) for GPipe and 1F1B, and (p - 1) / (v m + p - 1)
 /// for interleaved 1F1B with v stages per rank.
 double bubble_fraction_closed_form(int ranks, int microbatches, int stages_per_rank = 1);
+
+/// The same by schedule name; for "zbh1" (p - 1) / (3 m + p - 1), with F,
+/// B and W of equal cost.
+double bubble_fraction_closed_form(const std::string& schedule, int ranks, int microbatches, int stages_per_rank = 1);
 
 }  // namespace commgrad::pp
