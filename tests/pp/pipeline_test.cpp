@@ -94,6 +94,7 @@ std::vector<Case> cases() {
       for (int m : {p, p + (p % 2 == 0 ? 1 : 2)}) {  // m = p, and an odd m > p
         out.push_back({"gpipe", p, m, 1, backend});
         out.push_back({"1f1b", p, m, 1, backend});
+        out.push_back({"zbh1", p, m, 1, backend});  // torch::nn::Linear defers nothing: W does nothing
       }
       out.push_back({"interleaved", p, 2 * p, 2, backend});
     }
@@ -175,6 +176,28 @@ TEST(PipelineTest, OneDataParallelOverAllOfARanksStagesReducesOncePerStep) {
         const auto want = whole[i * 2 + rank]->named_parameters()[p.key()].grad();
         EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-10, 1e-12)) << "stage " << i * 2 + rank << " " << p.key();
       }
+    }
+  }, SpawnOptions().backend("shm"));
+}
+
+TEST(PipelineTest, ZeroBubbleWithDataParallelNeedsDeferredWeights) {
+  // torch::nn::Linear stages defer nothing, so the last W would fire no
+  // DDP hook and nothing would be reduced: an error instead.
+  spawn_ranks(4, [&](Group& world) {
+    auto state = tp::make_model_parallel(1, 2, world);
+    Block block(state.pipeline_parallel_rank());
+    dp::DistributedDataParallel ddp(block, state.data_parallel_group());
+    pp::Pipeline pipe({[block](const at::Tensor& in) mutable { return block->forward(in); }}, mse,
+                      pp::PipelineOptions(2).schedule("zbh1").group(state.pipeline_parallel_group()).no_sync(
+                          {pp::no_sync_of(ddp)}));
+    const auto x = seeded_randn({4, kWidth}, 1, torch::kDouble);
+    try {
+      pipe.step(x, x);
+      ADD_FAILURE() << "zbh1 with DDP over stages without deferred weights was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(),
+                  HasSubstr("the stage's forward deferred no weight gradient (the zbh1 schedule needs commgrad's tp "
+                            "linear layers in every stage to reduce; use 1f1b)"));
     }
   }, SpawnOptions().backend("shm"));
 }

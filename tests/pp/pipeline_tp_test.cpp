@@ -3,6 +3,8 @@
 // schedule, against the unsplit stages on one rank over the whole batch:
 // the loss and every parameter's gradient, gathered over the TP group
 // (float32, rtol 1e-5, atol 4e-5, as PyTorch's pipelining tests use).
+// Plus the zero-bubble schedule with data parallelism (DDP and ZeRO-2):
+// its gradients are 1F1B's, bit for bit.
 
 #include "harness/spawn_ranks.h"
 #include "tp/reference.h"
@@ -82,11 +84,64 @@ TEST_P(PipelineTimesTensorParallel, LossAndEveryGradientMatchOneRank) {
 INSTANTIATE_TEST_SUITE_P(
     Schedules, PipelineTimesTensorParallel,
     ::testing::Values(TpCase{"1f1b", 2, 1, false}, TpCase{"gpipe", 4, 1, false}, TpCase{"1f1b", 4, 1, true},
-                      TpCase{"interleaved", 4, 2, false}, TpCase{"interleaved", 2, 2, true}),
+                      TpCase{"interleaved", 4, 2, false}, TpCase{"interleaved", 2, 2, true},
+                      TpCase{"zbh1", 2, 1, false}, TpCase{"zbh1", 4, 1, true}),
     [](const auto& info) {
       const auto& c = info.param;
       return c.schedule + "_m" + std::to_string(c.microbatches) + (c.sequence_parallel ? "_sp" : "");
     });
+
+// TP = 1 x PP = 2 x DP = 2 ParallelMLP stages, one step under `schedule`:
+// every parameter's gradient after the DP reduction (with ZeRO-2, the
+// parameters after one SGD step instead, since its gradients live in the
+// optimizer's buckets).
+std::vector<at::Tensor> data_parallel_step(const std::string& schedule, bool zero, Group& world) {
+  const int m = 5;
+  auto state = tp::make_model_parallel(1, 2, world);
+  const int stage = state.pipeline_parallel_rank();
+  const int dp = state.data_parallel_rank();
+  tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, state.tensor_parallel_group()).seed(10 * stage + 1));
+  const auto x = seeded_randn({4 * m, kHidden}, 1).chunk(2, 0)[dp];
+  const auto y = seeded_randn({4 * m, kHidden}, 2).chunk(2, 0)[dp];
+  const auto loss = [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); };
+  const auto options = pp::PipelineOptions(m).schedule(schedule).group(state.pipeline_parallel_group());
+  const auto stage_fn = [mlp](const at::Tensor& in) mutable { return mlp(in); };
+  std::vector<at::Tensor> out;
+  if (zero) {
+    optim::ZeroOptimizer opt(mlp, [](std::vector<at::Tensor> p) {
+      return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
+    }, optim::ZeroOptimizerOptions(dp::DistributedDataParallelOptions(state.data_parallel_group())).stage(2));
+    pp::Pipeline pipe({stage_fn}, loss, pp::PipelineOptions(options).no_sync({pp::no_sync_of(opt)}));
+    pipe.step(x, y);
+    opt.step();
+    for (const auto& p : mlp->parameters()) out.push_back(p.detach().clone());
+  } else {
+    dp::DistributedDataParallel ddp(mlp, state.data_parallel_group());
+    pp::Pipeline pipe({stage_fn}, loss, pp::PipelineOptions(options).no_sync({pp::no_sync_of(ddp)}));
+    const auto before = state.data_parallel_group().state()->sequence.load();
+    pipe.step(x, y);
+    EXPECT_EQ(static_cast<int64_t>(state.data_parallel_group().state()->sequence.load() - before),
+              static_cast<int64_t>(ddp.buckets().size()))
+        << schedule << ": one reduction per bucket per step";
+    for (const auto& p : mlp->parameters()) out.push_back(p.grad().clone());
+  }
+  return out;
+}
+
+TEST(PipelineZeroBubble, DataParallelGradientsAreOneFOneBsBitForBit) {
+  for (bool zero : {false, true}) {
+    SCOPED_TRACE(zero ? "ZeRO-2" : "DDP");
+    spawn_ranks(4, [&](Group& world) {
+      const auto want = data_parallel_step("1f1b", zero, world);
+      const auto got = data_parallel_step("zbh1", zero, world);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(torch::equal(got[i], want[i]))
+            << "parameter " << i << ": max difference " << (got[i] - want[i]).abs().max().item<double>();
+      }
+    }, SpawnOptions().backend("shm"));
+  }
+}
 
 }  // namespace
 }  // namespace commgrad::testing
