@@ -84,8 +84,8 @@ LayoutSpec parse_layout(const std::string& text) {
   if (parts.size() > 3) l.schedule = parts[3];
   l.v = parts.size() > 4 ? std::stoi(parts[4]) : l.schedule == "interleaved" ? 2 : 1;
   if (l.tp < 1 || l.pp < 1 || l.dp < 1 || l.v < 1) throw std::invalid_argument("--layout '" + text + "': sizes below 1");
-  if (l.schedule != "1f1b" && l.schedule != "gpipe" && l.schedule != "interleaved") {
-    throw std::invalid_argument("--layout '" + text + "': schedule must be 1f1b, gpipe or interleaved");
+  if (l.schedule != "1f1b" && l.schedule != "gpipe" && l.schedule != "interleaved" && l.schedule != "zbh1") {
+    throw std::invalid_argument("--layout '" + text + "': schedule must be 1f1b, gpipe, interleaved or zbh1");
   }
   if (l.v != 1 && l.schedule != "interleaved") {
     throw std::invalid_argument("--layout '" + text + "': V needs the interleaved schedule");
@@ -96,7 +96,9 @@ LayoutSpec parse_layout(const std::string& text) {
 // The layouts of the benchmark at `n` ranks.
 std::vector<LayoutSpec> default_layouts(int n) {
   if (n == 1) return {{1, 1, 1}};
-  if (n == 2) return {{1, 2, 1, "1f1b"}, {1, 2, 1, "gpipe"}, {1, 2, 1, "interleaved", 2}, {2, 1, 1}, {1, 1, 2}};
+  if (n == 2) {
+    return {{1, 2, 1, "1f1b"}, {1, 2, 1, "gpipe"}, {1, 2, 1, "interleaved", 2}, {1, 2, 1, "zbh1"}, {2, 1, 1}, {1, 1, 2}};
+  }
   if (n == 4) return {{2, 2, 1, "1f1b"}, {1, 2, 2, "1f1b"}, {1, 4, 1, "1f1b"}};
   return {{1, n, 1, "1f1b"}, {1, 1, n}};
 }
@@ -182,7 +184,8 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
   row.step_ms = 1e3 * median(step_times);
   row.tokens_per_second = static_cast<double>(c.batch * c.model.sequence) / median(step_times);
   row.bubble = median(bubbles);
-  row.closed_form = commgrad::pp::bubble_fraction_closed_form(l.pp, c.microbatches, l.pp == 1 ? 1 : l.v);
+  row.closed_form = commgrad::pp::bubble_fraction_closed_form(l.pp == 1 ? "1f1b" : l.schedule, l.pp, c.microbatches,
+                                                              l.pp == 1 ? 1 : l.v);
   return row;
 }
 

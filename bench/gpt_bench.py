@@ -64,8 +64,8 @@ def default_layouts(n):
     if n == 1:
         return [(1, 1, 1, "1f1b", 1)]
     if n == 2:
-        return [(1, 2, 1, "1f1b", 1), (1, 2, 1, "gpipe", 1), (1, 2, 1, "interleaved", 2), (2, 1, 1, "1f1b", 1),
-                (1, 1, 2, "1f1b", 1)]
+        return [(1, 2, 1, "1f1b", 1), (1, 2, 1, "gpipe", 1), (1, 2, 1, "interleaved", 2), (1, 2, 1, "zbh1", 1),
+                (2, 1, 1, "1f1b", 1), (1, 1, 2, "1f1b", 1)]
     if n == 4:
         return [(2, 2, 1, "1f1b", 1), (1, 2, 2, "1f1b", 1), (1, 4, 1, "1f1b", 1)]
     return [(1, n, 1, "1f1b", 1), (1, 1, n, "1f1b", 1)]
@@ -203,7 +203,8 @@ def run_layout(a, layout):
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
     from torch.nn.parallel import DistributedDataParallel
 
     tp, pp, dp, schedule, v = layout
@@ -245,6 +246,8 @@ def run_layout(a, layout):
                                         output_args=example(index, True), group=pp_group))
         if schedule == "interleaved":
             sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+        elif schedule == "zbh1":  # one stage per rank: torch's zero-bubble schedule in ZB-H1's form
+            sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn)
         else:
             sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stages[0], n_microbatches=m, loss_fn=loss_fn)
     first_rank, last_rank = pp_rank == 0, pp_rank == pp - 1

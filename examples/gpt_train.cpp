@@ -2,7 +2,7 @@
 // parallel), checked against the same model on one rank.
 //
 //   commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2 [--sp] [--microbatches 4] [--steps 10]
-//                               [--schedule 1f1b|gpipe|interleaved] [--stages-per-rank 2]
+//                               [--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank 2]
 //                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
 //                               [--curve PREFIX|none] [--check]
 //
@@ -107,7 +107,7 @@ Config parse(int argc, char** argv) {
     else {
       throw std::invalid_argument(
           "usage: gpt_train [--tp N] [--pp N] [--dp N] [--sp] [--microbatches N] [--steps N] "
-          "[--schedule 1f1b|gpipe|interleaved] [--stages-per-rank V] [--save DIR [--save-every K]] "
+          "[--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank V] [--save DIR [--save-every K]] "
           "[--resume DIR] [--text FILE] [--curve PREFIX|none] [--check]");
     }
   }

@@ -1,5 +1,5 @@
 // examples/gpt_train under commgrad-run: the GPT (tied embeddings) trained
-// TP x PP x DP (+SP, the interleaved schedule) follows the one-rank loss
+// TP x PP x DP (+SP, the interleaved and zero-bubble schedules) follows the one-rank loss
 // curve (the program checks itself with --check, relative 1e-5), and the
 // golden curve of the first steps is pinned here. Save and resume under
 // another layout continue the curve (bit for bit under the same layout);
@@ -72,7 +72,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, {"--pp", "2", "--dp", "2", "--microbatches", "2"}, "pp2_dp2"},
                       Case{2, {"--pp", "2", "--schedule", "interleaved"}, "pp2_interleaved"},
                       Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}, "tp2_pp2_sp_interleaved"},
-                      Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--sp"}, "tp2_pp2_dp2_sp"}),
+                      Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--sp"}, "tp2_pp2_dp2_sp"},
+                      Case{4, {"--pp", "2", "--dp", "2", "--schedule", "zbh1"}, "pp2_dp2_zero_bubble"},
+                      Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1"}, "tp2_pp2_sp_zero_bubble"}),
     [](const auto& info) { return info.param.name; });
 
 TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
