@@ -15,9 +15,11 @@
 //                 backwards, TP collectives and the DP reduction included;
 //                 the rest is waiting for a peer and point-to-point), p50
 //                 over the measured steps
-//   closed form   pp::bubble_fraction_closed_form(p, m, v): (p-1)/(v m+p-1),
-//                 the idle share when backward costs twice forward and
-//                 messages are free
+//   closed form   pp::bubble_fraction_closed_form: (p-1)/(v m+p-1), the
+//                 idle share when the stages cost the same and messages are
+//                 free; for zbh1 (p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) with
+//                 F, B and W the measured times of a forward, a B and a W
+//                 (medians over the steps of the ranks' means)
 //
 // A layout whose world (tp x pp x dp) is not the job's is skipped with a
 // note: ranks left out of a layout would share the cores with it and
@@ -164,7 +166,7 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
                                    state.data_parallel_group(), state.embedding_group()});
   const auto sum = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kSum);
   const auto max = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMax);
-  std::vector<double> step_times, bubbles;
+  std::vector<double> step_times, bubbles, forwards, backwards, weights;
   Row row;
   for (int k = 0; k < c.warmup + c.steps; ++k) {
     commgrad::ops::barrier(world);
@@ -177,15 +179,25 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
                              .item<double>();
     const auto slowest =
         commgrad::ops::raw::all_reduce(torch::tensor({wall, r.step_seconds}, torch::kDouble), max, world).wait();
+    // The ranks' mean time of one F, B and W.
+    const auto per_action = commgrad::ops::raw::all_reduce(
+        torch::tensor({r.forward_seconds, r.backward_seconds, r.backward_weight_seconds}, torch::kDouble) /
+            (c.microbatches * world.size()), sum, world).wait();
     if (k < c.warmup) continue;
+    forwards.push_back(per_action[0].item<double>());
+    backwards.push_back(per_action[1].item<double>());
+    weights.push_back(per_action[2].item<double>());
     step_times.push_back(slowest[0].item<double>());
     bubbles.push_back(1.0 - compute / (world.size() * slowest[1].item<double>()));
   }
   row.step_ms = 1e3 * median(step_times);
   row.tokens_per_second = static_cast<double>(c.batch * c.model.sequence) / median(step_times);
   row.bubble = median(bubbles);
+  const double w = median(weights);
+  const auto costs =
+      commgrad::pp::SimulationOptions().forward(median(forwards)).backward(median(backwards) + w).backward_weight(w);
   row.closed_form = commgrad::pp::bubble_fraction_closed_form(l.pp == 1 ? "1f1b" : l.schedule, l.pp, c.microbatches,
-                                                              l.pp == 1 ? 1 : l.v);
+                                                              l.pp == 1 ? 1 : l.v, costs);
   return row;
 }
 

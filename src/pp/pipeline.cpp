@@ -301,7 +301,7 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
   const auto& actions = m.schedule.actions[m.rank];
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  Clock::duration busy{};
+  Clock::duration busy[3]{};  // forward, backward, W
   try {
     for (size_t i = 0; i < actions.size();) {
       const Action& a = actions[i];
@@ -309,14 +309,17 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
       try {
         if (a.is_compute()) {
           const auto begin = Clock::now();
+          int kind = 0;
           if (a.kind == ActionKind::kForward) {
             m.forward(a);
           } else if (a.kind == ActionKind::kBackward) {
             m.backward(a);
+            kind = 1;
           } else {
             m.backward_weight(a);
+            kind = 2;
           }
-          busy += Clock::now() - begin;
+          busy[kind] += Clock::now() - begin;
           ++i;
         } else {
           std::vector<Action> batch;
@@ -350,7 +353,10 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
     losses = ops::raw::broadcast(losses, ops::BroadcastOptions().src(m.schedule.rank_of(m.last_stage())), m.group).wait();
   }
   PipelineStepResult result;
-  result.compute_seconds = std::chrono::duration<double>(busy).count();
+  result.forward_seconds = std::chrono::duration<double>(busy[0]).count();
+  result.backward_seconds = std::chrono::duration<double>(busy[1]).count();
+  result.backward_weight_seconds = std::chrono::duration<double>(busy[2]).count();
+  result.compute_seconds = result.forward_seconds + result.backward_seconds + result.backward_weight_seconds;
   result.step_seconds = std::chrono::duration<double>(end - start).count();
   result.microbatch_losses.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + mbs);
   for (double l : result.microbatch_losses) result.loss += l / mbs;

@@ -478,8 +478,13 @@ double bubble_fraction_closed_form(int ranks, int microbatches, int stages_per_r
   return static_cast<double>(ranks - 1) / (static_cast<double>(stages_per_rank) * microbatches + ranks - 1);
 }
 
-double bubble_fraction_closed_form(const std::string& schedule, int ranks, int microbatches, int stages_per_rank) {
-  if (schedule == "zbh1") return static_cast<double>(ranks - 1) / (3.0 * microbatches + ranks - 1);
+double bubble_fraction_closed_form(const std::string& schedule, int ranks, int microbatches, int stages_per_rank,
+                                   const SimulationOptions& costs) {
+  if (schedule == "zbh1") {
+    const double f = costs.forward(), w = costs.backward_weight(), b = costs.backward() - w;
+    const double idle = (ranks - 1) * (f + b - w);
+    return idle / (microbatches * (f + b + w) + idle);
+  }
   if (schedule != "gpipe" && schedule != "1f1b" && schedule != "interleaved") {
     fail("bubble_fraction_closed_form: unknown schedule \"" + schedule + "\" (gpipe, 1f1b, interleaved, zbh1)");
   }

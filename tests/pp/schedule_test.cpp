@@ -92,10 +92,20 @@ TEST(ScheduleTest, ZeroBubbleH1HasTheClosedFormBubbleAndOneFOneBsMemory) {
       }
     }
   }
-  // Costs other than the ones it was ordered for still run; the bubble stays below 1F1B's.
-  const auto s = zero_bubble_h1(4, 8);
-  const auto options = SimulationOptions().forward(1.0).backward(2.2).backward_weight(0.8);
-  EXPECT_LT(simulate(s, options).bubble_fraction, simulate(one_f_one_b(4, 8), options).bubble_fraction);
+  // Other costs: the same order reaches the closed form while W <= B.
+  for (const auto& costs : {SimulationOptions().forward(1.0).backward(2.2).backward_weight(0.8),
+                            SimulationOptions().forward(54).backward(91).backward_weight(34),
+                            SimulationOptions().forward(1.0).backward(2.0).backward_weight(0.5)}) {
+    for (int p : {2, 3, 4, 8}) {
+      for (int m : {p, 2 * p + 1, 4 * p}) {
+        SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m) + " W=" +
+                     std::to_string(costs.backward_weight()));
+        const auto r = simulate(zero_bubble_h1(p, m), costs);
+        EXPECT_NEAR(r.bubble_fraction, bubble_fraction_closed_form("zbh1", p, m, 1, costs), 1e-12);
+        EXPECT_LT(r.bubble_fraction, simulate(one_f_one_b(p, m), costs).bubble_fraction);
+      }
+    }
+  }
   EXPECT_EQ(simulate(one_f_one_b(4, 8)).peak_awaiting_weight, 0);
 }
 

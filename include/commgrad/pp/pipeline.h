@@ -88,6 +88,11 @@ struct PipelineStepResult {
   /// (bubble and communication).
   double compute_seconds = 0;
   double step_seconds = 0;
+  /// compute_seconds by action: forwards (the loss included), backwards (B
+  /// alone when the schedule splits them) and W.
+  double forward_seconds = 0;
+  double backward_seconds = 0;
+  double backward_weight_seconds = 0;
 };
 
 /// A model cut into stages over a pipeline-parallel group.

@@ -141,8 +141,12 @@ SimulationResult simulate(const Schedule& schedule, const SimulationOptions& opt
 /// for interleaved 1F1B with v stages per rank.
 double bubble_fraction_closed_form(int ranks, int microbatches, int stages_per_rank = 1);
 
-/// The same by schedule name; for "zbh1" (p - 1) / (3 m + p - 1), with F,
-/// B and W of equal cost.
-double bubble_fraction_closed_form(const std::string& schedule, int ranks, int microbatches, int stages_per_rank = 1);
+/// The same by schedule name. For "zbh1" it depends on the costs of F, B
+/// and W (`costs`: forward, backward - backward_weight, backward_weight):
+/// (p - 1)(F + B - W) / (m (F + B + W) + (p - 1)(F + B - W)) (Qi et al.),
+/// which its order reaches while W <= B; (p - 1) / (3 m + p - 1) for equal
+/// costs (the defaults).
+double bubble_fraction_closed_form(const std::string& schedule, int ranks, int microbatches, int stages_per_rank = 1,
+                                   const SimulationOptions& costs = {});
 
 }  // namespace commgrad::pp
