@@ -15,6 +15,11 @@
 //                 backwards, TP collectives and the DP reduction included;
 //                 the rest is waiting for a peer and point-to-point), p50
 //                 over the measured steps
+//   busiest rank  1 - the busiest rank's compute / the schedule's wall time:
+//                 the bubble without the stages' imbalance (the other ranks
+//                 also wait for the busiest one), which the closed form
+//                 leaves out and which, on a shared machine, moves from rank
+//                 to rank between runs
 //   closed form   pp::bubble_fraction_closed_form: (p-1)/(v m+p-1), the
 //                 idle share when the stages cost the same and messages are
 //                 free; for zbh1 (p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) with
@@ -149,7 +154,7 @@ double median(std::vector<double> v) {
 }
 
 struct Row {
-  double tokens_per_second = 0, step_ms = 0, bubble = 0, closed_form = 0, loss = 0;
+  double tokens_per_second = 0, step_ms = 0, bubble = 0, busiest = 0, closed_form = 0, loss = 0;
 };
 
 // Trains `l` for warm-up plus measured steps; the result is the same on every rank.
@@ -166,7 +171,7 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
                                    state.data_parallel_group(), state.embedding_group()});
   const auto sum = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kSum);
   const auto max = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMax);
-  std::vector<double> step_times, bubbles, forwards, backwards, weights;
+  std::vector<double> step_times, bubbles, busiest, forwards, backwards, weights;
   Row row;
   for (int k = 0; k < c.warmup + c.steps; ++k) {
     commgrad::ops::barrier(world);
@@ -178,7 +183,8 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
                              .wait()
                              .item<double>();
     const auto slowest =
-        commgrad::ops::raw::all_reduce(torch::tensor({wall, r.step_seconds}, torch::kDouble), max, world).wait();
+        commgrad::ops::raw::all_reduce(torch::tensor({wall, r.step_seconds, r.compute_seconds}, torch::kDouble), max,
+                                       world).wait();
     // The ranks' mean time of one F, B and W.
     const auto per_action = commgrad::ops::raw::all_reduce(
         torch::tensor({r.forward_seconds, r.backward_seconds, r.backward_weight_seconds}, torch::kDouble) /
@@ -189,10 +195,12 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
     weights.push_back(per_action[2].item<double>());
     step_times.push_back(slowest[0].item<double>());
     bubbles.push_back(1.0 - compute / (world.size() * slowest[1].item<double>()));
+    busiest.push_back(1.0 - slowest[2].item<double>() / slowest[1].item<double>());
   }
   row.step_ms = 1e3 * median(step_times);
   row.tokens_per_second = static_cast<double>(c.batch * c.model.sequence) / median(step_times);
   row.bubble = median(bubbles);
+  row.busiest = median(busiest);
   const double w = median(weights);
   const auto costs =
       commgrad::pp::SimulationOptions().forward(median(forwards)).backward(median(backwards) + w).backward_weight(w);
@@ -221,7 +229,8 @@ int main(int argc, char** argv) {
                   m.tie ? "tied embeddings" : "untied output layer", static_cast<long long>(c.batch), c.microbatches,
                   c.warmup, c.steps);
       std::printf("| layout | schedule | v | tokens/s | step p50 (ms) | bubble measured | bubble closed form | "
-                  "measured / closed | loss |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+                  "measured / closed | busiest rank | busiest / closed | loss |\n"
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
       std::fflush(stdout);
     }
     std::vector<std::string> notes;
@@ -234,10 +243,14 @@ int main(int argc, char** argv) {
       }
       const Row r = run_layout(c, l, corpus);
       if (speaker) {
-        char ratio[32] = "-";
-        if (r.closed_form > 0) std::snprintf(ratio, sizeof ratio, "%.2f", r.bubble / r.closed_form);
-        std::printf("| %s | %s | %d | %.0f | %.1f | %.3f | %.3f | %s | %.4f |\n", l.name().c_str(), schedule.c_str(),
-                    l.pp == 1 ? 1 : l.v, r.tokens_per_second, r.step_ms, r.bubble, r.closed_form, ratio, r.loss);
+        char ratio[32] = "-", busiest_ratio[32] = "-";
+        if (r.closed_form > 0) {
+          std::snprintf(ratio, sizeof ratio, "%.2f", r.bubble / r.closed_form);
+          std::snprintf(busiest_ratio, sizeof busiest_ratio, "%.2f", r.busiest / r.closed_form);
+        }
+        std::printf("| %s | %s | %d | %.0f | %.1f | %.3f | %.3f | %s | %.3f | %s | %.4f |\n", l.name().c_str(),
+                    schedule.c_str(), l.pp == 1 ? 1 : l.v, r.tokens_per_second, r.step_ms, r.bubble, r.closed_form,
+                    ratio, r.busiest, busiest_ratio, r.loss);
         std::fflush(stdout);
       }
     }

@@ -54,14 +54,15 @@ TEST(GptBench, PrintsARowPerLayoutWithTheBubbleBesideTheClosedForm) {
   const auto rows = table(r.out);
   ASSERT_EQ(rows.size(), 4u) << r.out;  // header, three layouts
   EXPECT_EQ(rows[0], (std::vector<std::string>{"layout", "schedule", "v", "tokens/s", "step p50 (ms)",
-                                               "bubble measured", "bubble closed form", "measured / closed", "loss"}));
+                                               "bubble measured", "bubble closed form", "measured / closed",
+                                               "busiest rank", "busiest / closed", "loss"}));
   // The closed forms at p = 2, m = 4: 1/5, interleaved v = 2: 1/9; none without a pipeline.
   const std::vector<std::vector<std::string>> expected = {{"TP=1 x PP=2 x DP=1", "1f1b", "1", "0.200"},
                                                           {"TP=1 x PP=2 x DP=1", "interleaved", "2", "0.111"},
                                                           {"TP=1 x PP=1 x DP=2", "-", "1", "0.000"}};
   for (size_t k = 0; k < expected.size(); ++k) {
     const auto& row = rows[k + 1];
-    ASSERT_EQ(row.size(), 9u) << r.out;
+    ASSERT_EQ(row.size(), 11u) << r.out;
     EXPECT_EQ(row[0], expected[k][0]);
     EXPECT_EQ(row[1], expected[k][1]);
     EXPECT_EQ(row[2], expected[k][2]);
@@ -70,10 +71,30 @@ TEST(GptBench, PrintsARowPerLayoutWithTheBubbleBesideTheClosedForm) {
     const double bubble = std::stod(row[5]);
     EXPECT_GE(bubble, -0.01) << r.out;
     EXPECT_LT(bubble, 1.0) << r.out;
-    if (k < 2) EXPECT_NEAR(std::stod(row[7]), bubble / std::stod(row[6]), 0.02) << r.out;
-    else EXPECT_EQ(row[7], "-");
+    const double busiest = std::stod(row[8]);  // idle share of the busiest rank: at most the average one
+    EXPECT_LE(busiest, bubble + 0.002) << r.out;
+    if (k < 2) {
+      EXPECT_NEAR(std::stod(row[7]), bubble / std::stod(row[6]), 0.02) << r.out;
+      EXPECT_NEAR(std::stod(row[9]), busiest / std::stod(row[6]), 0.02) << r.out;
+    } else {
+      EXPECT_EQ(row[7], "-");
+      EXPECT_EQ(row[9], "-");
+    }
   }
   EXPECT_THAT(r.out, HasSubstr("[0] note: TP=2 x PP=2 x DP=1 gpipe: skipped, it needs 4 ranks and the job has 2"));
+}
+
+TEST(GptBench, ZeroBubbleClosedFormUsesTheMeasuredCosts) {
+  const auto r = gpt_bench(2, {"--layout", "1,2,1,zbh1"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto rows = table(r.out);
+  ASSERT_EQ(rows.size(), 2u) << r.out;
+  ASSERT_EQ(rows[1].size(), 11u) << r.out;
+  EXPECT_EQ(rows[1][1], "zbh1");
+  // (F + B - W) / (4 (F + B + W) + F + B - W) lies in (0, 1/5) for any positive costs.
+  const double closed = std::stod(rows[1][6]);
+  EXPECT_GT(closed, 0.0) << r.out;
+  EXPECT_LT(closed, 0.2) << r.out;
 }
 
 TEST(GptBench, UntiedOutputLayer) {
@@ -91,7 +112,7 @@ TEST(GptBench, BadOptionsEndEveryRankWithAMessage) {
   EXPECT_THAT(r.err, HasSubstr("--layout '1,2': expected TP,PP,DP[,SCHEDULE[,V]]"));
   r = gpt_bench(2, {"--layout", "1,2,1,zb"});
   EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("schedule must be 1f1b, gpipe or interleaved"));
+  EXPECT_THAT(r.err, HasSubstr("schedule must be 1f1b, gpipe, interleaved or zbh1"));
 }
 
 }  // namespace
