@@ -13,8 +13,14 @@
 // different stages or directions between the same two ranks never match
 // each other, and within one the order of microbatches is the same on both
 // sides. The receiver checks the header against what its schedule expects.
-// A batch's sends are posted first (not waited for until the end of the
-// step), then its receives, one message after the other.
+// A batch's sends are posted at once (and waited for at the end of the
+// step); its receives are taken when a computation needs them, one message
+// after the other in the schedule's order (a transport may deliver one
+// peer's messages in order whatever their tags, as shm does). So in the
+// interleaved steady state, whose batches carry the receives of a forward
+// and of a backward, the forward does not wait for the backward's gradient.
+// Sends never block, so waiting for less than the whole batch cannot
+// deadlock a schedule that runs with batches.
 //
 // Split backward (zero-bubble schedules). A forward runs under
 // tp::DeferWeightGradients, so the linear layers of the stage leave their
@@ -36,6 +42,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
+#include <deque>
 #include <map>
 #include <optional>
 #include <utility>
@@ -84,6 +91,7 @@ struct Pipeline::Impl {
   };
   std::map<Key, Slot> slots;
   std::vector<std::pair<ops::raw::Pending, at::Tensor>> sends;  // kept alive until waited for
+  std::deque<Action> receives;  // posted by a batch, taken when a computation needs them
   std::vector<double> losses;
   at::Tensor inputs, targets;
 
@@ -100,6 +108,8 @@ struct Pipeline::Impl {
   std::shared_ptr<void> hold_sync(const Action& a) const;
   void post_send(const Action& a);
   void run_batch(const std::vector<Action>& batch);
+  void receive_for(const Action& compute);
+  void receive(const Action& a);
 };
 
 Pipeline::Pipeline(std::vector<StageFunction> stages, LossFunction loss, PipelineOptions options)
@@ -245,38 +255,55 @@ void Pipeline::Impl::post_send(const Action& a) {
 }
 
 void Pipeline::Impl::run_batch(const std::vector<Action>& batch) {
-  std::vector<const Action*> recvs;
   for (const auto& a : batch) {
     if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGradient) {
       post_send(a);
     } else {
-      recvs.push_back(&a);
+      receives.push_back(a);
     }
   }
-  // One message after the other: a transport may deliver the messages of
-  // one peer in order whatever their tags (shm does), so a receive is not
-  // posted before the one sent before it has arrived.
-  for (const auto* pa : recvs) {
-    const Action& a = *pa;
-    current = a;
-    const bool activation = is_activation(a.kind);
-    const int peer = schedule.rank_of(activation ? a.stage - 1 : a.stage + 1);
-    const auto options = ops::RecvOptions(peer).tag(tag_of(a));
-    const auto header = ops::raw::recv({kHeaderSize}, ops::RecvOptions(options).dtype(at::kLong), group).wait();
-    const auto* h = header.data_ptr<int64_t>();
-    COMMGRAD_CHECK(h[0] == kMagic && h[1] == a.stage && h[2] == a.microbatch && h[3] == (activation ? 0 : 1) &&
-                       h[5] >= 0 && h[5] <= kMaxDims,
-                   kOp, group, where(a), ": expected the ", activation ? "activation" : "gradient", " of stage ",
-                   a.stage, " microbatch ", a.microbatch, ", but the header received says stage ", h[1],
-                   " microbatch ", h[2], " kind ", h[3], " (magic ", h[0], ")");
-    const std::vector<int64_t> sizes(h + 6, h + 6 + h[5]);
-    auto t = ops::raw::recv(sizes, ops::RecvOptions(options).dtype(static_cast<at::ScalarType>(h[4])), group).wait();
-    auto& slot = slots[{a.stage, a.microbatch}];
-    if (activation) {
-      slot.input = t.requires_grad_(t.is_floating_point());
-    } else {
-      slot.grad_output = t;
-    }
+}
+
+void Pipeline::Impl::receive_for(const Action& compute) {
+  // The receive this computation needs, if any: taken with every receive
+  // before it, in the schedule's order.
+  ActionKind kind = ActionKind::kRecvActivation;
+  if (compute.kind == ActionKind::kForward) {
+    if (compute.stage == 0 || schedule.rank_of(compute.stage - 1) == rank) return;
+  } else if (compute.kind == ActionKind::kBackward) {
+    if (compute.stage == last_stage() || schedule.rank_of(compute.stage + 1) == rank) return;
+    kind = ActionKind::kRecvGradient;
+  } else {
+    return;
+  }
+  const Action want{kind, compute.stage, compute.microbatch};
+  while (!receives.empty()) {
+    const Action a = receives.front();
+    receives.pop_front();
+    receive(a);
+    if (a.kind == want.kind && a.stage == want.stage && a.microbatch == want.microbatch) return;
+  }
+}
+
+void Pipeline::Impl::receive(const Action& a) {
+  current = a;
+  const bool activation = is_activation(a.kind);
+  const int peer = schedule.rank_of(activation ? a.stage - 1 : a.stage + 1);
+  const auto options = ops::RecvOptions(peer).tag(tag_of(a));
+  const auto header = ops::raw::recv({kHeaderSize}, ops::RecvOptions(options).dtype(at::kLong), group).wait();
+  const auto* h = header.data_ptr<int64_t>();
+  COMMGRAD_CHECK(h[0] == kMagic && h[1] == a.stage && h[2] == a.microbatch && h[3] == (activation ? 0 : 1) &&
+                     h[5] >= 0 && h[5] <= kMaxDims,
+                 kOp, group, where(a), ": expected the ", activation ? "activation" : "gradient", " of stage ",
+                 a.stage, " microbatch ", a.microbatch, ", but the header received says stage ", h[1],
+                 " microbatch ", h[2], " kind ", h[3], " (magic ", h[0], ")");
+  const std::vector<int64_t> sizes(h + 6, h + 6 + h[5]);
+  auto t = ops::raw::recv(sizes, ops::RecvOptions(options).dtype(static_cast<at::ScalarType>(h[4])), group).wait();
+  auto& slot = slots[{a.stage, a.microbatch}];
+  if (activation) {
+    slot.input = t.requires_grad_(t.is_floating_point());
+  } else {
+    slot.grad_output = t;
   }
 }
 
@@ -298,6 +325,7 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
   m.losses.assign(mbs, 0.0);
   m.slots.clear();
   m.sends.clear();
+  m.receives.clear();
   const auto& actions = m.schedule.actions[m.rank];
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
@@ -308,6 +336,8 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
       m.current = a;
       try {
         if (a.is_compute()) {
+          m.receive_for(a);
+          m.current = a;
           const auto begin = Clock::now();
           int kind = 0;
           if (a.kind == ActionKind::kForward) {
@@ -334,6 +364,10 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
         COMMGRAD_CHECK(false, kOp, m.group, m.where(m.current), " failed: ", what);
       }
     }
+    while (!m.receives.empty()) {  // none is left by a valid schedule; taken so no message stays behind
+      m.receive(m.receives.front());
+      m.receives.pop_front();
+    }
     try {
       for (auto& s : m.sends) s.first.wait();
     } catch (const c10::Error& e) {
@@ -342,6 +376,7 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
   } catch (...) {
     m.slots.clear();
     m.sends.clear();
+    m.receives.clear();
     throw;
   }
   m.sends.clear();
