@@ -22,6 +22,14 @@
 // Sends never block, so waiting for less than the whole batch cannot
 // deadlock a schedule that runs with batches.
 //
+// Errors. A rank whose step fails (a bad batch, a stage that throws, a
+// peer that died) tells each neighbour it still had something to send: an
+// error header (kind 2) and the message, on the tag of the next message it
+// would have sent there, which is the next one that neighbour receives from
+// it. The neighbour throws naming the rank that failed and passes the
+// message on to its other neighbours, so every rank of the pipeline ends at
+// once instead of at its timeout.
+//
 // Split backward (zero-bubble schedules). A forward runs under
 // tp::DeferWeightGradients, so the linear layers of the stage leave their
 // weight gradients in the slot; B is the backward without them and W
@@ -41,6 +49,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <map>
@@ -54,6 +63,7 @@ constexpr const char* kOp = "Pipeline";
 constexpr int64_t kMagic = 0x636770;  // "cgp"
 constexpr int64_t kMaxDims = 6;
 constexpr int64_t kHeaderSize = 6 + kMaxDims;
+constexpr int64_t kErrorKind = 2;  // header kind of an error message (0 activation, 1 gradient)
 
 using Key = std::pair<int, int>;  // stage, microbatch
 
@@ -92,6 +102,11 @@ struct Pipeline::Impl {
   std::map<Key, Slot> slots;
   std::vector<std::pair<ops::raw::Pending, at::Tensor>> sends;  // kept alive until waited for
   std::deque<Action> receives;  // posted by a batch, taken when a computation needs them
+  size_t position = 0;          // this rank's first action not yet started (or posted)
+  bool neighbours_told = false;  // this step's failure was passed on
+  // Error messages sent and not yet received: a failed neighbour may never
+  // take them, and the transport may still read their memory.
+  std::vector<std::pair<ops::raw::Pending, at::Tensor>> error_sends;
   std::vector<double> losses;
   at::Tensor inputs, targets;
 
@@ -107,9 +122,11 @@ struct Pipeline::Impl {
   void backward_weight(const Action& a);
   std::shared_ptr<void> hold_sync(const Action& a) const;
   void post_send(const Action& a);
-  void run_batch(const std::vector<Action>& batch);
+  void post(const Action& a);
   void receive_for(const Action& compute);
   void receive(const Action& a);
+  void tell_neighbours(const std::string& what, int except);
+  void send_header(const at::Tensor& data, int64_t kind, const Action& a);
 };
 
 Pipeline::Pipeline(std::vector<StageFunction> stages, LossFunction loss, PipelineOptions options)
@@ -238,29 +255,53 @@ void Pipeline::Impl::post_send(const Action& a) {
   const at::Tensor data = (activation ? slot.output : slot.grad_input).detach().contiguous();
   COMMGRAD_CHECK(data.dim() <= kMaxDims, kOp, group, where(a), ": ", tensor_name(data), " has more than ", kMaxDims,
                  " dims");
+  send_header(data, activation ? 0 : 1, a);
+  const auto options = ops::SendOptions(schedule.rank_of(receiving_stage(a))).tag(tag_of(a));
+  sends.emplace_back(ops::raw::send(data, options, group), data);
+  if (!activation) slots.at({a.stage, a.microbatch}).grad_input = at::Tensor();  // sent: no longer needed here
+}
+
+// The header of what send action `a` sends (`data`: its dtype and shape).
+void Pipeline::Impl::send_header(const at::Tensor& data, int64_t kind, const Action& a) {
   auto header = at::zeros({kHeaderSize}, at::kLong);
   auto* h = header.data_ptr<int64_t>();
   h[0] = kMagic;
   h[1] = receiving_stage(a);
   h[2] = a.microbatch;
-  h[3] = activation ? 0 : 1;
+  h[3] = kind;
   h[4] = static_cast<int64_t>(data.scalar_type());
   h[5] = data.dim();
   for (int64_t d = 0; d < data.dim(); ++d) h[6 + d] = data.size(d);
-  const int peer = schedule.rank_of(receiving_stage(a));
-  const auto options = ops::SendOptions(peer).tag(tag_of(a));
-  sends.emplace_back(ops::raw::send(header, options, group), header);
-  sends.emplace_back(ops::raw::send(data, options, group), data);
-  if (!activation) slots.at({a.stage, a.microbatch}).grad_input = at::Tensor();  // sent: no longer needed here
+  const auto options = ops::SendOptions(schedule.rank_of(receiving_stage(a))).tag(tag_of(a));
+  (kind == kErrorKind ? error_sends : sends).emplace_back(ops::raw::send(header, options, group), header);
 }
 
-void Pipeline::Impl::run_batch(const std::vector<Action>& batch) {
-  for (const auto& a : batch) {
-    if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGradient) {
-      post_send(a);
-    } else {
-      receives.push_back(a);
+void Pipeline::Impl::tell_neighbours(const std::string& what, int except) {
+  if (neighbours_told) return;
+  neighbours_told = true;
+  const auto& actions = schedule.actions[rank];
+  std::vector<int> told;
+  const auto text = at::from_blob(const_cast<char*>(what.data()), {static_cast<int64_t>(what.size())}, at::kByte).clone();
+  for (size_t i = position; i < actions.size(); ++i) {
+    const Action& a = actions[i];
+    if (a.kind != ActionKind::kSendActivation && a.kind != ActionKind::kSendGradient) continue;
+    const int peer = schedule.rank_of(receiving_stage(a));
+    if (peer == except || std::find(told.begin(), told.end(), peer) != told.end()) continue;
+    told.push_back(peer);
+    try {
+      send_header(text, kErrorKind, a);
+      error_sends.emplace_back(ops::raw::send(text, ops::SendOptions(peer).tag(tag_of(a)), group), text);
+    } catch (const std::exception&) {
+      // The neighbour's transport is gone too; it learns of the failure by itself.
     }
+  }
+}
+
+void Pipeline::Impl::post(const Action& a) {
+  if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGradient) {
+    post_send(a);
+  } else {
+    receives.push_back(a);
   }
 }
 
@@ -292,6 +333,13 @@ void Pipeline::Impl::receive(const Action& a) {
   const auto options = ops::RecvOptions(peer).tag(tag_of(a));
   const auto header = ops::raw::recv({kHeaderSize}, ops::RecvOptions(options).dtype(at::kLong), group).wait();
   const auto* h = header.data_ptr<int64_t>();
+  if (h[0] == kMagic && h[3] == kErrorKind && h[5] == 1 && h[4] == static_cast<int64_t>(at::kByte)) {
+    const auto text = ops::raw::recv({h[6]}, ops::RecvOptions(options).dtype(at::kByte), group).wait();
+    const std::string what(static_cast<const char*>(text.data_ptr()), static_cast<size_t>(text.numel()));
+    tell_neighbours(what, peer);
+    COMMGRAD_CHECK(false, kOp, group, where(a), ": pipeline rank ", peer, " (", activation ? "previous" : "next",
+                   " stage ", activation ? a.stage - 1 : a.stage + 1, ") failed: ", what);
+  }
   COMMGRAD_CHECK(h[0] == kMagic && h[1] == a.stage && h[2] == a.microbatch && h[3] == (activation ? 0 : 1) &&
                      h[5] >= 0 && h[5] <= kMaxDims,
                  kOp, group, where(a), ": expected the ", activation ? "activation" : "gradient", " of stage ",
@@ -318,22 +366,28 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
     COMMGRAD_CHECK(t.size(0) % mbs == 0, kOp, m.group, "step(): a batch of ", t.size(0), " ", what, " (", tensor_name(t),
                    ") does not split into ", mbs, " microbatches of equal size");
   };
-  if (first) check_batch(inputs, "inputs");
-  if (last) check_batch(targets, "targets");
   m.inputs = inputs;
   m.targets = targets;
   m.losses.assign(mbs, 0.0);
   m.slots.clear();
   m.sends.clear();
   m.receives.clear();
+  m.position = 0;
+  m.neighbours_told = false;
+  m.error_sends.erase(std::remove_if(m.error_sends.begin(), m.error_sends.end(),
+                                     [](const auto& s) { return s.first.is_completed(); }),
+                      m.error_sends.end());
   const auto& actions = m.schedule.actions[m.rank];
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   Clock::duration busy[3]{};  // forward, backward, W
   try {
+    if (first) check_batch(inputs, "inputs");
+    if (last) check_batch(targets, "targets");
     for (size_t i = 0; i < actions.size();) {
       const Action& a = actions[i];
       m.current = a;
+      m.position = i;
       try {
         if (a.is_compute()) {
           m.receive_for(a);
@@ -352,14 +406,13 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
           busy[kind] += Clock::now() - begin;
           ++i;
         } else {
-          std::vector<Action> batch;
-          do {
-            batch.push_back(actions[i]);
-          } while (actions[i++].batched_with_next);
-          m.run_batch(batch);
+          // A batch: sends are posted at once, receives when needed.
+          m.post(a);
+          m.position = ++i;
         }
-      } catch (const c10::Error& e) {
-        const std::string what = e.what_without_backtrace();
+      } catch (const std::exception& e) {  // the stages may throw anything
+        const auto* error = dynamic_cast<const c10::Error*>(&e);
+        const std::string what = error ? error->what_without_backtrace() : e.what();
         if (what.find(" microbatch ") != std::string::npos && what.find("[commgrad] Pipeline") != std::string::npos) throw;
         COMMGRAD_CHECK(false, kOp, m.group, m.where(m.current), " failed: ", what);
       }
@@ -373,7 +426,9 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
     } catch (const c10::Error& e) {
       COMMGRAD_CHECK(false, kOp, m.group, "waiting for this step's sends failed: ", e.what_without_backtrace());
     }
-  } catch (...) {
+  } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    m.tell_neighbours(error ? error->what_without_backtrace() : e.what(), -1);
     m.slots.clear();
     m.sends.clear();
     m.receives.clear();

@@ -202,6 +202,41 @@ TEST(PipelineTest, ZeroBubbleWithDataParallelNeedsDeferredWeights) {
   }, SpawnOptions().backend("shm"));
 }
 
+TEST(PipelineTest, AFailingRankEndsTheOthersWithItsMessage) {
+  // Three ranks: the middle one checks no batch and a failing first stage
+  // is not its neighbour's only news; each rank must end with the failing
+  // rank's own message (a timeout would say something else).
+  const auto x = seeded_randn({8, kWidth}, 1, torch::kDouble);
+  for (const std::string how : {"bad inputs", "stage throws"}) {
+    SCOPED_TRACE(how);
+    spawn_ranks(3, [&](Group& group) {
+      Block block(group.rank());
+      int calls = 0;
+      pp::StageFunction fn = [&, block](const at::Tensor& in) mutable {
+        if (how == "stage throws" && group.rank() == 1 && ++calls == 2) throw std::runtime_error("stage 1 went wrong");
+        return block->forward(in);
+      };
+      pp::Pipeline pipe({fn}, mse, pp::PipelineOptions(4).group(group));
+      const auto inputs = how == "bad inputs" && group.rank() == 0 ? x.slice(0, 0, 6) : x;
+      try {
+        pipe.step(inputs, x);
+        ADD_FAILURE() << "rank " << group.rank() << " finished its step";
+      } catch (const c10::Error& e) {
+        const std::string what = e.what_without_backtrace();
+        if (how == "bad inputs") {
+          EXPECT_THAT(what, HasSubstr("a batch of 6 inputs (float64[6, 5]) does not split into 4 microbatches"));
+          if (group.rank() == 1) EXPECT_THAT(what, HasSubstr("(recvA1.0): pipeline rank 0 (previous stage 0) failed"));
+          if (group.rank() == 2) EXPECT_THAT(what, HasSubstr("(recvA2.0): pipeline rank 1 (previous stage 1) failed"));
+        } else {
+          EXPECT_THAT(what, HasSubstr("stage 1 microbatch 1 (F1.1) failed: stage 1 went wrong"));
+          if (group.rank() == 0) EXPECT_THAT(what, HasSubstr("pipeline rank 1 (next stage 1) failed"));
+          if (group.rank() == 2) EXPECT_THAT(what, HasSubstr("(recvA2.1): pipeline rank 1 (previous stage 1) failed"));
+        }
+      }
+    }, SpawnOptions().backend("shm"));
+  }
+}
+
 TEST(PipelineTest, BadInputIsAnErrorOnEveryRank) {
   spawn_ranks(2, [&](Group& group) {
     Block block(group.rank());

@@ -9,8 +9,9 @@
 // microbatch, dtype and shape, checked by the receiver), and leaves in the
 // stages' parameters the gradient of the mean loss over the microbatches,
 // as one rank computing the whole batch would. Sends are posted without
-// waiting and waited for at the end of the step; the simulator proved every
-// schedule free of deadlock even for a transport that does not buffer.
+// waiting and waited for at the end of the step, receives taken when a
+// computation needs them; the simulator proved every schedule free of
+// deadlock even for a transport that does not buffer.
 
 #include "commgrad/dist/group.h"
 #include "commgrad/pp/schedule.h"
