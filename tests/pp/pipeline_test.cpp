@@ -203,9 +203,10 @@ TEST(PipelineTest, ZeroBubbleWithDataParallelNeedsDeferredWeights) {
 }
 
 TEST(PipelineTest, AFailingRankEndsTheOthersWithItsMessage) {
-  // Three ranks: the middle one checks no batch and a failing first stage
-  // is not its neighbour's only news; each rank must end with the failing
-  // rank's own message (a timeout would say something else).
+  // Three ranks: the middle one checks no batch, so it learns of rank 0's
+  // bad inputs only from rank 0; and a stage of the middle rank throws.
+  // Every rank must end with the failing rank's own message (after a
+  // timeout it would say something else).
   const auto x = seeded_randn({8, kWidth}, 1, torch::kDouble);
   for (const std::string how : {"bad inputs", "stage throws"}) {
     SCOPED_TRACE(how);
@@ -225,12 +226,20 @@ TEST(PipelineTest, AFailingRankEndsTheOthersWithItsMessage) {
         const std::string what = e.what_without_backtrace();
         if (how == "bad inputs") {
           EXPECT_THAT(what, HasSubstr("a batch of 6 inputs (float64[6, 5]) does not split into 4 microbatches"));
-          if (group.rank() == 1) EXPECT_THAT(what, HasSubstr("(recvA1.0): pipeline rank 0 (previous stage 0) failed"));
-          if (group.rank() == 2) EXPECT_THAT(what, HasSubstr("(recvA2.0): pipeline rank 1 (previous stage 1) failed"));
+          if (group.rank() == 1) {
+            EXPECT_THAT(what, HasSubstr("(recvA1.0): pipeline rank 0 (previous stage 0) failed"));
+          }
+          if (group.rank() == 2) {
+            EXPECT_THAT(what, HasSubstr("(recvA2.0): pipeline rank 1 (previous stage 1) failed"));
+          }
         } else {
           EXPECT_THAT(what, HasSubstr("stage 1 microbatch 1 (F1.1) failed: stage 1 went wrong"));
-          if (group.rank() == 0) EXPECT_THAT(what, HasSubstr("pipeline rank 1 (next stage 1) failed"));
-          if (group.rank() == 2) EXPECT_THAT(what, HasSubstr("(recvA2.1): pipeline rank 1 (previous stage 1) failed"));
+          if (group.rank() == 0) {
+            EXPECT_THAT(what, HasSubstr("pipeline rank 1 (next stage 1) failed"));
+          }
+          if (group.rank() == 2) {
+            EXPECT_THAT(what, HasSubstr("(recvA2.1): pipeline rank 1 (previous stage 1) failed"));
+          }
         }
       }
     }, SpawnOptions().backend("shm"));
