@@ -16,7 +16,7 @@ using ::testing::HasSubstr;
 std::string job() { return build_path("tests/pp/pipeline_job"); }
 
 TEST(PipelineProcesses, EverySchedule) {
-  for (const std::vector<std::string>& args : {std::vector<std::string>{"gpipe", "3"}, {"1f1b", "5"}, {"interleaved", "3", "2"}}) {
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"gpipe", "3"}, {"1f1b", "5"}, {"interleaved", "3", "2"}, {"zbh1", "4"}}) {
     std::vector<std::string> cmd{launcher_path(), "-n", "3", "--timeout", "60", job(), "train"};
     cmd.insert(cmd.end(), args.begin(), args.end());
     auto r = run_process(cmd, clean_env(), std::chrono::seconds(90));

@@ -3,8 +3,9 @@
 // schedule, against the unsplit stages on one rank over the whole batch:
 // the loss and every parameter's gradient, gathered over the TP group
 // (float32, rtol 1e-5, atol 4e-5, as PyTorch's pipelining tests use).
-// Plus the zero-bubble schedule with data parallelism (DDP and ZeRO-2):
-// its gradients are 1F1B's, bit for bit.
+// Plus the zero-bubble schedule with its backward split in every stage, at
+// PP = 2-4 and with data parallelism (DDP and ZeRO-2): its gradients are
+// 1F1B's, bit for bit.
 
 #include "harness/spawn_ranks.h"
 #include "tp/reference.h"
@@ -90,6 +91,52 @@ INSTANTIATE_TEST_SUITE_P(
       const auto& c = info.param;
       return c.schedule + "_m" + std::to_string(c.microbatches) + (c.sequence_parallel ? "_sp" : "");
     });
+
+// Zero bubble with real B/W splits: ParallelMLP stages (TP = 1) at PP = 2,
+// 3, 4 with m = p and an odd m > p, against the unsplit stages, and equal to
+// 1F1B bit for bit.
+class ZeroBubbleSplitsEveryStage : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(ZeroBubbleSplitsEveryStage, LossAndEveryGradientMatchOneRank) {
+  const auto [p, m] = GetParam();
+  const auto x = seeded_randn({2 * m, kHidden}, 1);
+  const auto y = seeded_randn({2 * m, kHidden}, 2);
+  std::vector<ReferenceMLP> whole;
+  for (int s = 0; s < p; ++s) whole.emplace_back(kHidden, kFfn, true, 10 * s + 1);
+  auto h = x;
+  for (auto& mlp : whole) h = mlp->forward(h);
+  const auto ref_loss = torch::mse_loss(h, y);
+  ref_loss.backward();
+  spawn_ranks(p, [&](Group& group) {
+    const int s = group.rank();
+    std::map<std::string, std::vector<at::Tensor>> grads;
+    for (const std::string schedule : {"1f1b", "zbh1"}) {
+      tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, tp::single_rank_group()).seed(10 * s + 1));
+      pp::Pipeline pipe({[mlp](const at::Tensor& in) mutable { return mlp(in); }},
+                        [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); },
+                        pp::PipelineOptions(m).schedule(schedule).group(group));
+      const auto result = pipe.step(x, y);
+      EXPECT_NEAR(result.loss, ref_loss.item<double>(), 1e-5 * ref_loss.item<double>());
+      for (const auto& param : mlp->named_parameters()) {
+        const auto want = whole[s]->named_parameters()[param.key()].grad();
+        ASSERT_TRUE(param.value().grad().defined()) << schedule << " stage " << s << " " << param.key();
+        EXPECT_TRUE(torch::allclose(param.value().grad(), want, 1e-5, 4e-5))
+            << schedule << " stage " << s << " " << param.key();
+        grads[schedule].push_back(param.value().grad());
+      }
+    }
+    for (size_t i = 0; i < grads["1f1b"].size(); ++i) {
+      EXPECT_TRUE(torch::equal(grads["zbh1"][i], grads["1f1b"][i])) << "stage " << s << " parameter " << i;
+    }
+  }, SpawnOptions().backend("shm"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ZeroBubbleSplitsEveryStage,
+                         ::testing::Values(std::pair{2, 2}, std::pair{2, 3}, std::pair{3, 3}, std::pair{3, 5},
+                                           std::pair{4, 4}, std::pair{4, 5}),
+                         [](const auto& info) {
+                           return "p" + std::to_string(info.param.first) + "_m" + std::to_string(info.param.second);
+                         });
 
 // TP = 1 x PP = 2 x DP = 2 ParallelMLP stages, one step under `schedule`:
 // every parameter's gradient after the DP reduction (with ZeRO-2, the
