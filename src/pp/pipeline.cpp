@@ -89,10 +89,11 @@ struct Pipeline::Impl {
   Group group;
   Schedule schedule;
   int rank = 0;
-  // The backward (W when split) after which the gradients are reduced over
-  // data parallelism: per stage, and the rank's last.
-  std::map<int, int> last_backward;  // stage -> the microbatch of its last backward on this rank
-  Action rank_last_backward{ActionKind::kBackward, 0, 0};
+  // The last B and the last W, after which the gradients are reduced over
+  // data parallelism: per stage (stage -> microbatch), and the rank's last.
+  std::map<int, int> last_of[2];
+  Action rank_last[2] = {{ActionKind::kBackward, 0, 0}, {ActionKind::kBackwardWeight, 0, 0}};
+  std::map<int, bool> deferring;  // split backward: stage -> its forwards deferred weight gradients
   Action current{ActionKind::kForward, 0, 0};  // what runs now (for errors)
 
   struct Slot {
@@ -148,11 +149,11 @@ Pipeline::Pipeline(std::vector<StageFunction> stages, LossFunction loss, Pipelin
   m.stages = std::move(stages);
   m.loss = std::move(loss);
   m.options = std::move(options);
-  const auto reducing = m.schedule.splits_backward() ? ActionKind::kBackwardWeight : ActionKind::kBackward;
   for (const auto& a : m.schedule.actions[m.rank]) {
-    if (a.kind != reducing) continue;
-    m.last_backward[a.stage] = a.microbatch;
-    m.rank_last_backward = a;
+    if (a.kind != ActionKind::kBackward && a.kind != ActionKind::kBackwardWeight) continue;
+    const int w = a.kind == ActionKind::kBackwardWeight ? 1 : 0;
+    m.last_of[w][a.stage] = a.microbatch;
+    m.rank_last[w] = a;
   }
 }
 
@@ -181,6 +182,7 @@ void Pipeline::Impl::forward(const Action& a) {
     if (schedule.splits_backward()) defer.emplace(slot.weights);
     slot.output = stages[a.stage / schedule.ranks](slot.input);
   }
+  if (slot.weights.deferring_layers() > 0) deferring[a.stage] = true;
   COMMGRAD_CHECK(slot.output.defined(), kOp, group, where(a), ": the stage returned an undefined tensor");
   if (a.stage == last_stage()) {
     const auto l = loss(slot.output, microbatch_of(targets, a.microbatch));
@@ -190,20 +192,25 @@ void Pipeline::Impl::forward(const Action& a) {
   }
 }
 
-// Data parallelism: only the stage's last backward (W) of the step reduces.
+// Data parallelism: only the stage's last backward of the step reduces.
 // One function for several stages (one DistributedDataParallel over all of
-// this rank's stages): only the rank's very last backward reduces. B of a
-// split backward never does.
+// this rank's stages): only the rank's very last backward reduces. With a
+// split backward that is the last W of a stage whose forwards deferred
+// weight gradients (its hooks fire there), and the last B of one whose
+// forwards deferred none (all of its gradients come in B).
 std::shared_ptr<void> Pipeline::Impl::hold_sync(const Action& a) const {
   const auto& hold = options.no_sync();
   if (hold.empty()) return nullptr;
-  const bool reducing = a.kind == (schedule.splits_backward() ? ActionKind::kBackwardWeight : ActionKind::kBackward);
-  if (hold.size() == 1 && stages.size() > 1) {
-    if (reducing && a == rank_last_backward) return nullptr;
-    return hold.front()();
+  const bool in_w = schedule.splits_backward() && deferring.count(a.stage);
+  if (a.kind == (in_w ? ActionKind::kBackwardWeight : ActionKind::kBackward)) {
+    const int w = in_w ? 1 : 0;
+    if (hold.size() == 1 && stages.size() > 1) {
+      if (a.stage == rank_last[w].stage && a.microbatch == rank_last[w].microbatch) return nullptr;
+    } else if (last_of[w].at(a.stage) == a.microbatch) {
+      return nullptr;
+    }
   }
-  if (reducing && last_backward.at(a.stage) == a.microbatch) return nullptr;
-  return hold[a.stage / schedule.ranks]();
+  return hold.size() == 1 ? hold.front()() : hold[a.stage / schedule.ranks]();
 }
 
 void Pipeline::Impl::backward(const Action& a) {
@@ -238,9 +245,8 @@ void Pipeline::Impl::backward_weight(const Action& a) {
   const auto no_sync = hold_sync(a);
   // Without a deferred gradient no hook would fire, and nothing would reduce.
   COMMGRAD_CHECK(no_sync || options.no_sync().empty() || deferred, kOp, group, where(a),
-                 ": the gradients are to be reduced over data parallelism after this W, but the stage's forward "
-                 "deferred no weight gradient (the ", schedule.name, " schedule needs commgrad's tp linear layers "
-                 "in every stage to reduce; use 1f1b)");
+                 ": the gradients are to be reduced over data parallelism after this W, but this microbatch's "
+                 "forward deferred no weight gradient while the stage's other forwards did");
   if (it == slots.end()) return;
   it->second.weights.compute();
   // The previous stage's B on this rank reads the input gradient here.
@@ -374,6 +380,7 @@ PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& ta
   m.receives.clear();
   m.position = 0;
   m.neighbours_told = false;
+  m.deferring.clear();
   m.error_sends.erase(std::remove_if(m.error_sends.begin(), m.error_sends.end(),
                                      [](const auto& s) { return s.first.is_completed(); }),
                       m.error_sends.end());

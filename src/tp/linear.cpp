@@ -79,6 +79,7 @@ struct DeferralCapsule : torch::CustomClassHolder {
 void save_deferral(AutogradContext* ctx, const at::Tensor& weight) {
   auto queue = deferring_weight_gradients();
   if (!queue || !weight.requires_grad()) return;
+  note_deferring_layer(*queue);
   auto capsule = c10::make_intrusive<DeferralCapsule>();
   capsule->queue = std::move(queue);
   capsule->weight = weight;

@@ -23,6 +23,7 @@ struct WeightGradients::Queue {
   };
   std::mutex mutex;
   std::vector<Entry> entries;
+  size_t layers = 0;  // forwards that deferred here
 };
 
 namespace {
@@ -40,10 +41,17 @@ size_t WeightGradients::size() const {
   return queue_->entries.size();
 }
 
+size_t WeightGradients::deferring_layers() const {
+  if (!queue_) return 0;
+  std::lock_guard<std::mutex> lock(queue_->mutex);
+  return queue_->layers;
+}
+
 void WeightGradients::clear() {
   if (!queue_) return;
   std::lock_guard<std::mutex> lock(queue_->mutex);
   queue_->entries.clear();
+  queue_->layers = 0;
 }
 
 void WeightGradients::compute() {
@@ -84,6 +92,11 @@ DeferWeightGradients::~DeferWeightGradients() { current_queue = std::move(previo
 namespace detail {
 
 std::shared_ptr<WeightGradients::Queue> deferring_weight_gradients() { return current_queue; }
+
+void note_deferring_layer(WeightGradients::Queue& queue) {
+  std::lock_guard<std::mutex> lock(queue.mutex);
+  ++queue.layers;
+}
 
 void defer_weight_gradient(WeightGradients::Queue& queue, const at::Tensor& weight,
                            std::function<at::Tensor()> gradient) {

@@ -37,6 +37,7 @@ std::map<std::string, at::Tensor> gradients(tp::ParallelMLP& mlp, const at::Tens
   const auto loss = (y * y).sum();
   loss.backward();
   if (defer) {
+    EXPECT_EQ(weights.deferring_layers(), 2u);
     EXPECT_EQ(weights.size(), 2u);  // fc1 and fc2
     EXPECT_FALSE(mlp->fc1->weight.grad().defined());
     EXPECT_FALSE(mlp->fc2->weight.grad().defined());
@@ -118,10 +119,13 @@ TEST(WeightGradientsTest, GuardsNestAndClearForgets) {
       y = out(h);
     }
   }
+  EXPECT_EQ(outer.deferring_layers(), 1u);
+  EXPECT_TRUE(outer.empty());  // until backward
   y.sum().backward();
   EXPECT_EQ(outer.size(), 1u);  // fc's
   EXPECT_EQ(inner.size(), 1u);  // out's
   inner.clear();
+  EXPECT_EQ(inner.deferring_layers(), 0u);
   outer.compute();
   EXPECT_TRUE(fc->weight.grad().defined());
   EXPECT_FALSE(out->weight.grad().defined());

@@ -48,11 +48,15 @@ class WeightGradients {
   /// How many weight gradients wait (one per layer whose backward ran).
   size_t size() const;
   bool empty() const { return size() == 0; }
+  /// How many layer forwards deferred into this (since it was made or
+  /// cleared): their backward will add their weight gradients here.
+  size_t deferring_layers() const;
   /// Computes every waiting weight gradient and accumulates it into its
   /// weight's .grad() in one autograd call (the weights' gradient hooks
   /// fire), then forgets them. Nothing waiting: does nothing.
   void compute();
-  /// Forgets the waiting gradients without computing them.
+  /// Forgets the waiting gradients (and the count of deferring layers)
+  /// without computing them.
   void clear();
 
   /// Internal: the layers' way in. `gradient` returns the gradient of
@@ -83,6 +87,9 @@ namespace detail {
 /// The queue of the innermost DeferWeightGradients on this thread (null
 /// when there is none): a layer's forward saves it for its backward.
 std::shared_ptr<WeightGradients::Queue> deferring_weight_gradients();
+
+/// Counts a layer forward that saved `queue` for its backward.
+void note_deferring_layer(WeightGradients::Queue& queue);
 
 /// Adds a weight gradient to `queue`: `gradient()` is called by compute().
 void defer_weight_gradient(WeightGradients::Queue& queue, const at::Tensor& weight,
