@@ -27,6 +27,17 @@ struct TpCase {
   bool sequence_parallel;
 };
 
+// The unsplit stages (stage s from seed 10 s + 1) on one rank over the
+// whole batch: their loss, after its backward.
+at::Tensor unsplit(int stages, const at::Tensor& x, const at::Tensor& y, std::vector<ReferenceMLP>& whole) {
+  for (int s = 0; s < stages; ++s) whole.emplace_back(kHidden, kFfn, true, 10 * s + 1);
+  auto h = x;
+  for (auto& mlp : whole) h = mlp->forward(h);
+  const auto loss = torch::mse_loss(h, y);
+  loss.backward();
+  return loss;
+}
+
 class PipelineTimesTensorParallel : public ::testing::TestWithParam<TpCase> {};
 
 TEST_P(PipelineTimesTensorParallel, LossAndEveryGradientMatchOneRank) {
@@ -35,11 +46,7 @@ TEST_P(PipelineTimesTensorParallel, LossAndEveryGradientMatchOneRank) {
   const auto x = seeded_randn({kRows, kHidden}, 1);
   const auto y = seeded_randn({kRows, kHidden}, 2);
   std::vector<ReferenceMLP> whole;
-  for (int s = 0; s < stages; ++s) whole.emplace_back(kHidden, kFfn, true, 10 * s + 1);
-  auto h = x;
-  for (auto& mlp : whole) h = mlp->forward(h);
-  const auto ref_loss = torch::mse_loss(h, y);
-  ref_loss.backward();
+  const auto ref_loss = unsplit(stages, x, y, whole);
 
   spawn_ranks(4, [&](Group& world) {
     auto state = tp::make_model_parallel(2, 2, world);
@@ -102,11 +109,7 @@ TEST_P(ZeroBubbleSplitsEveryStage, LossAndEveryGradientMatchOneRank) {
   const auto x = seeded_randn({2 * m, kHidden}, 1);
   const auto y = seeded_randn({2 * m, kHidden}, 2);
   std::vector<ReferenceMLP> whole;
-  for (int s = 0; s < p; ++s) whole.emplace_back(kHidden, kFfn, true, 10 * s + 1);
-  auto h = x;
-  for (auto& mlp : whole) h = mlp->forward(h);
-  const auto ref_loss = torch::mse_loss(h, y);
-  ref_loss.backward();
+  const auto ref_loss = unsplit(p, x, y, whole);
   spawn_ranks(p, [&](Group& group) {
     const int s = group.rank();
     std::map<std::string, std::vector<at::Tensor>> grads;
