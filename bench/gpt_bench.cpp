@@ -179,20 +179,19 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
     row.loss = trainer.step(corpus, k);
     const double wall = seconds_now() - start;
     const auto& r = trainer.last_step();
-    const auto compute = commgrad::ops::raw::all_reduce(torch::full({1}, r.compute_seconds, torch::kDouble), sum, world)
-                             .wait()
-                             .item<double>();
+    // Summed over the ranks: compute, and one F, B and W (divided into the ranks' mean).
+    const double per_action = 1.0 / (c.microbatches * world.size());
+    const auto sums = commgrad::ops::raw::all_reduce(
+        torch::tensor({r.compute_seconds, r.forward_seconds * per_action, r.backward_seconds * per_action,
+                       r.backward_weight_seconds * per_action}, torch::kDouble), sum, world).wait();
+    const double compute = sums[0].item<double>();
     const auto slowest =
         commgrad::ops::raw::all_reduce(torch::tensor({wall, r.step_seconds, r.compute_seconds}, torch::kDouble), max,
                                        world).wait();
-    // The ranks' mean time of one F, B and W.
-    const auto per_action = commgrad::ops::raw::all_reduce(
-        torch::tensor({r.forward_seconds, r.backward_seconds, r.backward_weight_seconds}, torch::kDouble) /
-            (c.microbatches * world.size()), sum, world).wait();
     if (k < c.warmup) continue;
-    forwards.push_back(per_action[0].item<double>());
-    backwards.push_back(per_action[1].item<double>());
-    weights.push_back(per_action[2].item<double>());
+    forwards.push_back(sums[1].item<double>());
+    backwards.push_back(sums[2].item<double>());
+    weights.push_back(sums[3].item<double>());
     step_times.push_back(slowest[0].item<double>());
     bubbles.push_back(1.0 - compute / (world.size() * slowest[1].item<double>()));
     busiest.push_back(1.0 - slowest[2].item<double>() / slowest[1].item<double>());

@@ -235,7 +235,9 @@ Schedule zero_bubble_h1(int ranks, int microbatches) {
   std::vector<int> forwards(p, 0), backwards(p, 0), weights(p, 0);
   std::vector<std::vector<Compute>> order(p);
   for (int t = 0; std::any_of(weights.begin(), weights.end(), [&](int w) { return w < m; }); ++t) {
-    if (t > 4 * (m + p)) fail("zbh1: no order found for " + std::to_string(p) + " ranks and " + std::to_string(m) + " microbatches");
+    if (t > 4 * (m + p)) {
+      fail("zbh1: no order found for " + std::to_string(p) + " ranks and " + std::to_string(m) + " microbatches");
+    }
     for (int r = 0; r < p; ++r) {
       const int f = forwards[r], b = backwards[r];
       if (b < m && forward_done[r][b] <= t && (r == p - 1 || gradient_at[r][b] <= t)) {
@@ -249,13 +251,8 @@ Schedule zero_bubble_h1(int ranks, int microbatches) {
         ++forwards[r];
       } else if (weights[r] < b) {
         order[r].push_back({Kind::kBackwardWeight, r, weights[r]++});
-      } else {
-        order[r].push_back({Kind::kForward, -1, -1});  // idle this step
-      }
+      }  // else idle this step
     }
-  }
-  for (auto& list : order) {
-    list.erase(std::remove_if(list.begin(), list.end(), [](const Compute& c) { return c.stage < 0; }), list.end());
   }
   return with_communication(s, single_slots(order));
 }
