@@ -136,6 +136,41 @@ TEST(LauncherTest, BadUsageExitsTwo) {
   }
 }
 
+// Each bad option is named in the error (the house rules of every program: tools/cli/cli.h).
+TEST(LauncherTest, BadOptionsAreNamed) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--bogus", "true"}, "unknown option '--bogus'"},
+      {{"-n", "2", "--bogus=1", "true"}, "unknown option '--bogus=1'"},
+      {{"-n", "0", "true"}, "--nproc-per-node: expected an integer in [1, 1024], got '0'"},
+      {{"-n", "two", "true"}, "--nproc-per-node: expected an integer in [1, 1024], got 'two'"},
+      {{"--nproc-per-node=99999999999", "true"}, "--nproc-per-node: expected an integer in [1, 1024]"},
+      {{"-n", "-1", "true"}, "--nproc-per-node: expected an integer in [1, 1024], got '-1'"},
+      {{"--nproc-per-node"}, "--nproc-per-node: 1 required"},
+      {{"--nnodes", "0", "true"}, "--nnodes: expected an integer in [1, "},
+      {{"--node-rank", "-1", "true"}, "--node-rank: expected an integer in [0, "},
+      {{"--master-port", "70000", "true"}, "--master-port: expected an integer in [1, 65535], got '70000'"},
+      {{"--master-addr", "", "true"}, "--master-addr: expected an address"},
+      {{"--timeout", "soon", "true"}, "--timeout: expected a number > 0"},
+      {{"--grace", "-1", "true"}, "--grace: expected a number >= 0"},
+      {{"--no-prefix=1", "true"}, "--no-prefix takes no value"},
+      {{"--version=1"}, "--version takes no value"},
+      {{"-n", "2"}, "missing the program to run"},
+  };
+  for (const auto& [args, message] : cases) {
+    std::string joined;
+    for (const auto& a : args) joined += " " + a;
+    const ChildResult r = launch(args);
+    EXPECT_EQ(r.code, 2) << joined;
+    EXPECT_NE(r.err.find("commgrad-run: " + message), std::string::npos) << joined << ": " << r.err;
+  }
+  // torchrun's spellings and an option's value in the same word.
+  for (const std::vector<std::string> args : {std::vector<std::string>{"--nproc-per-node", "2", "true"},
+                                              {"--nproc-per-node=2", "true"}, {"-n", "2", "true"}, {"-n2", "true"},
+                                              {"-n", "2", "--", "true"}}) {
+    EXPECT_EQ(launch(args).code, 0) << args[0];
+  }
+}
+
 TEST(LauncherTest, SetsTorchrunEnvironmentAndRemovesOtherLaunchers) {
   const ChildResult r = launch(
       {"-n", "3", "sh", "-c",

@@ -30,8 +30,9 @@ constexpr int kExitLaunchFailed = 1;
 /// so the handlers do nothing but write() one byte.
 ///
 /// Example:
-///   ParseResult parsed = parse_options(argc, argv);
-///   return Launcher(parsed.options).run();
+///   LaunchOptions options;
+///   if (auto code = parse_options(argc, argv, options)) return *code;
+///   return Launcher(options).run();
 class Launcher {
  public:
   explicit Launcher(LaunchOptions options);

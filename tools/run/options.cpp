@@ -1,8 +1,8 @@
 #include "options.h"
 
-#include <cerrno>
-#include <cmath>
-#include <cstdlib>
+#include "cli/cli.h"
+#include "commgrad/config.h"
+
 #include <limits>
 
 namespace commgrad::run {
@@ -10,67 +10,25 @@ namespace {
 
 // More ranks than this on one node is a typo, not a job (each rank costs the
 // launcher two file descriptors).
-constexpr long kMaxProcPerNode = 1024;
-constexpr long kMaxNodes = 1 << 20;
+constexpr int kMaxProcPerNode = 1024;
+constexpr int kMaxNodes = 1 << 20;
 constexpr double kMaxSeconds = 1e9;
 
-bool parse_long(const std::string& text, long min, long max, long* out) {
-  if (text.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  const long value = std::strtol(text.c_str(), &end, 10);
-  if (errno != 0 || *end != '\0' || value < min || value > max) return false;
-  *out = value;
-  return true;
-}
+// The usage line names the program that follows the options.
+class Formatter : public CLI::Formatter {
+ public:
+  std::string make_usage(const CLI::App*, std::string name) const override {
+    return "usage: " + name + " [options] [--] program [args...]\n";
+  }
+};
 
-bool parse_seconds(const std::string& text, bool allow_zero, double* out) {
-  if (text.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  const double value = std::strtod(text.c_str(), &end);
-  if (errno != 0 || *end != '\0' || !std::isfinite(value)) return false;
-  if (value < 0 || (!allow_zero && value == 0) || value > kMaxSeconds) return false;
-  *out = value;
-  return true;
-}
-
-ParseResult fail(std::string message) {
-  ParseResult result;
-  result.kind = ParseResult::Kind::kError;
-  result.error = std::move(message);
-  return result;
-}
-
-}  // namespace
-
-std::string usage_text() {
-  return R"(usage: commgrad-run [options] [--] program [args...]
-
-Starts N copies (ranks) of program on this node with the torchrun variables
+const char* const kDescription = R"(Starts N copies (ranks) of program on this node with the torchrun variables
 set: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 MASTER_PORT, and OMP_NUM_THREADS=1 unless it is already set. Inherited
 OMPI_COMM_WORLD_* and SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID are removed.
+)";
 
-options:
-  -n, --nproc-per-node N  ranks to start on this node (default 1)
-  --nnodes M              nodes in the job (default 1); with M > 1,
-                          --master-addr and --master-port are required and
-                          commgrad-run is started once on every node
-  --node-rank K           this node's index in [0, M) (default 0);
-                          RANK = K*N + local rank, WORLD_SIZE = M*N
-  --master-addr A         address of rank 0's rendezvous (default 127.0.0.1)
-  --master-port P         port of the rendezvous (default: a free port)
-  --timeout S             stop the job after S seconds (fractions allowed)
-                          and exit with code 124
-  --grace S               seconds between SIGTERM and SIGKILL when stopping
-                          ranks (default 3)
-  --no-prefix             pass output through unchanged instead of prefixing
-                          every line with "[RANK] "
-  -h, --help              print this help and exit
-  --version               print commgrad's version, the LibTorch it was
-                          built against and its transports, and exit
-  --                      end of options; the next word is the program
+const char* const kFooter = R"(--  ends the options; the next word is the program.
 
 Every rank runs in its own process group with stdin from /dev/null; its
 stdout and stderr lines go to the launcher's stdout and stderr.
@@ -81,115 +39,76 @@ ranks and commgrad-run then exits with 128+signal. Ranks die with the launcher,
 even when it is killed with SIGKILL.
 
 exit codes: the first failing rank's code, 0 if all succeed, 2 bad usage,
-  124 timeout, 126 program not executable, 127 program not found.
-)";
+  124 timeout, 126 program not executable, 127 program not found.)";
+
+// After parsing: the program and its arguments (what CLI11 left over), and
+// the checks that take more than one option.
+void finish(const CLI::App& app, LaunchOptions& opts) {
+  std::vector<std::string> rest = app.remaining();
+  if (!rest.empty() && rest.front() != "--" && rest.front().size() > 1 && rest.front()[0] == '-') {
+    throw cli::usage_error("unknown option '" + rest.front() + "'");
+  }
+  if (!rest.empty() && rest.front() == "--") rest.erase(rest.begin());
+  if (rest.empty()) throw cli::usage_error("missing the program to run");
+  opts.program = rest.front();
+  if (opts.program.empty()) throw cli::usage_error("the program name is empty");
+  opts.args.assign(rest.begin() + 1, rest.end());
+
+  if (opts.nnodes > 1 && (app.count("--master-addr") == 0 || !opts.master_port)) {
+    throw cli::usage_error("--nnodes > 1 needs --master-addr and --master-port (the same on every node)");
+  }
+  if (opts.node_rank >= opts.nnodes) {
+    throw cli::usage_error("--node-rank " + std::to_string(opts.node_rank) + " is not in [0, " +
+                           std::to_string(opts.nnodes) + ")");
+  }
+  if (static_cast<long long>(opts.nnodes) * opts.nproc_per_node > std::numeric_limits<int>::max()) {
+    throw cli::usage_error("--nnodes times --nproc-per-node is too large");
+  }
 }
 
-ParseResult parse_options(int argc, const char* const* argv) {
-  ParseResult result;
-  LaunchOptions& opts = result.options;
-  bool have_addr = false;
-  int i = 1;
-  for (; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--") {
-      ++i;
-      break;
-    }
-    if (arg.size() < 2 || arg[0] != '-') break;  // the program
+}  // namespace
 
-    // Split "--name=value" and "-nVALUE" into a name and an inline value.
-    std::string name = arg;
-    std::optional<std::string> inline_value;
-    if (arg.rfind("--", 0) == 0) {
-      const auto eq = arg.find('=');
-      if (eq != std::string::npos) {
-        name = arg.substr(0, eq);
-        inline_value = arg.substr(eq + 1);
-      }
-    } else if (arg.size() > 2) {
-      name = arg.substr(0, 2);
-      inline_value = arg.substr(2);
-    }
-
-    if (name == "-h" || name == "--help") {
-      if (inline_value) return fail("option '" + name + "' takes no value");
-      result.kind = ParseResult::Kind::kHelp;
-      return result;
-    }
-    if (name == "--version") {
-      if (inline_value) return fail("option '--version' takes no value");
-      result.kind = ParseResult::Kind::kVersion;
-      return result;
-    }
-    if (name == "--no-prefix") {
-      if (inline_value) return fail("option '--no-prefix' takes no value");
-      opts.prefix = false;
-      continue;
-    }
-
-    const bool known = name == "-n" || name == "--nproc-per-node" || name == "--nnodes" ||
-                       name == "--node-rank" || name == "--master-addr" ||
-                       name == "--master-port" || name == "--timeout" || name == "--grace";
-    if (!known) return fail("unknown option '" + arg + "'");
-    std::string value;
-    if (inline_value) {
-      value = *inline_value;
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      return fail("option '" + name + "' needs a value");
-    }
-
-    long number = 0;
-    const auto bad = [&](const char* what) {
-      return fail("option '" + name + "' expects " + what + ", got '" + value + "'");
-    };
-    if (name == "-n" || name == "--nproc-per-node") {
-      if (!parse_long(value, 1, kMaxProcPerNode, &number))
-        return bad("an integer in [1, 1024]");
-      opts.nproc_per_node = static_cast<int>(number);
-    } else if (name == "--nnodes") {
-      if (!parse_long(value, 1, kMaxNodes, &number)) return bad("a positive integer");
-      opts.nnodes = static_cast<int>(number);
-    } else if (name == "--node-rank") {
-      if (!parse_long(value, 0, kMaxNodes, &number)) return bad("a non-negative integer");
-      opts.node_rank = static_cast<int>(number);
-    } else if (name == "--master-addr") {
-      if (value.empty()) return bad("an address");
-      opts.master_addr = value;
-      have_addr = true;
-    } else if (name == "--master-port") {
-      if (!parse_long(value, 1, 65535, &number)) return bad("a port in [1, 65535]");
-      opts.master_port = static_cast<int>(number);
-    } else if (name == "--timeout") {
-      double seconds = 0;
-      if (!parse_seconds(value, /*allow_zero=*/false, &seconds))
-        return bad("a positive number of seconds");
-      opts.timeout_s = seconds;
-    } else if (name == "--grace") {
-      if (!parse_seconds(value, /*allow_zero=*/true, &opts.grace_s))
-        return bad("a non-negative number of seconds");
-    }
-  }
-
-  if (i >= argc) return fail("missing the program to run");
-  opts.program = argv[i];
-  if (opts.program.empty()) return fail("the program name is empty");
-  for (++i; i < argc; ++i) opts.args.emplace_back(argv[i]);
-
-  if (opts.nnodes > 1 && (!have_addr || !opts.master_port))
-    return fail("--nnodes > 1 needs --master-addr and --master-port (the same on every node)");
-  if (opts.node_rank >= opts.nnodes) {
-    return fail("--node-rank " + std::to_string(opts.node_rank) + " is not in [0, " +
-                std::to_string(opts.nnodes) + ")");
-  }
-  if (static_cast<long long>(opts.nnodes) * opts.nproc_per_node >
-      std::numeric_limits<int>::max()) {
-    return fail("--nnodes times --nproc-per-node is too large");
-  }
-  result.kind = ParseResult::Kind::kRun;
-  return result;
+std::optional<int> parse_options(int argc, const char* const* argv, LaunchOptions& opts) {
+  cli::App app("commgrad-run", kDescription);
+  app.formatter(std::make_shared<Formatter>());
+  app.get_formatter()->column_width(32);
+  app.footer(kFooter);
+  // torchrun's spellings: -n is commgrad-run's short form of --nproc-per-node.
+  app.add_option("-n,--nproc-per-node", opts.nproc_per_node, "ranks to start on this node")
+      ->type_name("N")
+      ->check(cli::integer(1, kMaxProcPerNode));
+  app.add_option("--nnodes", opts.nnodes,
+                 "nodes in the job; with M > 1, --master-addr and --master-port\n"
+                 "are required and commgrad-run is started once on every node")
+      ->type_name("M")
+      ->check(cli::integer(1, kMaxNodes));
+  app.add_option("--node-rank", opts.node_rank,
+                 "this node's index in [0, M);\nRANK = K*N + local rank, WORLD_SIZE = M*N")
+      ->type_name("K")
+      ->check(cli::integer(0, kMaxNodes));
+  app.add_option("--master-addr", opts.master_addr, "address of rank 0's rendezvous")
+      ->type_name("A")
+      ->check(CLI::Validator([](std::string& a) { return a.empty() ? std::string("expected an address, got ''") : ""; },
+                             "", "address"));
+  app.add_option_function<int>(
+         "--master-port", [&opts](const int& port) { opts.master_port = port; },
+         "port of the rendezvous (default: a free port)")
+      ->type_name("P")
+      ->check(cli::integer(1, 65535));
+  app.add_option_function<double>(
+         "--timeout", [&opts](const double& s) { opts.timeout_s = s; },
+         "stop the job after S seconds (fractions allowed)\nand exit with code 124")
+      ->type_name("S")
+      ->check(cli::number(0, /*inclusive=*/false, kMaxSeconds));
+  app.add_option("--grace", opts.grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks")
+      ->type_name("S")
+      ->check(cli::number(0, /*inclusive=*/true, kMaxSeconds));
+  app.add_flag_callback("--no-prefix", [&opts] { opts.prefix = false; },
+                        "pass output through unchanged instead of prefixing\nevery line with \"[RANK] \"");
+  app.set_version_flag("--version", COMMGRAD_BUILD_INFO_STRING,
+                       "print commgrad's version, the LibTorch it was built\nagainst and its transports, and exit");
+  app.prefix_command();  // the first word that is not an option starts the program's own arguments
+  return cli::parse(app, argc, argv, [&] { finish(app, opts); });
 }
 
 }  // namespace commgrad::run

@@ -8,9 +8,6 @@
 
 namespace commgrad::run {
 
-/// Exit code for bad usage (unknown flag, bad value, missing program).
-constexpr int kExitUsage = 2;
-
 /// What `commgrad-run [options] [--] program [args...]` asked for.
 ///
 /// Example:
@@ -37,20 +34,15 @@ struct LaunchOptions {
   std::vector<std::string> args;
 };
 
-/// The outcome of parsing: options to run with, help, the version, or a usage error.
-struct ParseResult {
-  enum class Kind { kRun, kHelp, kVersion, kError };
-  Kind kind = Kind::kError;
-  LaunchOptions options;
-  /// One-line reason when kind == kError.
-  std::string error;
-};
-
-/// Parses argv. Options stop at the first non-option word or at `--`;
-/// everything after belongs to the program.
-ParseResult parse_options(int argc, const char* const* argv);
-
-/// The text printed by `commgrad-run --help`.
-std::string usage_text();
+/// Parses argv into `options` (CLI11, the house rules of tools/cli/cli.h).
+/// Options stop at the first non-option word or at `--`; everything after
+/// belongs to the program. Returns the exit code when commgrad-run ends here:
+/// 0 after --help or --version (printed to stdout), 2 after a bad command
+/// line (named on stderr, with "see commgrad-run --help").
+///
+/// Example:
+///   LaunchOptions options;
+///   if (auto code = parse_options(argc, argv, options)) return *code;
+std::optional<int> parse_options(int argc, const char* const* argv, LaunchOptions& options);
 
 }  // namespace commgrad::run
