@@ -4,6 +4,9 @@
 
 #include "coalesced_work.h"
 
+#include <c10/util/Exception.h>
+
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -61,8 +64,19 @@ std::exception_ptr CoalescedWork::exception() const {
   return nullptr;
 }
 
+// One deadline for all the parts: wait(2 s) gives up after 2 s in all.
 bool CoalescedWork::wait(std::chrono::milliseconds timeout) {
-  for (auto& w : works_) w->wait(timeout);
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + timeout;
+  for (auto& w : works_) {
+    if (timeout == kNoTimeout) {
+      w->wait();
+      continue;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    TORCH_CHECK(left.count() > 0 || w->isCompleted(), "[commgrad] Operation timed out!");
+    w->wait(std::max(left, std::chrono::milliseconds(1)));
+  }
   return true;
 }
 

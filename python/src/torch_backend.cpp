@@ -15,6 +15,8 @@
 
 #include "coalesced_work.h"
 
+#include <commgrad/detail/torch_compat.h>
+
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
@@ -22,6 +24,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
+#include <exception>
+#include <thread>
 
 namespace commgrad::python {
 namespace {
@@ -50,6 +54,7 @@ c10d::ReduceOp sum_op() { return c10d::ReduceOp(c10d::ReduceOp::SUM); }
 TorchBackend::TorchBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout, const std::string& group_name)
     : c10d::Backend(rank, size),
+      store_(store),
       group_(connect_group(store, rank, size, ConnectOptions().timeout(timeout).name(group_name))) {}
 
 std::chrono::milliseconds TorchBackend::timeout_or(std::chrono::milliseconds requested) const {
@@ -82,16 +87,59 @@ WorkPtr TorchBackend::run(const char* op, bool async_op, Call&& call) {
   }
 }
 
+template <class Part>
+WorkPtr TorchBackend::post_each(const char* op, size_t n, bool async_op, std::vector<at::Tensor> outputs,
+                                Part&& part) {
+  std::vector<WorkPtr> works;
+  std::exception_ptr rejected;
+  for (size_t i = 0; i < n; ++i) {
+    try {
+      works.push_back(part(i));
+    } catch (...) {
+      if (!rejected) rejected = std::current_exception();
+    }
+  }
+  if (rejected) {
+    for (auto& w : works) {
+      try {
+        w->wait();
+      } catch (...) {  // the parts of a failed call fail too; the first rejection says why
+      }
+    }
+    std::rethrow_exception(rejected);
+  }
+  return settled(c10::make_intrusive<CoalescedWork>(std::move(works), std::move(outputs), c10d::OpType::COALESCED),
+                 async_op);
+}
+
 // ~~~ reductions ~~~
 
 WorkPtr TorchBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  if (!tensors.empty() && tensors[0].layout() == at::kSparse) return allreduce_sparse(tensors, opts);
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
+  if (group_.backend_name() == "gloo" && opts.reduceOp.op_ == c10d::ReduceOp::AVG && tensors.size() == 1 &&
+      at::isIntegralType(tensors[0].scalar_type(), /*includeBool=*/false)) {
+    return integer_average(tensors[0], o);
+  }
   if (is_premul_sum(opts.reduceOp)) {
     for (auto& t : tensors) premultiply(t, opts.reduceOp);  // in place: allreduce overwrites them anyway
     o.reduceOp = sum_op();
   }
   return run("all_reduce", o.asyncOp, [&](c10d::Backend& t) { return t.allreduce(tensors, o); });
+}
+
+// Gloo has no integer AVG (and no int16 sums): a SUM in int64, then the
+// truncating division shm does.
+WorkPtr TorchBackend::integer_average(at::Tensor& tensor, const c10d::AllreduceOptions& opts) {
+  std::vector<at::Tensor> wide{tensor.to(at::kLong)};
+  auto sum = opts;
+  sum.reduceOp = sum_op();
+  run("all_reduce", true, [&](c10d::Backend& t) { return t.allreduce(wide, sum); })->wait();
+  tensor.copy_(wide[0].div(getSize(), "trunc"));
+  return settled(c10::make_intrusive<CoalescedWork>(std::vector<WorkPtr>{}, std::vector<at::Tensor>{tensor},
+                                                    c10d::OpType::ALLREDUCE),
+                 opts.asyncOp);
 }
 
 WorkPtr TorchBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -149,10 +197,8 @@ WorkPtr TorchBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& o
               outputs.size(), " outputs for ", inputs.size(), " inputs");
   auto parts = opts;
   parts.asyncOp = true;  // one Work for them all
-  std::vector<WorkPtr> works;
-  for (size_t i = 0; i < inputs.size(); ++i) works.push_back(_reduce_scatter_base(outputs[i], inputs[i], parts));
-  return settled(c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED),
-                 opts.asyncOp);
+  return post_each("reduce_scatter_tensor_coalesced", inputs.size(), opts.asyncOp, outputs,
+                   [&](size_t i) { return _reduce_scatter_base(outputs[i], inputs[i], parts); });
 }
 
 // ~~~ data movement ~~~
@@ -219,28 +265,32 @@ WorkPtr TorchBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& o
               outputs.size(), " outputs for ", inputs.size(), " inputs");
   auto parts = opts;
   parts.asyncOp = true;  // one Work for them all
-  std::vector<WorkPtr> works;
-  for (size_t i = 0; i < inputs.size(); ++i) works.push_back(_allgather_base(outputs[i], inputs[i], parts));
-  return settled(c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED),
-                 opts.asyncOp);
+  return post_each("all_gather_into_tensor_coalesced", inputs.size(), opts.asyncOp, outputs,
+                   [&](size_t i) { return _allgather_base(outputs[i], inputs[i], parts); });
 }
 
+// torch's contract: output_lists[r][i] receives input i of rank r (one list
+// per rank, each as long as the inputs). Issued as one all_gather per input.
 WorkPtr TorchBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& output_lists,
                                           std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK(output_lists.size() == inputs.size(), "[commgrad] all_gather_coalesced ", group_.describe(), ": ",
-              output_lists.size(), " output lists for ", inputs.size(), " inputs");
+  TORCH_CHECK(static_cast<int>(output_lists.size()) == getSize(), "[commgrad] all_gather_coalesced ",
+              group_.describe(), ": ", output_lists.size(), " output lists for a group of ", getSize(),
+              " (one list per rank, each with a tensor per input)");
+  std::vector<at::Tensor> flat;
+  for (size_t r = 0; r < output_lists.size(); ++r) {
+    TORCH_CHECK(output_lists[r].size() == inputs.size(), "[commgrad] all_gather_coalesced ", group_.describe(),
+                ": the output list of rank ", r, " holds ", output_lists[r].size(), " tensors for ", inputs.size(),
+                " inputs");
+    flat.insert(flat.end(), output_lists[r].begin(), output_lists[r].end());
+  }
   auto parts = opts;
   parts.asyncOp = true;  // one Work for them all
-  std::vector<WorkPtr> works;
-  std::vector<at::Tensor> flat;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    std::vector<std::vector<at::Tensor>> outs{output_lists[i]};
+  return post_each("all_gather_coalesced", inputs.size(), opts.asyncOp, std::move(flat), [&](size_t i) {
+    std::vector<std::vector<at::Tensor>> outs(1);
+    for (auto& list : output_lists) outs[0].push_back(list[i]);
     std::vector<at::Tensor> in{inputs[i]};
-    works.push_back(allgather(outs, in, parts));
-    flat.insert(flat.end(), output_lists[i].begin(), output_lists[i].end());
-  }
-  return settled(c10::make_intrusive<CoalescedWork>(std::move(works), std::move(flat), c10d::OpType::COALESCED),
-                 opts.asyncOp);
+    return allgather(outs, in, parts);
+  });
 }
 
 WorkPtr TorchBackend::gather_into_tensor(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts) {
@@ -302,6 +352,126 @@ WorkPtr TorchBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int t
 
 WorkPtr TorchBackend::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
   return run("recv", true, [&](c10d::Backend& t) { return t.recv(tensors, src_rank, tag); });
+}
+
+WorkPtr TorchBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return run("recv", true, [&](c10d::Backend& t) { return t.recvAnysource(tensors, tag); });
+}
+
+// ~~~ sparse all_reduce ~~~
+
+WorkPtr TorchBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  const std::string where = c10::str("[commgrad] all_reduce (sparse) ", group_.describe(), ": ");
+  TORCH_CHECK(tensors.size() == 1 && tensors[0].layout() == at::kSparse, where,
+              "expects one sparse COO tensor per call, got ", tensors.size());
+  TORCH_CHECK(opts.reduceOp.op_ == c10d::ReduceOp::SUM, where, "only SUM is offered for sparse tensors");
+  at::Tensor& t = tensors[0];
+  const at::Tensor mine = t.coalesce();
+  const at::Tensor indices = mine._indices().t().contiguous();  // [nnz, sparse dims]
+  const at::Tensor values = mine._values().contiguous();        // [nnz, dense sizes...]
+  c10d::AllgatherOptions gather_opts;
+  gather_opts.timeout = opts.timeout;
+  // Every rank's part of `local` ([n_r, ...] for the counts n_r) into `parts`.
+  auto gather_all = [&](std::vector<at::Tensor> parts, const at::Tensor& local) {
+    std::vector<std::vector<at::Tensor>> outs{parts};
+    std::vector<at::Tensor> in{local};
+    allgather(outs, in, gather_opts)->wait();
+    return parts;
+  };
+  std::vector<at::Tensor> counts;
+  for (int r = 0; r < getSize(); ++r) counts.push_back(at::empty({1}, at::kLong));
+  counts = gather_all(counts, at::full({1}, mine._nnz(), at::kLong));
+  std::vector<at::Tensor> all_indices;
+  std::vector<at::Tensor> all_values;
+  for (const auto& count : counts) {
+    const int64_t n = count.item<int64_t>();
+    all_indices.push_back(at::empty({n, indices.size(1)}, indices.options()));
+    std::vector<int64_t> shape = values.sizes().vec();
+    shape[0] = n;
+    all_values.push_back(at::empty(shape, values.options()));
+  }
+  all_indices = gather_all(all_indices, indices);
+  all_values = gather_all(all_values, values);
+  const auto sum = at::sparse_coo_tensor(at::cat(all_indices).t(), at::cat(all_values), t.sizes()).coalesce();
+  t.copy_(sum);
+  return settled(c10::make_intrusive<CoalescedWork>(std::vector<WorkPtr>{}, tensors, c10d::OpType::ALLREDUCE),
+                 opts.asyncOp);
+}
+
+// ~~~ monitored barrier ~~~
+//
+// Through the group's store, so it never touches the transport's messages.
+// Rank r counts its arrivals in the key "<r>/arrived"; rank 0 takes one
+// arrival of each rank per barrier (an arrival that comes late counts for
+// the next barrier, as a late message does on Gloo), then counts one release
+// in "<r>/released" for every rank, which each waits for.
+
+namespace {
+
+const char* kMonitoredBarrier = "commgrad/monitored_barrier/";
+
+// Polls `key`'s counter until it exceeds `seen` or `deadline` passes.
+bool counter_exceeds(c10d::Store& store, const std::string& key, int64_t seen,
+                     std::chrono::steady_clock::time_point deadline) {
+  auto pause = std::chrono::microseconds(500);
+  while (store.add(key, 0) <= seen) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(2 * pause, std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+}  // namespace
+
+void TorchBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  const auto timeout = opts.timeout == c10d::kUnsetTimeout ? group_.timeout() : opts.timeout;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const std::string where = c10::str("[commgrad] monitored_barrier ", group_.describe(), ": ");
+  const std::string mine = c10::str(kMonitoredBarrier, getRank());
+  if (getRank() != 0) {
+    store_->add(mine + "/arrived", 1);
+    if (!counter_exceeds(*store_, mine + "/released", released_, deadline)) {
+      commgrad::detail::throw_dist_error(
+          c10::str(where, "Rank ", getRank(), " successfully reached monitoredBarrier, but received errors while ",
+                   "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank (not released within ",
+                   timeout.count(), " ms)"));
+    }
+    ++released_;
+    return;
+  }
+  const std::vector<int> late = late_ranks(timeout, wait_all_ranks);
+  if (!late.empty()) {
+    commgrad::detail::throw_dist_error(c10::str(where, wait_all_ranks ? "Ranks " : "Rank ", c10::Join(", ", late),
+                                                " failed to pass monitoredBarrier in ", timeout.count(), " ms"));
+  }
+  for (int r = 1; r < getSize(); ++r) store_->add(c10::str(kMonitoredBarrier, r, "/released"), 1);
+}
+
+// Rank 0: takes one arrival of every rank, waiting for each in rank order
+// until one deadline. Without `wait_all_ranks` the first late rank ends the
+// wait (a timeout spent before any rank is rank 0's own); the arrivals that
+// are there then are taken all the same, as Gloo's posted receives take them.
+std::vector<int> TorchBackend::late_ranks(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (arrivals_taken_.empty()) arrivals_taken_.assign(getSize(), 0);
+  if (!wait_all_ranks && timeout.count() <= 0 && getSize() > 1) {
+    commgrad::detail::throw_dist_error(c10::str("[commgrad] monitored_barrier ", group_.describe(),
+                                                ": Rank 0 timed out in monitoredBarrier after ", timeout.count(),
+                                                " ms"));
+  }
+  std::vector<int> late;
+  for (int r = 1; r < getSize(); ++r) {
+    const std::string key = c10::str(kMonitoredBarrier, r, "/arrived");
+    const bool waiting = wait_all_ranks || late.empty();
+    const auto until = waiting ? deadline : std::chrono::steady_clock::now();
+    if (counter_exceeds(*store_, key, arrivals_taken_[r], until)) {
+      ++arrivals_taken_[r];
+    } else if (waiting) {
+      late.push_back(r);
+    }
+  }
+  return late;
 }
 
 }  // namespace commgrad::python

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <string>
+#include <vector>
 
 namespace commgrad::python {
 
@@ -24,6 +25,7 @@ namespace commgrad::python {
 /// On top of the transport it adds ReduceOp.PREMUL_SUM (the inputs scaled by
 /// the factor, then SUM), the coalesced forms of all_gather_into_tensor and
 /// reduce_scatter_tensor (DTensor and FSDP2 call them; issued one by one),
+/// recv from any source, sparse all_reduce, monitored_barrier,
 /// gather into one tensor, all_gather of different sizes per rank where the
 /// transport is Gloo (padded), sequence numbers and setTimeout.
 ///
@@ -92,6 +94,18 @@ class TorchBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
+  /// recv from any rank; the Work's sourceRank() says which (as Gloo's).
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  /// A sum of sparse COO tensors, as Gloo's: the ranks' indices and values
+  /// are all-gathered (three collectives) and summed here; coalesced result.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  /// Gloo's monitored barrier, through the group's store (so it never
+  /// touches the transport's messages): rank 0 waits for each rank in turn
+  /// and names the first that did not arrive within the timeout (every one
+  /// with `wait_all_ranks`), then releases them; a rank that is not released
+  /// says it reached the barrier and rank 0 did not answer.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks = false) override;
 
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return sequence_; }
@@ -109,10 +123,23 @@ class TorchBackend final : public c10d::Backend {
   static c10::intrusive_ptr<c10d::Work> settled(c10::intrusive_ptr<c10d::Work> work, bool async_op);
   std::chrono::milliseconds timeout_or(std::chrono::milliseconds requested) const;
   static bool uneven(const std::vector<at::Tensor>& outputs);
+  c10::intrusive_ptr<c10d::Work> integer_average(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
   c10::intrusive_ptr<c10d::Work> allgather_padded(std::vector<at::Tensor>& outputs, at::Tensor& input,
                                                   const c10d::AllgatherOptions& opts);
+  // Posts part(i) for every i < n, even after one throws (a rejected part
+  // still takes its place on shm, so every rank stays in step), and returns
+  // one Work for them all; rethrows the first rejection once the posted
+  // parts are done.
+  template <class Part>
+  c10::intrusive_ptr<c10d::Work> post_each(const char* op, size_t n, bool async_op, std::vector<at::Tensor> outputs,
+                                           Part&& part);
+  // Rank 0's side of monitoredBarrier: the ranks that did not arrive in time.
+  std::vector<int> late_ranks(std::chrono::milliseconds timeout, bool wait_all_ranks);
 
+  c10::intrusive_ptr<c10d::Store> store_;  // c10d's, prefixed for this group
   Group group_;
+  std::vector<int64_t> arrivals_taken_;  // rank 0: each rank's monitored-barrier arrivals taken
+  int64_t released_ = 0;                 // other ranks: monitored-barrier releases seen
   std::atomic<uint64_t> sequence_{0};  // DDP issues from autograd threads
   std::chrono::milliseconds timeout_{0};  // 0: the group's own
 };

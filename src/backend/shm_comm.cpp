@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 namespace commgrad::backend::detail {
 namespace {
@@ -80,7 +81,8 @@ Comm::Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string con
       policy_(policy),
       spin_ns_(policy.max_spin_ns),
       yield_ns_(policy.max_yield_ns),
-      srcs_(static_cast<size_t>(size)) {}
+      srcs_(static_cast<size_t>(size)),
+      readers_(new std::mutex[static_cast<size_t>(size)]) {}
 
 Comm::~Comm() = default;
 
@@ -242,10 +244,10 @@ void Comm::wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& ca
       }
       const std::string what =
           on == WaitOn::kBarrier
-              ? c10::str("timed out after ", seconds(call.timeout), " in collective #", seq_ - 1, " waiting for ",
+              ? c10::str("Timed out after ", seconds(call.timeout), " in collective #", seq_ - 1, " waiting for ",
                          describe_ranks(pending), " (", where, ")")
-              : c10::str("timed out after ", seconds(call.timeout), " waiting for rank ", peer, " (", where, ")");
-      if (on == WaitOn::kBarrier) abort(c10::str("rank ", rank_, " ", what));
+              : c10::str("Timed out after ", seconds(call.timeout), " waiting for rank ", peer, " (", where, ")");
+      if (on == WaitOn::kBarrier) abort(c10::str("rank ", rank_, ": ", what));
       commgrad::detail::throw_timeout_error(c10::str("[commgrad] ", call.op, " ", context_, ": ", what));
     }
     bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -410,8 +412,15 @@ void Comm::send(const Call& call, int dst, int tag, const void* data, int64_t by
 
 void Comm::recv(const Call& call, int src, int tag, void* data, int64_t bytes, c10::ScalarType dtype) {
   check_not_aborted(call.op);
+  std::lock_guard<std::mutex> reading(readers_[src]);
   MessageHeader h{};
   stream_read(call, src, reinterpret_cast<uint8_t*>(&h), sizeof(h));
+  read_body(call, src, &h, tag, data, bytes, dtype);
+}
+
+void Comm::read_body(const Call& call, int src, const void* header, int tag, void* data, int64_t bytes,
+                     c10::ScalarType dtype) {
+  const auto& h = *static_cast<const MessageHeader*>(header);
   if (h.magic != kMessageMagic) {
     abort(c10::str("the mailbox from rank ", src, " to rank ", rank_, " is corrupted"));
     throw_aborted(call.op);
@@ -423,6 +432,45 @@ void Comm::recv(const Call& call, int src, int tag, void* data, int64_t bytes, c
                         " bytes of ", dtype, " (messages between two ranks arrive in the order they were sent)"));
   }
   stream_read(call, src, static_cast<uint8_t*>(data), bytes);
+}
+
+bool Comm::peek_header(int src, void* header) const {
+  const MailboxHead& mb = segment_->mailbox(src, rank_);
+  const uint64_t tail = mb.tail.load(std::memory_order_relaxed);
+  if (mb.head.load(std::memory_order_acquire) - tail < sizeof(MessageHeader)) return false;
+  const uint8_t* ring_data = segment_->mailbox_ring(src, rank_);
+  const uint64_t cap = segment_->layout().mailbox_bytes;
+  auto* out = static_cast<uint8_t*>(header);
+  for (uint64_t i = 0; i < sizeof(MessageHeader); ++i) out[i] = ring_data[(tail + i) % cap];
+  return true;
+}
+
+int Comm::recv_any(const Call& call, int tag, void* data, int64_t bytes, c10::ScalarType dtype) {
+  auto pause = std::chrono::microseconds(0);
+  while (true) {
+    check_not_aborted(call.op);
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      std::unique_lock<std::mutex> reading(readers_[q], std::try_to_lock);
+      MessageHeader h{};
+      if (!reading.owns_lock() || !peek_header(q, &h) || (h.magic == kMessageMagic && h.tag != tag)) continue;
+      stream_read(call, q, reinterpret_cast<uint8_t*>(&h), sizeof(h));
+      read_body(call, q, &h, tag, data, bytes, dtype);
+      return q;
+    }
+    if (std::chrono::steady_clock::now() >= call.deadline) {
+      commgrad::detail::throw_timeout_error(c10::str("[commgrad] ", call.op, " ", context_, ": Timed out after ",
+                                                     seconds(call.timeout), " waiting for a message with tag ",
+                                                     tag, " from any rank"));
+    }
+    if (pause.count() == 0) {
+      sched_yield();
+      pause = std::chrono::microseconds(20);
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
+    }
+  }
 }
 
 }  // namespace commgrad::backend::detail

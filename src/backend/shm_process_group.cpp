@@ -76,6 +76,7 @@ ShmProcessGroup::~ShmProcessGroup() {
   // Drain and stop every worker before the segment goes away.
   senders_.clear();
   receivers_.clear();
+  any_source_receiver_.reset();
   collectives_.reset();
 }
 

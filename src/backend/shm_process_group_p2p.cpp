@@ -1,4 +1,4 @@
-// ShmProcessGroup's point-to-point messages: send and recv.
+// ShmProcessGroup's point-to-point messages: send, recv and recvAnysource.
 //
 // Each runs on an executor of its own peer and direction (peer_executor),
 // created on first use, so a send that waits for a slow receiver holds up
@@ -52,6 +52,24 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recv(std::vector<at::Tensor>& te
                            s.finish();
                          }),
               comm_->recv_ready(src_rank, s.bytes()));
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  const int any = getRank() == 0 ? 1 : 0;  // a valid peer, for the checks only
+  const Staged s(p2p_tensor("recvAnysource", tensors, getSize() > 1 ? any : -1, "source"));
+  auto work = c10::make_intrusive<ShmWork>(getRank(), c10d::OpType::RECVANYSOURCE, tensors);
+  {
+    std::lock_guard<std::mutex> lock(peers_mutex_);
+    if (!any_source_receiver_) any_source_receiver_ = std::make_unique<detail::Executor>();
+  }
+  any_source_receiver_->submit(detail::completing(work, comm_.get(), "recvAnysource", options_.timeout(),
+                                                  [s, tag, work](Comm& c, const Call& call) {
+                                                    work->set_source_rank(c.recv_any(
+                                                        call, tag, s.data(), s.bytes(), s.buffer.scalar_type()));
+                                                    s.finish();
+                                                  }),
+                               /*inline_ok=*/false);
   return work;
 }
 

@@ -7,7 +7,7 @@
 // The local array makes in-place use safe (the destination may be one of
 // the sources) and keeps the inner loops simple enough to vectorise.
 // Integer sums and products wrap (computed in unsigned arithmetic, so there
-// is no undefined overflow); MAX and MIN propagate NaN as torch.maximum
+// is no undefined overflow), but an integer AVG sums in a wider type first; MAX and MIN propagate NaN as torch.maximum
 // does; bool is one byte 0/1, where SUM and MAX are OR and PRODUCT and MIN
 // are AND.
 
@@ -37,6 +37,33 @@ struct Acc<c10::Half> {
 template <>
 struct Acc<c10::BFloat16> {
   using type = float;
+};
+
+// AVG of integers sums in a type the sum of every rank cannot overflow (then
+// divides, truncating as C does), so mean(100, 100) of int8 is 100, not -28.
+template <typename T>
+struct AvgAcc {
+  using type = typename Acc<T>::type;
+};
+template <>
+struct AvgAcc<int8_t> {
+  using type = int64_t;
+};
+template <>
+struct AvgAcc<uint8_t> {
+  using type = int64_t;
+};
+template <>
+struct AvgAcc<int16_t> {
+  using type = int64_t;
+};
+template <>
+struct AvgAcc<int32_t> {
+  using type = int64_t;
+};
+template <>
+struct AvgAcc<int64_t> {
+  using type = __int128;
 };
 
 // Integer arithmetic wraps (through unsigned types: no undefined overflow).
@@ -102,6 +129,11 @@ struct Divide {
   int divisor;
   A operator()(A a) const { return static_cast<A>(a / static_cast<A>(divisor)); }
 };
+// The sum of an AVG in its wide accumulator (AvgAcc): it cannot overflow.
+template <typename A>
+struct WideAdd {
+  A operator()(A a, A b) const { return a + b; }
+};
 
 template <typename T, typename A, typename Combine, typename Finish>
 void reduce_blocks(void* dst, void* dst2, const void* const* srcs, int nsrcs, int64_t count, Combine combine,
@@ -130,7 +162,12 @@ void reduce_typed(void* dst, void* dst2, const void* const* srcs, int nsrcs, int
     case RedOp::kSum:
       return reduce_blocks<T, A>(dst, dst2, srcs, nsrcs, count, Add<A>{}, Keep<A>{});
     case RedOp::kAvg:
-      return reduce_blocks<T, A>(dst, dst2, srcs, nsrcs, count, Add<A>{}, Divide<A>{divisor});
+      if constexpr (std::is_integral_v<T>) {
+        using W = typename AvgAcc<T>::type;
+        return reduce_blocks<T, W>(dst, dst2, srcs, nsrcs, count, WideAdd<W>{}, Divide<W>{divisor});
+      } else {
+        return reduce_blocks<T, A>(dst, dst2, srcs, nsrcs, count, Add<A>{}, Divide<A>{divisor});
+      }
     case RedOp::kProduct:
       return reduce_blocks<T, A>(dst, dst2, srcs, nsrcs, count, Mul<A>{}, Keep<A>{});
     case RedOp::kMax:

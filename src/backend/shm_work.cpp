@@ -19,12 +19,23 @@ void ShmWork::complete(const std::exception_ptr& error) {
   finish(error);
 }
 
+int ShmWork::sourceRank() const {
+  const int rank = source_rank_.load();
+  if (rank < 0) return c10d::Work::sourceRank();  // not a recv: c10d's error
+  return rank;
+}
+
 // A caller that waits before the worker thread has started the job runs
 // it itself (see Executor::run_until); otherwise the worker must get to it.
 // A Work that is not completed belongs to a live group: the group's
 // destructor drains its queue.
+// A wait with a timeout of its own never runs the job here (the job could
+// take as long as the group's timeout): the worker runs it and c10d's wait
+// gives up after `timeout`, as it does for Gloo.
 bool ShmWork::wait(std::chrono::milliseconds timeout) {
-  if (executor_ != nullptr && !c10d::Work::isCompleted() && !executor_->run_until(ticket_)) executor_->wake();
+  if (executor_ != nullptr && !c10d::Work::isCompleted()) {
+    if (timeout != kNoTimeout || !executor_->run_until(ticket_)) executor_->wake();
+  }
   return c10d::Work::wait(timeout);
 }
 

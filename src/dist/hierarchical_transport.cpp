@@ -87,6 +87,11 @@ void average(at::Tensor& t, int size) {
   }
 }
 
+// An integer AVG sums in int64 (a sum of int8s overflows int8), then divides.
+bool widens_for_average(const at::Tensor& t) {
+  return at::isIntegralType(t.scalar_type(), /*includeBool=*/false) && t.scalar_type() != at::kLong;
+}
+
 // `parts` as one flat tensor when they are contiguous, of one dtype and lie
 // back to back in one storage (a view: nothing copied); undefined otherwise.
 at::Tensor back_to_back(const std::vector<at::Tensor>& parts) {
@@ -199,20 +204,26 @@ c10::intrusive_ptr<c10d::Work> HierarchicalTransport::allreduce(std::vector<at::
   c10d::AllreduceOptions sum_opts = opts;
   if (avg) sum_opts.reduceOp.op_ = c10d::ReduceOp::SUM;
   return submit(c10d::OpType::ALLREDUCE, tensors, [this, io, sum_opts, avg, size = getSize()]() mutable {
+    std::vector<at::Tensor> sums = io;
+    for (auto& t : sums) {
+      if (avg && widens_for_average(t)) t = t.to(at::kLong);
+    }
     if (parts_.local) {
       c10d::ReduceOptions reduce;
       reduce.reduceOp = sum_opts.reduceOp;
       reduce.rootRank = 0;
-      parts_.local->reduce(io, reduce)->wait();
+      parts_.local->reduce(sums, reduce)->wait();
     }
-    if (parts_.leaders) parts_.leaders->allreduce(io, sum_opts)->wait();
+    if (parts_.leaders) parts_.leaders->allreduce(sums, sum_opts)->wait();
     if (parts_.local) {
       c10d::BroadcastOptions broadcast;
       broadcast.rootRank = 0;
-      parts_.local->broadcast(io, broadcast)->wait();
+      parts_.local->broadcast(sums, broadcast)->wait();
     }
-    if (avg) {
-      for (auto& t : io) average(t, size);
+    if (!avg) return;
+    for (size_t i = 0; i < sums.size(); ++i) {
+      average(sums[i], size);
+      if (!sums[i].is_same(io[i])) io[i].copy_(sums[i]);
     }
   });
 }
@@ -322,8 +333,11 @@ c10::intrusive_ptr<c10d::Work> HierarchicalTransport::scatter_steps(const at::Te
   if (avg) op.op_ = c10d::ReduceOp::SUM;
   const int64_t c = output.numel();
   const int n = getSize();
-  const at::Tensor in = input.contiguous().view({-1});
-  at::Tensor out = output.is_contiguous() ? output : pooled_empty(output.sizes(), output.options());
+  const bool widen = avg && widens_for_average(input);
+  const at::Tensor in = widen ? input.reshape({-1}).to(at::kLong) : input.contiguous().view({-1});
+  at::Tensor out = output.is_contiguous() && !widen
+                       ? output
+                       : pooled_empty(output.sizes(), output.options().dtype(in.scalar_type()));
   return submit(c10d::OpType::REDUCE_SCATTER, {output}, [this, output, in, out, op, avg, c, n]() mutable {
     if (c == 0) return;
     // 1. The host's sum of the whole input on the leader. A non-leader's
@@ -420,6 +434,10 @@ c10::intrusive_ptr<c10d::Work> HierarchicalTransport::send(std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> HierarchicalTransport::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
   return parts_.flat->recv(tensors, src_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalTransport::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return parts_.flat->recvAnysource(tensors, tag);
 }
 
 }  // namespace commgrad::detail

@@ -135,14 +135,17 @@ inline at::Tensor make_input(int64_t numel, at::ScalarType dtype, int rank, uint
 }
 
 /// The reduction the shm backend computes: inputs combined in rank order,
-/// half/bfloat16 in float32 and rounded once, AVG dividing the sum.
+/// half/bfloat16 in float32 and rounded once, AVG dividing the sum (of
+/// integers, summed in int64: it does not overflow the dtype).
 inline at::Tensor reference_reduce(const std::vector<at::Tensor>& inputs, RedOpType op) {
   const auto dtype = inputs[0].scalar_type();
   const bool low = dtype == at::kHalf || dtype == at::kBFloat16;
   const bool is_bool = dtype == at::kBool;
-  at::Tensor acc = low ? inputs[0].to(at::kFloat) : inputs[0].clone();
+  const bool wide = op == RedOpType::AVG && at::isIntegralType(dtype, /*includeBool=*/false);
+  const auto acc_type = low ? at::kFloat : wide ? at::kLong : dtype;
+  at::Tensor acc = inputs[0].to(acc_type, /*non_blocking=*/false, /*copy=*/true);
   for (size_t i = 1; i < inputs.size(); ++i) {
-    const at::Tensor x = low ? inputs[i].to(at::kFloat) : inputs[i];
+    const at::Tensor x = inputs[i].to(acc_type);
     switch (op) {
       case RedOpType::SUM:
       case RedOpType::AVG: acc = is_bool ? at::logical_or(acc, x) : acc + x; break;

@@ -386,6 +386,74 @@ TEST_P(ShmOps, SendRecvRingAndLargerThanMailbox) {
   });
 }
 
+TEST_P(ShmOps, IntegerAverageDoesNotOverflow) {
+  run_ranks(GetParam(), chunked(false), [](Rank& r) {
+    const std::vector<std::pair<at::ScalarType, int64_t>> cases{
+        {at::kChar, 100}, {at::kByte, 250}, {at::kShort, 32000}, {at::kInt, 2147483000}, {at::kLong, int64_t{1} << 62}};
+    for (const auto& [dtype, value] : cases) {
+      // Every rank holds value - rank: the sum overflows the dtype from two ranks on.
+      std::vector<at::Tensor> t{at::full({700}, value - r.rank, at::TensorOptions().dtype(dtype))};
+      r.shm->allreduce(t, allreduce_op(RedOpType::AVG))->wait();
+      __int128 sum = 0;  // int64's own sum overflows
+      for (int q = 0; q < r.size; ++q) sum += value - q;
+      const auto mean = static_cast<int64_t>(sum / r.size);
+      EXPECT_TRUE(same_bits(t[0], at::full({700}, mean, at::TensorOptions().dtype(dtype))))
+          << dtype << " AVG of " << value << " - rank: " << t[0][0].item<int64_t>();
+    }
+  });
+}
+
+TEST_P(ShmOps, RecvFromAnySourceNamesTheSender) {
+  if (GetParam() == 1) GTEST_SKIP() << "point to point needs two ranks";
+  run_ranks(GetParam(), chunked(false), [](Rank& r) {
+    // Every other rank sends rank 0 two floats (its rank) with tag 4, then
+    // 5003 floats (larger than the 4 KiB mailbox) with tag 3. Rank 0 takes
+    // them from any source, tag by tag, and learns each sender.
+    if (r.rank != 0) {
+      std::vector<at::Tensor> small{at::full({2}, static_cast<float>(r.rank))};
+      std::vector<at::Tensor> large{make_input(5003, at::kFloat, r.rank, 77)};
+      r.shm->send(small, 0, /*tag=*/4)->wait();
+      r.shm->send(large, 0, /*tag=*/3)->wait();
+    } else {
+      for (int tag : {4, 3}) {
+        std::vector<int> senders;
+        for (int i = 1; i < r.size; ++i) {
+          std::vector<at::Tensor> in{at::empty({tag == 4 ? 2 : 5003})};
+          auto work = r.shm->recvAnysource(in, tag);
+          work->wait();
+          const int from = work->sourceRank();
+          senders.push_back(from);
+          const at::Tensor want = tag == 4 ? at::full({2}, static_cast<float>(from)) : make_input(5003, at::kFloat, from, 77);
+          EXPECT_TRUE(same_bits(in[0], want)) << "tag " << tag << " from " << from;
+        }
+        std::sort(senders.begin(), senders.end());
+        std::vector<int> everyone;
+        for (int q = 1; q < r.size; ++q) everyone.push_back(q);
+        EXPECT_EQ(senders, everyone) << "tag " << tag;
+      }
+    }
+  });
+}
+
+TEST_P(ShmOps, RecvFromAnySourceLeavesOtherTagsWaiting) {
+  if (GetParam() < 3) GTEST_SKIP() << "needs two senders";
+  run_ranks(GetParam(), chunked(false), [](Rank& r) {
+    std::vector<at::Tensor> t{at::full({3}, static_cast<float>(r.rank))};
+    if (r.rank == 1) r.shm->send(t, 0, /*tag=*/5)->wait();
+    r.shm->barrier()->wait();  // rank 1's message is waiting before rank 2 sends
+    if (r.rank == 2) r.shm->send(t, 0, /*tag=*/6)->wait();
+    if (r.rank == 0) {
+      std::vector<at::Tensor> in{at::empty({3})};
+      auto work = r.shm->recvAnysource(in, /*tag=*/6);
+      work->wait();
+      EXPECT_EQ(work->sourceRank(), 2);
+      EXPECT_TRUE(same_bits(in[0], at::full({3}, 2.0f)));
+      r.shm->recv(in, 1, /*tag=*/5)->wait();
+      EXPECT_TRUE(same_bits(in[0], at::full({3}, 1.0f)));
+    }
+  });
+}
+
 TEST_P(ShmOps, BarrierWaitsForTheSlowestRank) {
   run_ranks(GetParam(), chunked(false), [](Rank& r) {
     for (int i = 0; i < 50; ++i) r.shm->barrier()->wait();

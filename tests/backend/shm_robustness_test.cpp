@@ -179,7 +179,7 @@ TEST(ShmErrors, AStuckRankIsNamedWithinTheTimeoutAndTheGroupIsAborted) {
     // The group is aborted: every later call fails at once, with the reason.
     message = error_of([&] { r.shm->allreduce(t)->wait(); });
     EXPECT_NE(message.find("aborted"), std::string::npos) << message;
-    EXPECT_NE(message.find("timed out"), std::string::npos) << message;
+    EXPECT_NE(message.find("Timed out"), std::string::npos) << message;
   });
 }
 
@@ -261,6 +261,37 @@ TEST(ShmAsync, WorkHandlesAndFuturesCompleteInIssueOrder) {
     r.shm.reset();
     for (int i = 0; i < 5; ++i) EXPECT_TRUE(works[i]->isCompleted());
   });
+}
+
+// wait(timeout) gives up after its own timeout, not the group's (the job is
+// not run inside the wait), and the collective still completes when the
+// late rank arrives; eager and lazy workers alike.
+TEST(ShmAsync, WaitWithATimeoutGivesUpAfterIt) {
+  for (const int eager : {0, 1}) {
+    SCOPED_TRACE(eager ? "eager worker" : "lazy worker");
+    RunOptions o = quick(std::chrono::seconds(20));
+    o.shm.async_bytes(0).eager_worker(eager);
+    run_ranks(2, o, [eager](Rank& r) {
+      const std::string key = "rank 0 gave up " + std::to_string(eager);
+      std::vector<at::Tensor> t{at::full({8}, r.rank + 1.0f)};
+      if (r.rank == 0) {
+        auto work = r.shm->allreduce(t);
+        const auto start = Clock::now();
+        const std::string message = error_of([&] { work->wait(std::chrono::milliseconds(300)); });
+        const auto took = Clock::now() - start;
+        EXPECT_NE(message.find("timed out"), std::string::npos) << message;
+        EXPECT_GE(took, std::chrono::milliseconds(250));
+        EXPECT_LT(took, std::chrono::seconds(3));
+        r.store->set(key, std::vector<uint8_t>{1});
+        work->wait();
+      } else {
+        r.store->wait({key});
+        r.shm->allreduce(t)->wait();
+      }
+      EXPECT_TRUE(at::equal(t[0], at::full({8}, 3.0f)));
+      expect_group_usable(r);
+    });
+  }
 }
 
 // Work nobody waits for still completes, eager or lazy: rank 0 blocks on

@@ -28,9 +28,10 @@ class Executor;
 /// allreduce_coalesced, reduce, broadcast, allgather (also with different
 /// sizes per rank), _allgather_base, gather, scatter, reduce_scatter,
 /// _reduce_scatter_base, alltoall_base (equal or uneven splits), alltoall,
-/// barrier, send, recv. Reductions take float, double, half and bfloat16
+/// barrier, send, recv, recvAnysource. Reductions take float, double, half and bfloat16
 /// (combined in float32, rounded once), complex (SUM/AVG), int8/16/32/64,
-/// uint8 and bool; data movement takes any dtype. Integer AVG truncates.
+/// uint8 and bool; data movement takes any dtype. Integer AVG sums without
+/// overflow, then truncates.
 /// One tensor per call; non-contiguous tensors are staged through a
 /// contiguous copy.
 ///
@@ -104,6 +105,9 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
+  /// Receives the first message with `tag` from any rank; the Work's
+  /// sourceRank() says which (torch.distributed's recv without a source).
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
   /// The options in force (defaults resolved: chunk_bytes, mailbox_bytes, spin_us).
   const ShmOptions& options() const { return options_; }
@@ -137,6 +141,7 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
   std::mutex peers_mutex_;
   std::vector<std::unique_ptr<detail::Executor>> senders_;    // by destination, created on first use
   std::vector<std::unique_ptr<detail::Executor>> receivers_;  // by source
+  std::unique_ptr<detail::Executor> any_source_receiver_;     // created on first use
 };
 
 }  // namespace commgrad::backend

@@ -232,6 +232,78 @@ def point_to_point(dtype):
     return {"recv": got, "irecv": got2, "batch": torch.cat([a, b])}
 
 
+def all_gather_coalesced(count, dtype):
+    """torch's contract: out[r][i] is input i of rank r. `count` inputs of
+    different shapes (an empty one among them when count > 1; torch wants
+    one dtype per call); count == N is the case a transposed result would
+    pass silently."""
+    shapes = [(2, 3), (0,), (5,), (1, 2, 2)]
+    ins = [(RANK + 1) * (i + 1) * torch.ones(shapes[i % 4], dtype=dtype) for i in range(count)]
+    outs = [[torch.full_like(t, -1) for t in ins] for _ in range(N)]
+    dist.all_gather_coalesced(outs, ins)
+    for r in range(N):
+        for i, t in enumerate(ins):
+            expect_equal(f"all_gather_coalesced out[{r}][{i}]", outs[r][i], (r + 1) * (i + 1) * torch.ones_like(t))
+    return {f"{r}/{i}": outs[r][i] for r in range(N) for i in range(count)}
+
+
+def recv_any_source():
+    """Every rank but 0 sends its rank twice; rank 0 receives them without
+    naming a source (recv, then irecv) and learns each sender."""
+    if N == 1:
+        return {}
+    senders = []
+    if RANK == 0:
+        for _ in range(N - 1):
+            t = torch.full((3,), -1.0)
+            sender = dist.recv(t)
+            expect_equal("recv from any source", t, torch.full((3,), float(sender)))
+            senders.append(sender)
+        for _ in range(N - 1):
+            t = torch.full((3,), -1.0)
+            work = dist.irecv(t)
+            work.wait()
+            sender = work._source_rank()
+            expect_equal("irecv from any source", t, torch.full((3,), float(sender)))
+            senders.append(sender)
+        assert sorted(senders) == sorted(list(range(1, N)) * 2), senders
+    else:
+        dist.send(torch.full((3,), float(RANK)), 0)
+        dist.send(torch.full((3,), float(RANK)), 0)
+    dist.barrier()
+    return {"senders": torch.tensor(sorted(senders), dtype=torch.int64)}
+
+
+def sparse_all_reduce(sparse_dims, dense_dims):
+    """Rank r contributes ones at rows 0..r (as torch's suite does): the sum
+    is a sparse tensor whose dense form is known."""
+    indices = torch.arange(RANK + 1).reshape(1, -1)
+    for _ in range(sparse_dims - 1):
+        indices = torch.cat([indices, torch.zeros(1, RANK + 1, dtype=torch.int64)])
+    shape = [N] + [N] * (sparse_dims - 1) + [2] * dense_dims
+    x = torch.sparse_coo_tensor(indices, torch.ones([RANK + 1] + [2] * dense_dims), shape)
+    dist.all_reduce(x)
+    want = torch.zeros(shape)
+    for r in range(N):
+        for i in range(r + 1):
+            want[(i,) + (0,) * (sparse_dims - 1)] += 1
+    assert x.is_sparse, x.layout
+    expect_equal("sparse all_reduce", x.to_dense(), want)
+    return {"dense": x.to_dense()}
+
+
+def integer_avg(dtype, value):
+    """An integer mean sums without overflowing the dtype (Gloo refuses AVG)."""
+    x = torch.full((5,), value, dtype=dtype)
+    dist.all_reduce(x, op=R.AVG)
+    expect_equal(f"AVG of {value}", x, torch.full((5,), value, dtype=dtype))
+    y = torch.full((5,), value - RANK, dtype=dtype)
+    dist.all_reduce(y, op=R.AVG)
+    total = sum(value - r for r in range(N))
+    expect_equal("AVG truncates", y, torch.full((5,), total // N, dtype=dtype))
+    return {}
+
+
 def asynchronous():
     x = mine(torch.float32)
     work = dist.all_reduce(x, async_op=True)
@@ -365,6 +437,15 @@ for dtype in DTYPES:
     checks.run(f"all_to_all_single_uneven/{name}", all_to_all_single, dtype, True, True)
     checks.run(f"gather_scatter/{name}", gather_scatter, dtype)
     checks.run(f"point_to_point/{name}", point_to_point, dtype)
+for count, dtype in [(1, torch.float32), (3, torch.int64), (N, torch.float32), (4, torch.bfloat16)]:
+    checks.run(f"all_gather_coalesced/{count}/{dtype}", all_gather_coalesced, count, dtype)
+checks.run("recv_any_source", recv_any_source)
+for sparse_dims, dense_dims in [(1, 0), (2, 0), (1, 2)]:
+    checks.run(f"sparse_all_reduce/{sparse_dims}/{dense_dims}", sparse_all_reduce, sparse_dims, dense_dims)
+if BACKEND == "commgrad":
+    for dtype, value in [(torch.int8, 100), (torch.uint8, 250), (torch.int16, 32000), (torch.int32, 2**31 - 9),
+                         (torch.int64, 2**40 + 5 if HOSTS else 2**62 + 5)]:  # across hosts int64 sums in int64
+        checks.run(f"integer_avg/{dtype}", integer_avg, dtype, value)
 checks.run("async", asynchronous)
 checks.run("blocking", blocking)
 checks.run("barrier", barrier)

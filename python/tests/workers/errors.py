@@ -47,6 +47,71 @@ def report():
     return not bad
 
 
+def coalesced_rejections():
+    """A coalesced call whose parts are rejected on different ranks (rank k
+    rejects part k): every rank fails, and the group stays in step."""
+    C = torch._C._distributed_c10d
+    pg = dist.distributed_c10d._get_default_group()
+    opts = C.AllgatherOptions()
+    opts.asyncOp = False
+    ins = [torch.ones(3) for _ in range(N)]
+    outs = [torch.zeros(3 * N + (1 if k == RANK else 0)) for k in range(N)]
+    expect_error("coalesced parts rejected on different ranks",
+                 lambda: pg.allgather_into_tensor_coalesced(outs, ins, opts), "allgather", "rank ")
+    z = torch.ones(4)
+    dist.all_reduce(z)
+    assert torch.equal(z, torch.full((4,), float(N))), z
+    good = [torch.zeros(3 * N) for _ in range(2)]
+    work = pg.allgather_into_tensor_coalesced(good, [torch.full((3,), float(RANK))] * 2, opts)
+    if work is not None:
+        work.wait()
+    want = torch.arange(N, dtype=torch.float32).repeat_interleave(3)
+    assert all(torch.equal(g, want) for g in good), good
+
+
+def wait_with_timeout():
+    """Work.wait(timeout) gives up after that timeout, not the group's; the
+    collective still completes when the late rank arrives."""
+    group = dist.new_group(list(range(N)), timeout=datetime.timedelta(seconds=20))
+    x = torch.ones(1 << 20)  # queued: not run inside the call
+    if RANK == 0:
+        work = dist.all_reduce(x, group=group, async_op=True)
+        expect_error("wait(timeout)", lambda: work.wait(timeout=datetime.timedelta(seconds=1)), "timed out")
+        took = results[-1][2]
+        if not 0.9 < took < 4:
+            results.append(("wait(timeout) took its timeout", f"took {took:.1f}s", took, ""))
+    dist.barrier()
+    if RANK != 0:
+        dist.all_reduce(x, group=group)
+    else:
+        work.wait()
+    assert torch.equal(x[:4], torch.full((4,), float(N))), x[:4]
+
+
+def monitored_barrier():
+    """Gloo's monitored_barrier: passes when every rank comes; rank 0 names
+    the first rank that does not (every one with wait_all_ranks); the ranks
+    that came say rank 0 did not release them."""
+    timeout = datetime.timedelta(seconds=2)
+    dist.monitored_barrier(timeout=timeout)
+    dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+    if RANK == 0:
+        expect_error("monitored_barrier names the late rank", lambda: dist.monitored_barrier(timeout=timeout),
+                     "Rank 1 failed to pass monitoredBarrier in 2000 ms")
+        late = ", ".join(str(r) for r in range(1, N))
+        expect_error("monitored_barrier wait_all_ranks",
+                     lambda: dist.monitored_barrier(timeout=timeout, wait_all_ranks=True),
+                     f"Ranks {late} failed to pass monitoredBarrier")
+        expect_error("monitored_barrier without time", lambda: dist.monitored_barrier(timeout=datetime.timedelta(0)),
+                     "Rank 0 timed out in monitoredBarrier")
+    elif RANK > 1:
+        expect_error("monitored_barrier not released", lambda: dist.monitored_barrier(timeout=timeout),
+                     f"Rank {RANK} successfully reached monitoredBarrier, but received errors while waiting for "
+                     "send/recv from rank 0")
+    dist.barrier()
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))  # still in step
+
+
 if MODE == "input":
     # Shapes that differ across ranks: both ranks fail, naming both shapes.
     expect_error("all_reduce shapes differ", lambda: dist.all_reduce(torch.ones(4 + RANK)),
@@ -77,7 +142,7 @@ if MODE == "input":
     # A sub-group on which only rank 0 calls: it fails within its timeout.
     pair = dist.new_group(list(range(N)), timeout=datetime.timedelta(seconds=3))
     if RANK == 0:
-        expect_error("timeout", lambda: dist.all_reduce(torch.ones(4), group=pair), "allreduce", "rank 0/", "group", "timed out", "rank 1")
+        expect_error("timeout", lambda: dist.all_reduce(torch.ones(4), group=pair), "allreduce", "rank 0/", "group", "Timed out", "rank 1")
         took = results[-1][2]
         if took > 20:
             results.append(("timeout within the group's timeout", f"took {took:.1f}s", took, ""))
@@ -85,6 +150,9 @@ if MODE == "input":
     y = torch.ones(4)
     dist.all_reduce(y)
     assert torch.equal(y, torch.full((4,), float(N))), y
+    coalesced_rejections()
+    wait_with_timeout()
+    monitored_barrier()
     ok = report()
     dist.destroy_process_group()
     sys.exit(0 if ok else 1)

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,11 @@ class Comm {
   // Point to point, through the mailbox of each ordered pair.
   void send(const Call& call, int dst, int tag, const void* data, int64_t bytes, c10::ScalarType dtype);
   void recv(const Call& call, int src, int tag, void* data, int64_t bytes, c10::ScalarType dtype);
+  /// Receives the first message with `tag` that is waiting from any rank
+  /// (lowest rank first) and returns its source; messages with other tags
+  /// stay for later recvs. Polls, backing off to 1 ms sleeps: any-source
+  /// receives are rare and have no bell of their own.
+  int recv_any(const Call& call, int tag, void* data, int64_t bytes, c10::ScalarType dtype);
   /// True when a message of `bytes` fits into the mailbox to `dst` right now.
   bool send_fits(int dst, int64_t bytes) const;
   /// True when a whole message of `bytes` from `src` is already waiting.
@@ -155,6 +161,13 @@ class Comm {
                            RedOp op, int root);
   void stream_write(const Call& call, int dst, const uint8_t* data, int64_t bytes);
   void stream_read(const Call& call, int src, uint8_t* data, int64_t bytes);
+  // Reads the rest of a message from `src` whose header `h` was consumed:
+  // into `data` when it is what the recv expects, else dropped with an error.
+  void read_body(const Call& call, int src, const void* header, int tag, void* data, int64_t bytes,
+                 c10::ScalarType dtype);
+  // Copies the header of the next message from `src` into `header` (32
+  // bytes) without consuming it; false when none is there yet.
+  bool peek_header(int src, void* header) const;
 
   std::unique_ptr<Segment> segment_;
   const int rank_;
@@ -167,6 +180,8 @@ class Comm {
   uint64_t step_ = 0;        // pipeline steps (buffer sets) used
   uint64_t generation_ = 1;  // barriers arrived at (the segment's own is the first)
   std::vector<const void*> srcs_;  // scratch: one source per rank
+  // One per source: a recv and a recv_any never read one mailbox at once.
+  std::unique_ptr<std::mutex[]> readers_;
 };
 
 }  // namespace commgrad::backend::detail

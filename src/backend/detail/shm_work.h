@@ -8,6 +8,7 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <exception>
@@ -32,6 +33,10 @@ class ShmWork : public c10d::Work {
 
   std::vector<at::Tensor> result() override { return outputs_; }
 
+  /// The rank a recv received from (set by the job before it completes).
+  void set_source_rank(int rank) { source_rank_.store(rank); }
+  int sourceRank() const override;
+
   /// The job behind this Work sits in `executor`'s queue under `ticket`.
   void queued_in(Executor* executor, uint64_t ticket) {
     executor_ = executor;
@@ -50,6 +55,7 @@ class ShmWork : public c10d::Work {
   uint64_t ticket_ = 0;
   std::exception_ptr error_;  // guarded by mutex_ until done_
   bool done_ = false;
+  std::atomic<int> source_rank_{-1};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
