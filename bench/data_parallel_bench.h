@@ -3,11 +3,13 @@
 // options, the model (a stack of width x width Linear + ReLU), the clock and
 // percentiles.
 
+#include "cli/cli.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,20 +24,19 @@ struct DataParallelConfig {
   double bucket_cap_mb = 2;
 };
 
-/// Parses `--layers N --width N --batch N --steps N --bucket-cap-mb MB` into `c`;
-/// false on anything else.
-inline bool parse_config(int argc, char** argv, DataParallelConfig& c) {
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    const double value = std::atof(argv[i + 1]);
-    if (flag == "--layers") c.layers = static_cast<int>(value);
-    else if (flag == "--width") c.width = static_cast<int>(value);
-    else if (flag == "--batch") c.batch = static_cast<int>(value);
-    else if (flag == "--steps") c.steps = static_cast<int>(value);
-    else if (flag == "--bucket-cap-mb") c.bucket_cap_mb = value;
-    else return false;
-  }
-  return argc % 2 == 1;
+/// Parses `--layers N --width N --batch N --steps N --bucket-cap-mb MB` into
+/// `c` (its values are the defaults); the exit code when the program ends
+/// here (--help, or a bad command line, named on stderr with exit code 2).
+inline std::optional<int> parse_config(const std::string& program, const std::string& description, int argc,
+                                       char** argv, DataParallelConfig& c) {
+  cli::App app(program, description);
+  app.add_option("--layers", c.layers, "Linear + ReLU layers of the model")->check(cli::positive());
+  app.add_option("--width", c.width, "width of each layer")->check(cli::positive());
+  app.add_option("--batch", c.batch, "samples per rank and step")->check(cli::positive());
+  app.add_option("--steps", c.steps, "measured steps (after " + std::to_string(c.warmup) + " warm-up steps)")
+      ->check(cli::positive());
+  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "gradient bucket size (MiB)")->check(cli::number(0, false));
+  return cli::parse(app, argc, argv);
 }
 
 struct DeepMlpImpl : torch::nn::Module {

@@ -80,9 +80,12 @@ double step(Variant& v, const torch::Tensor& x, const torch::Tensor& y) {
 
 int main(int argc, char** argv) {
   DataParallelConfig c;
-  if (!commgrad::bench::parse_config(argc, argv, c)) {
-    std::fprintf(stderr, "usage: ddp_bench [--layers N] [--width N] [--batch N] [--steps N] [--bucket-cap-mb MB]\n");
-    return 2;
+  if (const auto code = commgrad::bench::parse_config(
+          "ddp_bench",
+          "DDP step time: overlapped buckets against one all-reduce after backward and against none.\n"
+          "  commgrad-run -n 2 ddp_bench",
+          argc, argv, c)) {
+    return *code;
   }
   try {
     commgrad::init_process_group();

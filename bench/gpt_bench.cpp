@@ -41,11 +41,15 @@
 #include "gpt/model.h"
 #include "gpt/trainer.h"
 
+#include "cli/cli.h"
+
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
+#include <optional>
 #include <cstdio>
 #include <sstream>
 #include <stdexcept>
@@ -77,25 +81,34 @@ struct Config {
 };
 
 // "tp,pp,dp[,schedule[,v]]"; v defaults to 2 for the interleaved schedule.
+// Throws a usage error that quotes the layout.
 LayoutSpec parse_layout(const std::string& text) {
+  namespace cli = commgrad::cli;
   std::vector<std::string> parts;
   std::istringstream in(text);
   for (std::string part; std::getline(in, part, ',');) parts.push_back(part);
   if (parts.size() < 3 || parts.size() > 5) {
-    throw std::invalid_argument("--layout '" + text + "': expected TP,PP,DP[,SCHEDULE[,V]]");
+    throw cli::usage_error("--layout '" + text + "': expected TP,PP,DP[,SCHEDULE[,V]]");
   }
+  const auto size = [&](const std::string& part) {
+    const auto value = cli::to_integer(part, 1);
+    if (!value) throw cli::usage_error("--layout '" + text + "': sizes are integers of at least 1, got '" + part + "'");
+    return *value;
+  };
   LayoutSpec l;
-  l.tp = std::stoi(parts[0]);
-  l.pp = std::stoi(parts[1]);
-  l.dp = std::stoi(parts[2]);
+  l.tp = size(parts[0]);
+  l.pp = size(parts[1]);
+  l.dp = size(parts[2]);
   if (parts.size() > 3) l.schedule = parts[3];
-  l.v = parts.size() > 4 ? std::stoi(parts[4]) : l.schedule == "interleaved" ? 2 : 1;
-  if (l.tp < 1 || l.pp < 1 || l.dp < 1 || l.v < 1) throw std::invalid_argument("--layout '" + text + "': sizes below 1");
+  l.v = parts.size() > 4 ? size(parts[4]) : l.schedule == "interleaved" ? 2 : 1;
   if (l.schedule != "1f1b" && l.schedule != "gpipe" && l.schedule != "interleaved" && l.schedule != "zbh1") {
-    throw std::invalid_argument("--layout '" + text + "': schedule must be 1f1b, gpipe, interleaved or zbh1");
+    throw cli::usage_error("--layout '" + text + "': schedule must be 1f1b, gpipe, interleaved or zbh1");
   }
   if (l.v != 1 && l.schedule != "interleaved") {
-    throw std::invalid_argument("--layout '" + text + "': V needs the interleaved schedule");
+    throw cli::usage_error("--layout '" + text + "': V needs the interleaved schedule");
+  }
+  if (static_cast<int64_t>(l.tp) * l.pp * l.dp > std::numeric_limits<int>::max()) {
+    throw cli::usage_error("--layout '" + text + "': more ranks than a job can have");
   }
   return l;
 }
@@ -110,37 +123,43 @@ std::vector<LayoutSpec> default_layouts(int n) {
   return {{1, n, 1, "1f1b"}, {1, 1, n}};
 }
 
-Config parse(int argc, char** argv) {
-  Config c;
+// The options of the command line into `c`; the exit code when the program
+// ends here (--help, or a bad command line, named on stderr with exit code 2).
+std::optional<int> parse(int argc, char** argv, Config& c) {
+  namespace cli = commgrad::cli;
   c.model.vocab = 256;
   c.model.sequence = 128;
   c.model.hidden = 256;
   c.model.heads = 8;
   c.model.ffn = 1024;
   c.model.layers = 8;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    const bool value = i + 1 < argc;
-    if (flag == "--layout" && value) c.layouts.push_back(parse_layout(argv[++i]));
-    else if (flag == "--hidden" && value) c.model.hidden = std::stoll(argv[++i]);
-    else if (flag == "--heads" && value) c.model.heads = std::stoll(argv[++i]);
-    else if (flag == "--ffn" && value) c.model.ffn = std::stoll(argv[++i]);
-    else if (flag == "--layers" && value) c.model.layers = std::stoll(argv[++i]);
-    else if (flag == "--sequence" && value) c.model.sequence = std::stoll(argv[++i]);
-    else if (flag == "--vocab" && value) c.model.vocab = std::stoll(argv[++i]);
-    else if (flag == "--batch" && value) c.batch = std::stoll(argv[++i]);
-    else if (flag == "--microbatches" && value) c.microbatches = std::stoi(argv[++i]);
-    else if (flag == "--warmup" && value) c.warmup = std::stoi(argv[++i]);
-    else if (flag == "--steps" && value) c.steps = std::stoi(argv[++i]);
-    else if (flag == "--untie") c.model.tie = false;
-    else {
-      throw std::invalid_argument(
-          "usage: gpt_bench [--layout TP,PP,DP[,SCHEDULE[,V]]]... [--hidden N] [--heads N] [--ffn N] [--layers N] "
-          "[--sequence N] [--vocab N] [--batch N] [--microbatches N] [--warmup N] [--steps N] [--untie]");
-    }
-  }
-  if (c.steps < 1 || c.warmup < 0) throw std::invalid_argument("--steps must be at least 1 and --warmup at least 0");
-  return c;
+  std::vector<std::string> layouts;
+  cli::App app("gpt_bench",
+               "The GPT of examples/gpt per layout: tokens/s, and the measured pipeline bubble against the\n"
+               "closed form.\n"
+               "  commgrad-run -n 2 gpt_bench [--layout 1,2,1,interleaved]...");
+  app.add_option("--layout", layouts,
+                 "a layout to measure (repeatable; default: the usual ones of the world size);\n"
+                 "SCHEDULE: 1f1b, gpipe, interleaved or zbh1; V: stages per rank (interleaved)")
+      ->type_name("TP,PP,DP[,SCHEDULE[,V]]")
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->always_capture_default(false);
+  app.add_option("--hidden", c.model.hidden, "model width")->check(cli::positive<int64_t>());
+  app.add_option("--heads", c.model.heads, "attention heads")->check(cli::positive<int64_t>());
+  app.add_option("--ffn", c.model.ffn, "inner width of the MLP")->check(cli::positive<int64_t>());
+  app.add_option("--layers", c.model.layers, "transformer layers")->check(cli::positive<int64_t>());
+  app.add_option("--sequence", c.model.sequence, "tokens per sequence")->check(cli::positive<int64_t>());
+  app.add_option("--vocab", c.model.vocab, "vocabulary size")->check(cli::positive<int64_t>());
+  app.add_option("--batch", c.batch, "global batch (sequences per step)")->check(cli::positive<int64_t>());
+  app.add_option("--microbatches", c.microbatches, "microbatches per step and replica")->check(cli::positive());
+  app.add_option("--warmup", c.warmup, "untimed steps first")->check(cli::non_negative());
+  app.add_option("--steps", c.steps, "measured steps")->check(cli::positive());
+  app.add_flag_callback("--untie", [&c] { c.model.tie = false; },
+                        "an output layer of its own (default: tied to the embedding)");
+  return cli::parse(app, argc, argv, [&] {
+    for (const auto& text : layouts) c.layouts.push_back(parse_layout(text));
+  });
 }
 
 double seconds_now() {
@@ -212,7 +231,8 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
 
 int main(int argc, char** argv) {
   try {
-    Config c = parse(argc, argv);
+    Config c;
+    if (const auto code = parse(argc, argv, c)) return *code;
     commgrad::init_process_group();
     const int n = commgrad::world_size();
     const bool speaker = commgrad::rank() == 0;

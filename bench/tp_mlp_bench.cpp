@@ -19,6 +19,8 @@
 // backward). Every measured step starts after a barrier, and the variants
 // are interleaved round by round so that noise hits them alike.
 
+#include "cli/cli.h"
+
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
@@ -29,8 +31,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,32 +64,28 @@ Stats stats(std::vector<double> v) {
   return {at(0.1), at(0.5), at(0.9)};
 }
 
-Config parse(int argc, char** argv) {
-  Config c;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const long v = i + 1 < argc ? std::strtol(argv[i + 1], nullptr, 10) : -1;
-    ++i;
-    if (arg == "--hidden" && v > 0) c.hidden = v;
-    else if (arg == "--ffn" && v > 0) c.ffn = v;
-    else if (arg == "--tokens" && v > 0) c.tokens = v;
-    else if (arg == "--steps" && v > 0) c.steps = static_cast<int>(v);
-    else if (arg == "--warmup" && v >= 0) c.warmup = static_cast<int>(v);
-    else if (arg == "--threads" && v > 0) c.threads = static_cast<int>(v);
-    else {
-      std::fprintf(stderr,
-                   "usage: tp_mlp_bench [--hidden 1024] [--ffn 4096] [--tokens 512] [--steps 20] [--warmup 3] "
-                   "[--threads N]\n");
-      std::exit(2);
-    }
-  }
-  return c;
+// The options of the command line into `c`; the exit code when the program
+// ends here (--help, or a bad command line, named on stderr with exit code 2).
+std::optional<int> parse(int argc, char** argv, Config& c) {
+  namespace cli = commgrad::cli;
+  cli::App app("tp_mlp_bench",
+               "ParallelMLP step time at TP = n (one rank per process) against TP = 1 with n threads.\n"
+               "  commgrad-run -n 2 tp_mlp_bench      tp_mlp_bench --threads 2");
+  app.add_option("--hidden", c.hidden, "model width")->check(cli::positive<int64_t>());
+  app.add_option("--ffn", c.ffn, "inner width of the MLP")->check(cli::positive<int64_t>());
+  app.add_option("--tokens", c.tokens, "rows of the input")->check(cli::positive<int64_t>());
+  app.add_option("--steps", c.steps, "measured steps")->check(cli::positive());
+  app.add_option("--warmup", c.warmup, "untimed steps first")->check(cli::non_negative());
+  app.add_option("--threads", c.threads, "intra-op threads per rank (0: 1 under a launcher, 2 alone)")
+      ->check(cli::non_negative());
+  return cli::parse(app, argc, argv);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Config c = parse(argc, argv);
+  Config c;
+  if (const auto code = parse(argc, argv, c)) return *code;
   auto world = commgrad::init_process_group();
   const int n = world.size();
   const int threads = c.threads > 0 ? c.threads : (n > 1 || commgrad::launch_environment().world_size > 1 ? 1 : 2);

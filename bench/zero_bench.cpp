@@ -129,9 +129,13 @@ int main(int argc, char** argv) {
   c.batch = 32;
   c.steps = 15;
   c.bucket_cap_mb = 4;
-  if (!commgrad::bench::parse_config(argc, argv, c)) {
-    std::fprintf(stderr, "usage: zero_bench [--layers N] [--width N] [--batch N] [--steps N] [--bucket-cap-mb MB]\n");
-    return 2;
+  if (const auto code = commgrad::bench::parse_config(
+          "zero_bench",
+          "ZeRO-1/2 against DistributedDataParallel + Adam: memory per rank against the ZeRO formulas,\n"
+          "and step time.\n"
+          "  commgrad-run -n 4 zero_bench",
+          argc, argv, c)) {
+    return *code;
   }
   try {
     commgrad::init_process_group();

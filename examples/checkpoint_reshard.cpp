@@ -20,12 +20,15 @@
 //   [0] TP=4 x DP=1: step 6 loss 0.371435 (continuous 0.371435) ... max relative difference 8.6e-08: ok
 //   [0] TP=2 x DP=2: step 6 loss 0.371435 (continuous 0.371435) ... max relative difference 0 (bit for bit): ok
 
+#include "cli/cli.h"
+
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -118,24 +121,25 @@ struct Run {
   }
 };
 
-std::vector<int> parse_list(const std::string& text) {
-  std::vector<int> out;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(std::stoi(item));
-  return out;
-}
-
-Config parse(int argc, char** argv) {
-  Config c;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--save-tp" && i + 1 < argc) c.save_tp = std::stoi(argv[++i]);
-    else if (flag == "--load-tp" && i + 1 < argc) c.load_tp = parse_list(argv[++i]);
-    else if (flag == "--steps" && i + 1 < argc) c.steps = std::stoi(argv[++i]);
-    else throw std::invalid_argument("usage: checkpoint_reshard [--save-tp N] [--load-tp N,N,...] [--steps N]");
-  }
-  if (c.steps < 2) throw std::invalid_argument("--steps must be at least 2");
-  return c;
+// The options of the command line into `c`; the exit code when the program
+// ends here (--help, or a bad command line, named on stderr with exit code 2).
+std::optional<int> parse(int argc, char** argv, Config& c) {
+  namespace cli = commgrad::cli;
+  cli::App app("checkpoint_reshard",
+               "Save a training run under one TP x DP layout, resume it under others, and check that the\n"
+               "loss curve goes on as if nothing happened (exit 1 when a resumed loss differs).\n"
+               "  commgrad-run -n 4 checkpoint_reshard");
+  app.add_option("--save-tp", c.save_tp, "tensor-parallel size of the run that saves")->check(cli::positive());
+  app.add_option("--load-tp", c.load_tp, "tensor-parallel sizes to resume at, comma-separated")
+      ->delimiter(',')
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->check(cli::positive())
+      ->type_name("N,N,...")
+      ->default_str("1,4,2");
+  app.add_option("--steps", c.steps, "steps of the continuous run (the checkpoint is saved at half)")
+      ->check(cli::integer(2));
+  return cli::parse(app, argc, argv);
 }
 
 // A fresh directory name, the same on every rank (rank 0 draws it).
@@ -150,7 +154,8 @@ std::string scratch_root() {
 
 int main(int argc, char** argv) {
   try {
-    const Config c = parse(argc, argv);
+    Config c;
+    if (const auto code = parse(argc, argv, c)) return *code;
     commgrad::init_process_group();
     const int rank = commgrad::rank();
     const int n = commgrad::world_size();

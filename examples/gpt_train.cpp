@@ -6,6 +6,9 @@
 //                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
 //                               [--curve PREFIX|none] [--check]
 //
+// (gpt_train --help lists every option with its default; a bad one ends the
+// program with a message naming it and exit code 2, before any rank starts.)
+//
 // The model (examples/gpt/model.h): a vocabulary-parallel embedding plus
 // learned positions, 4 ParallelTransformerLayers, a final LayerNorm and the
 // output layer tied to the embedding, with vocabulary-parallel cross
@@ -42,11 +45,14 @@
 #include "gpt/progress.h"
 #include "gpt/trainer.h"
 
+#include "cli/cli.h"
+
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,45 +91,57 @@ gpt::TrainerOptions trainer_options(const Config& c) {
   return o;
 }
 
-Config parse(int argc, char** argv) {
-  Config c;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    const bool value = i + 1 < argc;
-    if (flag == "--tp" && value) c.tp = std::stoi(argv[++i]);
-    else if (flag == "--pp" && value) c.pp = std::stoi(argv[++i]);
-    else if (flag == "--dp" && value) c.dp = std::stoi(argv[++i]);
-    else if (flag == "--sp") c.sp = true;
-    else if (flag == "--microbatches" && value) c.microbatches = std::stoi(argv[++i]);
-    else if (flag == "--steps" && value) c.steps = std::stoi(argv[++i]);
-    else if (flag == "--schedule" && value) c.schedule = argv[++i];
-    else if (flag == "--stages-per-rank" && value) c.stages_per_rank = std::stoi(argv[++i]);
-    else if (flag == "--save" && value) c.save = argv[++i];
-    else if (flag == "--save-every" && value) c.save_every = std::stoi(argv[++i]);
-    else if (flag == "--resume" && value) c.resume = argv[++i];
-    else if (flag == "--text" && value) c.text = argv[++i];
-    else if (flag == "--curve" && value) c.curve = argv[++i];
-    else if (flag == "--check") c.check = true;
-    else {
-      throw std::invalid_argument(
-          "usage: gpt_train [--tp N] [--pp N] [--dp N] [--sp] [--microbatches N] [--steps N] "
-          "[--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank V] [--save DIR [--save-every K]] "
-          "[--resume DIR] [--text FILE] [--curve PREFIX|none] [--check]");
+// The options of the command line into `c`; the exit code when the program
+// ends here (--help, or a bad command line, named on stderr with exit code 2).
+std::optional<int> parse(int argc, char** argv, Config& c) {
+  namespace cli = commgrad::cli;
+  cli::App app("gpt_train",
+               "A small GPT (tied embeddings) trained tensor x pipeline x data parallel (+ sequence\n"
+               "parallel) under commgrad-run, checked against one rank with --check.\n"
+               "  commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2");
+  app.add_option("--tp", c.tp, "tensor-parallel ranks")->check(cli::positive());
+  app.add_option("--pp", c.pp, "pipeline stages (ranks)")->check(cli::positive());
+  app.add_option("--dp", c.dp, "data-parallel replicas")->check(cli::positive());
+  app.add_flag("--sp", c.sp, "sequence parallelism (with --tp)");
+  app.add_option("--microbatches", c.microbatches, "microbatches per step and replica")->check(cli::positive());
+  app.add_option("--steps", c.steps, "train to this step (after a resume too)")->check(cli::positive());
+  app.add_option("--schedule", c.schedule, "pipeline schedule: 1f1b, gpipe, interleaved or zbh1")
+      ->check(cli::one_of({"1f1b", "gpipe", "interleaved", "zbh1"}));
+  app.add_option("--stages-per-rank", c.stages_per_rank,
+                 "pipeline stages on each rank under --schedule interleaved\n(0: 2 there, else 1)")
+      ->check(cli::non_negative());
+  app.add_option("--save", c.save, "write a sharded checkpoint into DIR at the end")->type_name("DIR");
+  app.add_option("--save-every", c.save_every, "and every K steps (needs --save)")
+      ->type_name("K")
+      ->check(cli::non_negative());
+  app.add_option("--resume", c.resume, "continue from the latest step of the checkpoint in DIR,\nunder any layout")
+      ->type_name("DIR");
+  app.add_option("--text", c.text, "train on this file's bytes instead of the synthetic corpus")->type_name("FILE");
+  app.add_option("--curve", c.curve, "write the loss curve to PREFIX.csv and PREFIX.svg\n(none: do not)")
+      ->type_name("PREFIX");
+  app.add_flag("--check", c.check, "also train on one rank and compare the curves\n(exit 1 when they part)");
+  return cli::parse(app, argc, argv, [&c] {
+    if (c.stages_per_rank == 0) c.stages_per_rank = c.schedule == "interleaved" ? 2 : 1;
+    if (c.stages_per_rank != 1 && c.schedule != "interleaved") {
+      throw cli::usage_error("--stages-per-rank " + std::to_string(c.stages_per_rank) +
+                             " needs --schedule interleaved");
     }
-  }
-  if (c.stages_per_rank == 0) c.stages_per_rank = c.schedule == "interleaved" ? 2 : 1;
-  if (c.stages_per_rank != 1 && c.schedule != "interleaved") {
-    throw std::invalid_argument("--stages-per-rank " + std::to_string(c.stages_per_rank) +
-                                " needs --schedule interleaved");
-  }
-  if (kBatch % (c.dp * c.microbatches) != 0) {
-    throw std::invalid_argument("the global batch of " + std::to_string(kBatch) + " does not split into " +
-                                std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
-  }
-  if (c.save_every < 0 || (c.save_every > 0 && c.save.empty())) {
-    throw std::invalid_argument("--save-every needs --save DIR and a positive number of steps");
-  }
-  return c;
+    if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
+      throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
+                             std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
+    }
+    if (c.save_every > 0 && c.save.empty()) {
+      throw cli::usage_error("--save-every needs --save DIR and a positive number of steps");
+    }
+    if (!c.resume.empty()) {
+      const auto saved = commgrad::checkpoint::latest_step(c.resume);
+      if (saved && c.steps <= *saved) {
+        throw cli::usage_error("--steps " + std::to_string(c.steps) + ": the checkpoint in " + c.resume +
+                               " already holds step " + std::to_string(*saved) +
+                               "; nothing to train (--steps must be larger)");
+      }
+    }
+  });
 }
 
 // Trains the model alone on every rank (a group of this process alone for
@@ -144,11 +162,12 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
 
 int main(int argc, char** argv) {
   try {
-    const Config c = parse(argc, argv);
+    Config c;
+    if (const auto code = parse(argc, argv, c)) return *code;
     commgrad::init_process_group();
     const int rank = commgrad::rank();
     const int n = commgrad::world_size();
-    if (c.tp * c.pp * c.dp != n) {
+    if (static_cast<int64_t>(c.tp) * c.pp * c.dp != n) {
       throw std::invalid_argument("--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) + " x --dp " +
                                   std::to_string(c.dp) + " is not the world size " + std::to_string(n));
     }

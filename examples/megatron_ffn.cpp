@@ -15,10 +15,11 @@
 // With --device cuda the parallel block runs on each rank's GPU (float32 and
 // float64; the reference stays on the CPU).
 
+#include "cli/cli.h"
+
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
-#include <cstring>
 #include <iostream>
 
 namespace tp = commgrad::tp;
@@ -76,15 +77,12 @@ bool run(const commgrad::Group& tp_group, bool sequence_parallel, torch::ScalarT
 
 int main(int argc, char** argv) {
   bool cuda = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--device") == 0 && i + 1 < argc &&
-        (std::strcmp(argv[i + 1], "cpu") == 0 || std::strcmp(argv[i + 1], "cuda") == 0)) {
-      cuda = std::strcmp(argv[++i], "cuda") == 0;
-    } else {
-      std::cerr << "usage: megatron_ffn [--device cpu|cuda]\n";
-      return 2;
-    }
-  }
+  commgrad::cli::App app("megatron_ffn",
+                         "The Megatron feed-forward block on N tensor-parallel ranks, checked against the same block\n"
+                         "on one rank (exit 1 when a tensor is outside its tolerance).\n"
+                         "  commgrad-run -n 4 megatron_ffn");
+  commgrad::cli::add_device_option(app, cuda, "where the parallel block runs (cuda: this rank's GPU)");
+  if (const auto code = commgrad::cli::parse(app, argc, argv)) return *code;
   try {
     commgrad::init_process_group();
     if (cuda && commgrad::cuda_device_count() == 0) throw std::invalid_argument("--device cuda, but no CUDA device");

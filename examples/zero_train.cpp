@@ -17,13 +17,15 @@
 //   [0] optimizer state per rank: 7344 bytes (DDP: 29344, 8.0 per parameter / 4 ranks: 7336)
 //   [0] max |zero - ddp| = 0 (bit for bit on shm): ok
 
+#include "cli/cli.h"
+
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
 
 namespace {
@@ -101,48 +103,34 @@ double train_epoch(Mlp& model, const Dataset& data, const Config& c, int rank, i
   return total / count;
 }
 
-int parse_int(const char* text, const char* flag) {
-  char* end = nullptr;
-  const long v = std::strtol(text, &end, 10);
-  if (*end != '\0' || v <= 0) throw std::invalid_argument(std::string(flag) + " expects a positive integer");
-  return static_cast<int>(v);
-}
-
-Config parse(int argc, char** argv) {
-  Config c;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    const bool has_value = i + 1 < argc;
-    if (flag == "--stage" && has_value) {
-      c.stage = parse_int(argv[++i], "--stage");
-    } else if (flag == "--optimizer" && has_value) {
-      c.optimizer = argv[++i];
-      if (c.optimizer != "adam" && c.optimizer != "adamw" && c.optimizer != "sgd") {
-        throw std::invalid_argument("--optimizer must be adam, adamw or sgd");
-      }
-    } else if (flag == "--epochs" && has_value) {
-      c.epochs = parse_int(argv[++i], "--epochs");
-    } else if (flag == "--accumulate" && has_value) {
-      c.accumulate = parse_int(argv[++i], "--accumulate");
-    } else if (flag == "--max-grad-norm" && has_value) {
-      c.max_grad_norm = std::atof(argv[++i]);
-    } else if (flag == "--bucket-cap-mb" && has_value) {
-      c.bucket_cap_mb = std::atof(argv[++i]);
-    } else {
-      throw std::invalid_argument(
-          "usage: zero_train [--stage 1|2] [--optimizer adam|adamw|sgd] [--epochs N] [--accumulate N] "
-          "[--max-grad-norm X] [--bucket-cap-mb MB]");
-    }
-  }
-  if (kBatch % c.accumulate != 0) throw std::invalid_argument("--accumulate must divide the batch of 24");
-  return c;
+// The options of the command line into `c`; the exit code when the program
+// ends here (--help, or a bad command line, named on stderr with exit code 2).
+std::optional<int> parse(int argc, char** argv, Config& c) {
+  namespace cli = commgrad::cli;
+  cli::App app("zero_train",
+               "Data-parallel training with the sharded optimizer (ZeRO-1/2), checked against\n"
+               "DistributedDataParallel with the same optimizer (exit 1 when they differ).\n"
+               "  commgrad-run -n 4 zero_train");
+  app.add_option("--stage", c.stage, "ZeRO stage: 1 (optimizer state sharded) or 2 (and gradients)")
+      ->check(cli::integer(1, 2));
+  app.add_option("--optimizer", c.optimizer, "adam, adamw or sgd")->check(cli::one_of({"adam", "adamw", "sgd"}));
+  app.add_option("--epochs", c.epochs, "epochs to train")->check(cli::positive());
+  app.add_option("--accumulate", c.accumulate, "microbatches per step (divides the batch of 24)")
+      ->check(cli::positive());
+  app.add_option("--max-grad-norm", c.max_grad_norm, "clip the global gradient norm to this (0: do not)")
+      ->check(cli::number(0, true));
+  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "gradient bucket size (MiB)")->check(cli::number(0, false));
+  return cli::parse(app, argc, argv, [&c] {
+    if (kBatch % c.accumulate != 0) throw cli::usage_error("--accumulate must divide the batch of 24");
+  });
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
-    const Config c = parse(argc, argv);
+    Config c;
+    if (const auto code = parse(argc, argv, c)) return *code;
     commgrad::init_process_group();
     const int rank = commgrad::rank();
     const int n = commgrad::world_size();

@@ -6,6 +6,7 @@
 // group's host layout (ranks started by hand with COMMGRAD_HOST, as
 // tests/dist/hierarchy_test does). Bad options end every rank with a message.
 
+#include "harness/command_line.h"
 #include "harness/subprocess.h"
 
 #include <gmock/gmock.h>
@@ -164,19 +165,45 @@ TEST(Bench, BadOptionsEndEveryRankWithAMessage) {
     std::vector<std::string> args;
     std::string message;
   };
+  // A bad command line: exit code 2 before any rank starts. A root outside
+  // the world is found once the ranks know its size: exit code 1.
   const std::vector<Case> cases = {
       {2, {"--op", "allreduce"}, "unknown --op 'allreduce'"},
-      {2, {"--root", "2", "--op", "broadcast"}, "--root 2 is outside 0..1"},
-      {1, {"-b", "4Q"}, "bad size '4Q'"},
-      {1, {"--link-gbps", "0"}, "--link-gbps needs a positive bandwidth, got 0"},
-      {1, {"--link-gbps", "10G"}, "--link-gbps needs a non-negative number, got '10G'"},
+      {1, {"-b", "4Q"}, "--minbytes: expected a size in bytes such as 4K, 1M or 1G, got '4Q'"},
+      {1, {"--link-gbps", "0"}, "--link-gbps: expected a number > 0, got '0'"},
+      {1, {"--link-gbps", "10G"}, "--link-gbps: expected a number > 0, got '10G'"},
       {1, {"--link-latency-us", "50"}, "--link-latency-us needs --link-gbps"},
   };
   for (const auto& c : cases) {
     const auto r = bench(c.ranks, "gloo", c.args);
-    EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
     EXPECT_THAT(r.err, HasSubstr(c.message));
   }
+  const auto r = bench(2, "gloo", {"--root", "2", "--op", "broadcast"});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--root 2 is outside 0..1"));
+}
+
+// Every option in --help; each bad one named, exit code 2, before any rank starts.
+TEST(Bench, BadOptionsAreNamedBeforeAnyRankStarts) {
+  const std::string program = build_path("bin/commgrad-bench");
+  expect_help_lists(program, {"--op", "--backend", "-b,--minbytes", "-e,--maxbytes", "-f,--stepfactor", "-d,--dtype",
+                              "-o,--redop", "-r,--root", "-n,--iters", "-w,--warmup", "-c,--check", "--no-backward",
+                              "--link-gbps", "--link-latency-us"});
+  expect_bad_options(program, {
+      {{"--bogus"}, "unknown option '--bogus'"},
+      {{"--op", "allreduce"}, "unknown --op 'allreduce'"},
+      {{"-e", "64X"}, "--maxbytes: expected a size in bytes such as 4K, 1M or 1G, got '64X'"},
+      {{"-f", "1"}, "--stepfactor: expected an integer in [2, 9223372036854775807], got '1'"},
+      {{"-d", "float128"}, "--dtype: expected float32, float64, float16, bfloat16, int32, int64, int8 or uint8"},
+      {{"-o", "xor"}, "--redop: expected sum, avg, max, min or prod, got 'xor'"},
+      {{"-r", "-1"}, "--root: expected an integer in [0, 2147483647], got '-1'"},
+      {{"--iters", "0"}, "--iters: expected an integer in [1, 2147483647], got '0'"},
+      {{"-n", "99999999999"}, "--iters: expected an integer in [1, 2147483647], got '99999999999'"},
+      {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
+      {{"-c", "2"}, "--check: expected an integer in [0, 1], got '2'"},
+      {{"--no-backward=1"}, "--no-backward takes no value"},
+  });
 }
 
 }  // namespace

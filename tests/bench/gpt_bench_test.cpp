@@ -2,8 +2,10 @@
 // rank 0 prints the header and one row per layout of the job's world, with
 // the measured bubble beside the closed form pp::bubble_fraction_closed_form
 // gives; a layout of another world is skipped with a note; bad options end
-// every rank with a message.
+// every rank with a message (exit code 2, before any rank starts); so do the
+// options of the other benchmark programs.
 
+#include "harness/command_line.h"
 #include "harness/subprocess.h"
 
 #include <gmock/gmock.h>
@@ -108,11 +110,61 @@ TEST(GptBench, UntiedOutputLayer) {
 
 TEST(GptBench, BadOptionsEndEveryRankWithAMessage) {
   auto r = gpt_bench(2, {"--layout", "1,2"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   EXPECT_THAT(r.err, HasSubstr("--layout '1,2': expected TP,PP,DP[,SCHEDULE[,V]]"));
   r = gpt_bench(2, {"--layout", "1,2,1,zb"});
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   EXPECT_THAT(r.err, HasSubstr("schedule must be 1f1b, gpipe, interleaved or zbh1"));
+}
+
+// Every option in --help; each bad one named, exit code 2, before any rank starts.
+TEST(GptBench, BadOptionsAreNamedBeforeAnyRankStarts) {
+  const std::string program = build_path("bin/gpt_bench");
+  expect_help_lists(program, {"--layout", "--hidden", "--heads", "--ffn", "--layers", "--sequence", "--vocab",
+                              "--batch", "--microbatches", "--warmup", "--steps", "--untie"});
+  expect_bad_options(program, {
+      {{"--bogus"}, "unknown option '--bogus'"},
+      {{"--microbatches", "0"}, "--microbatches: expected an integer in [1, 2147483647], got '0'"},
+      {{"--steps", "-1"}, "--steps: expected an integer in [1, 2147483647], got '-1'"},
+      {{"--steps", "99999999999"}, "--steps: expected an integer in [1, 2147483647], got '99999999999'"},
+      {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
+      {{"--hidden", "wide"}, "--hidden: expected an integer in [1, 9223372036854775807], got 'wide'"},
+      {{"--batch", "0"}, "--batch: expected an integer in [1, "},
+      {{"--layout", "0,1,1"}, "--layout '0,1,1': sizes are integers of at least 1, got '0'"},
+      {{"--layout", "two,1,1"}, "--layout 'two,1,1': sizes are integers of at least 1, got 'two'"},
+      {{"--layout", "1,2,1,interleaved,-1"}, "--layout '1,2,1,interleaved,-1': sizes are integers of at least 1"},
+      {{"--layout", "1,2,1,1f1b,2"}, "--layout '1,2,1,1f1b,2': V needs the interleaved schedule"},
+      {{"--untie=1"}, "--untie takes no value"},
+  });
+}
+
+// The data-parallel and tensor-parallel benchmarks take their options the same way.
+TEST(BenchPrograms, BadOptionsAreNamedBeforeAnyRankStarts) {
+  for (const std::string name : {"ddp_bench", "zero_bench"}) {
+    const std::string program = build_path("bin/" + name);
+    expect_help_lists(program, {"--layers", "--width", "--batch", "--steps", "--bucket-cap-mb"});
+    expect_bad_options(program, {
+        {{"--bogus", "1"}, "unknown option '--bogus'"},
+        {{"--layers", "0"}, "--layers: expected an integer in [1, 2147483647], got '0'"},
+        {{"--width", "-4"}, "--width: expected an integer in [1, 2147483647], got '-4'"},
+        {{"--batch", "many"}, "--batch: expected an integer in [1, 2147483647], got 'many'"},
+        {{"--steps", "-1"}, "--steps: expected an integer in [1, 2147483647], got '-1'"},
+        {{"--steps", "99999999999"}, "--steps: expected an integer in [1, 2147483647], got '99999999999'"},
+        {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb: expected a number > 0, got '0'"},
+        {{"--steps"}, "--steps: 1 required"},
+    });
+  }
+  const std::string program = build_path("bin/tp_mlp_bench");
+  expect_help_lists(program, {"--hidden", "--ffn", "--tokens", "--steps", "--warmup", "--threads"});
+  expect_bad_options(program, {
+      {{"--bogus"}, "unknown option '--bogus'"},
+      {{"--hidden", "0"}, "--hidden: expected an integer in [1, 9223372036854775807], got '0'"},
+      {{"--tokens", "x"}, "--tokens: expected an integer in [1, "},
+      {{"--steps", "-1"}, "--steps: expected an integer in [1, 2147483647], got '-1'"},
+      {{"--steps", "99999999999"}, "--steps: expected an integer in [1, 2147483647], got '99999999999'"},
+      {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
+      {{"--threads", "-2"}, "--threads: expected an integer in [0, 2147483647], got '-2'"},
+  });
 }
 
 }  // namespace

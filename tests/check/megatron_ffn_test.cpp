@@ -2,6 +2,7 @@
 // FFN checked against its one-rank reference over real Gloo between
 // processes (the thread harness covers the layers; this covers the launch).
 
+#include "harness/command_line.h"
 #include "harness/subprocess.h"
 
 #include <gmock/gmock.h>
@@ -36,6 +37,18 @@ TEST(MegatronFfnExample, RunsAloneAsOneRank) {
                        std::chrono::seconds(60));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("megatron_ffn: TP=1 matches TP=1"));
+}
+
+// Every option in --help; each bad one named, exit code 2, before any rank starts.
+TEST(MegatronFfnExample, BadOptionsAreNamedBeforeAnyRankStarts) {
+  const std::string program = build_path("bin/megatron_ffn");
+  expect_help_lists(program, {"--device"});
+  expect_bad_options(program, {
+      {{"--bogus"}, "unknown option '--bogus'"},
+      {{"extra"}, "unexpected argument 'extra'"},
+      {{"--device", "gpu"}, "--device: expected one of cpu, cuda, got 'gpu'"},
+      {{"--device"}, "--device: 1 required"},
+  });
 }
 
 }  // namespace

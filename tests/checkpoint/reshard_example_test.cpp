@@ -2,6 +2,7 @@
 // layout, resumed at others, the loss curve checked by the program itself
 // (bit for bit at the saved layout); rank 0's printout is checked here.
 
+#include "harness/command_line.h"
 #include "harness/subprocess.h"
 
 #include <gmock/gmock.h>
@@ -40,6 +41,22 @@ TEST(CheckpointReshardExample, ALayoutThatDoesNotDivideTheWorldIsAnError) {
                        clean_env(), std::chrono::seconds(90));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_THAT(r.out + r.err, HasSubstr("checkpoint_reshard: TP size 3 does not divide 2 ranks"));
+}
+
+// Every option in --help; each bad one named, exit code 2, before any rank starts.
+TEST(CheckpointReshardExample, BadOptionsAreNamedBeforeAnyRankStarts) {
+  const std::string program = build_path("bin/checkpoint_reshard");
+  expect_help_lists(program, {"--save-tp", "--load-tp", "--steps"});
+  expect_bad_options(program, {
+      {{"--bogus"}, "unknown option '--bogus'"},
+      {{"--save-tp", "0"}, "--save-tp: expected an integer in [1, 2147483647], got '0'"},
+      {{"--save-tp", "two"}, "--save-tp: expected an integer in [1, 2147483647], got 'two'"},
+      {{"--load-tp", "1,0"}, "--load-tp: expected an integer in [1, 2147483647], got '0'"},
+      {{"--load-tp", "1,x"}, "--load-tp: expected an integer in [1, 2147483647], got 'x'"},
+      {{"--steps", "1"}, "--steps: expected an integer in [2, 2147483647], got '1'"},
+      {{"--steps", "-1"}, "--steps: expected an integer in [2, 2147483647], got '-1'"},
+      {{"--steps", "99999999999"}, "--steps: expected an integer in [2, 2147483647], got '99999999999'"},
+  });
 }
 
 }  // namespace

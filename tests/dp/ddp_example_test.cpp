@@ -3,6 +3,7 @@
 // the full batches, and exits non-zero when the two differ; rank 0's
 // printout is checked here.
 
+#include "harness/command_line.h"
 #include "harness/subprocess.h"
 
 #include <gmock/gmock.h>
@@ -42,6 +43,22 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, DdpTrainExample,
                            return (backend.empty() ? std::string("default") : backend) + "_" +
                                   std::to_string(std::get<0>(info.param));
                          });
+
+// Every option in --help; each bad one named, exit code 2, before any rank starts.
+TEST(DdpTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
+  const std::string program = build_path("bin/ddp_train");
+  expect_help_lists(program, {"--epochs", "--bucket-cap-mb", "--device"});
+  expect_bad_options(program, {
+      {{"--bogus", "1"}, "unknown option '--bogus'"},
+      {{"--epochs", "0"}, "--epochs: expected an integer in [1, 2147483647], got '0'"},
+      {{"--epochs", "-1"}, "--epochs: expected an integer in [1, 2147483647], got '-1'"},
+      {{"--epochs", "five"}, "--epochs: expected an integer in [1, 2147483647], got 'five'"},
+      {{"--epochs", "99999999999"}, "--epochs: expected an integer in [1, 2147483647], got '99999999999'"},
+      {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb: expected a number > 0, got '0'"},
+      {{"--bucket-cap-mb", "big"}, "--bucket-cap-mb: expected a number > 0, got 'big'"},
+      {{"--device", "gpu"}, "--device: expected one of cpu, cuda, got 'gpu'"},
+  });
+}
 
 }  // namespace
 }  // namespace commgrad::testing

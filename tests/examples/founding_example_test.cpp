@@ -7,6 +7,7 @@
 // agreed; rank 0's printout is checked here.
 
 #include "commgrad/dist/build_info.h"
+#include "harness/command_line.h"
 #include "harness/subprocess.h"
 
 #include <gmock/gmock.h>
@@ -139,6 +140,17 @@ TEST(Rendezvous, DeadRankEndsTheJobThroughTheLauncher) {
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_THAT(r.err, HasSubstr("rank 1"));
   EXPECT_LT(r.seconds, 15);
+}
+
+// Every option in --help; each bad one named, exit code 2, before any rank starts.
+TEST(FoundingExample, BadOptionsAreNamedBeforeAnyRankStarts) {
+  expect_help_lists(example(), {"--device"});
+  expect_bad_options(example(), {
+      {{"--bogus"}, "unknown option '--bogus'"},
+      {{"extra"}, "unexpected argument 'extra'"},
+      {{"--device", "gpu"}, "--device: expected one of cpu, cuda, got 'gpu'"},
+      {{"--device"}, "--device: 1 required"},
+  });
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // optimizer, and exits non-zero when the parameters differ (bit for bit on
 // shm); rank 0's printout is checked here.
 
+#include "harness/command_line.h"
 #include "harness/subprocess.h"
 
 #include <gmock/gmock.h>
@@ -55,6 +56,25 @@ TEST(ZeroTrainExample, BadArgumentsExitNonZeroWithTheReason) {
                        clean_env({}), std::chrono::seconds(60));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_THAT(r.out + r.err, HasSubstr("zero_train: --accumulate must divide the batch of 24"));
+}
+
+// Every option in --help; each bad one named, exit code 2, before any rank starts.
+TEST(ZeroTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
+  const std::string program = build_path("bin/zero_train");
+  expect_help_lists(program,
+                    {"--stage", "--optimizer", "--epochs", "--accumulate", "--max-grad-norm", "--bucket-cap-mb"});
+  expect_bad_options(program, {
+      {{"--bogus"}, "unknown option '--bogus'"},
+      {{"--stage", "3"}, "--stage: expected an integer in [1, 2], got '3'"},
+      {{"--optimizer", "lamb"}, "--optimizer: expected one of adam, adamw, sgd, got 'lamb'"},
+      {{"--epochs", "0"}, "--epochs: expected an integer in [1, 2147483647], got '0'"},
+      {{"--epochs", "-1"}, "--epochs: expected an integer in [1, 2147483647], got '-1'"},
+      {{"--accumulate", "0"}, "--accumulate: expected an integer in [1, 2147483647], got '0'"},
+      {{"--accumulate", "two"}, "--accumulate: expected an integer in [1, 2147483647], got 'two'"},
+      {{"--accumulate", "5"}, "--accumulate must divide the batch of 24"},
+      {{"--max-grad-norm", "-1"}, "--max-grad-norm: expected a number >= 0, got '-1'"},
+      {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb: expected a number > 0, got '0'"},
+  });
 }
 
 }  // namespace

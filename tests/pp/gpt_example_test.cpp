@@ -5,6 +5,7 @@
 // another layout continue the curve (bit for bit under the same layout);
 // the progress lines, the loss curve files, a text corpus, and the errors.
 
+#include "harness/command_line.h"
 #include "harness/subprocess.h"
 #include "harness/temp_dir.h"
 
@@ -99,6 +100,12 @@ TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
   ASSERT_EQ(got.size(), 3u) << resumed.out;
   for (int step = 4; step <= 6; ++step) EXPECT_EQ(got.at(step), want.at(step)) << "step " << step;
 
+  // No more steps than the checkpoint holds: an error before any rank starts, not a run that does nothing.
+  expect_bad_options(build_path("bin/gpt_train"),
+                     {{{"--steps", "2", "--resume", dir},
+                       "--steps 2: the checkpoint in " + dir + " already holds step 3"},
+                      {{"--steps", "3", "--resume", dir}, "already holds step 3; nothing to train"}});
+
   // Other layouts: the one-rank curve from step 1, compared on steps 4-6.
   for (const auto& [ranks, layout] : std::vector<std::pair<int, std::vector<std::string>>>{
            {4, {"--pp", "2", "--dp", "2"}}, {1, {}}, {4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}}}) {
@@ -166,6 +173,37 @@ TEST(GptTrainExample, LayoutsThatDoNotFitAreErrors) {
     EXPECT_NE(r.exit_code, 0) << message;
     EXPECT_THAT(r.err, HasSubstr(message));
   }
+}
+
+// Every option in --help; each bad one named, exit code 2, before any rank starts.
+TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
+  const std::string program = build_path("bin/gpt_train");
+  expect_help_lists(program, {"--tp", "--pp", "--dp", "--sp", "--microbatches", "--steps", "--schedule",
+                              "--stages-per-rank", "--save", "--save-every", "--resume", "--text", "--curve",
+                              "--check"});
+  const std::string positive = "expected an integer in [1, 2147483647]";
+  expect_bad_options(program, {
+      {{"--bogus"}, "unknown option '--bogus'"},
+      {{"--tp", "2", "--bogus", "1"}, "unknown option '--bogus'"},
+      {{"extra"}, "unexpected argument 'extra'"},
+      {{"--microbatches", "0"}, "--microbatches: " + positive + ", got '0'"},
+      {{"--dp", "0"}, "--dp: " + positive + ", got '0'"},
+      {{"--tp", "0"}, "--tp: " + positive + ", got '0'"},
+      {{"--pp", "0"}, "--pp: " + positive + ", got '0'"},
+      {{"--tp", "two"}, "--tp: " + positive + ", got 'two'"},
+      {{"--tp", "2x"}, "--tp: " + positive + ", got '2x'"},
+      {{"--steps", "99999999999"}, "--steps: " + positive + ", got '99999999999'"},
+      {{"--steps", "-1"}, "--steps: " + positive + ", got '-1'"},
+      {{"--steps", "0"}, "--steps: " + positive + ", got '0'"},
+      {{"--steps"}, "--steps: 1 required"},
+      {{"--schedule", "interleaved", "--stages-per-rank", "-1"}, "--stages-per-rank: expected an integer in [0, "},
+      {{"--schedule", "zb"}, "--schedule: expected one of 1f1b, gpipe, interleaved, zbh1, got 'zb'"},
+      {{"--save-every", "-2", "--save", "x"}, "--save-every: expected an integer in [0, "},
+      {{"--check=1"}, "--check takes no value"},
+      {{"--dp", "65536", "--microbatches", "65536"}, "does not split into 65536 replicas x 65536 microbatches"},
+      {{"--pp", "2", "--stages-per-rank", "2"}, "--stages-per-rank 2 needs --schedule interleaved"},
+      {{"--save-every", "2"}, "--save-every needs --save DIR"},
+  });
 }
 
 }  // namespace

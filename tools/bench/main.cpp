@@ -29,6 +29,8 @@
 
 #include "commgrad/dist/process_group.h"
 
+#include "cli/cli.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -39,6 +41,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,49 +65,24 @@ struct Options {
   double link_latency_us = 0;
 };
 
-void usage(std::ostream& out) {
-  out << "usage: commgrad-run -n N commgrad-bench [options]\n"
-         "  --op NAME        all_reduce, all_gather, reduce_scatter, broadcast, reduce, scatter,\n"
-         "                   gather, all_to_all, send_recv, or all (default all_reduce)\n"
-         "  --backend B      auto, gloo, nccl, shm (default auto)\n"
-         "  -b, --minbytes S smallest size (default 4K; K, M, G suffixes)\n"
-         "  -e, --maxbytes S largest size (default 64M)\n"
-         "  -f, --stepfactor F  multiply the size by F each step (default 2)\n"
-         "  -d, --dtype T    float32, float64, float16, bfloat16, int32, int64, int8, uint8\n"
-         "  -o, --redop R    sum, avg, max, min, prod (default sum)\n"
-         "  -r, --root R     root of broadcast, reduce, scatter, gather (default 0)\n"
-         "  -n, --iters I    timed iterations per size (default 20)\n"
-         "  -w, --warmup W   untimed iterations first (default 5)\n"
-         "  -c, --check 0|1  check results (default 1)\n"
-         "  --no-backward    skip the forward+backward columns\n"
-         "  --link-gbps G    add the link floor (us) at G Gbit/s per host link, and xfloor\n"
-         "  --link-latency-us T  add T per step among hosts to the floor (needs --link-gbps)\n";
-}
-
-int64_t parse_size(const std::string& s) {
+// "4K" -> 4096 (K, M, G: powers of 1024; fractions allowed); nothing when not a size.
+std::optional<int64_t> parse_size(const std::string& s) {
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
-  TORCH_CHECK(end != s.c_str() && v >= 0, "commgrad-bench: bad size '", s, "'");
+  if (end == s.c_str() || !(v >= 0) || v > 1e15) return std::nullopt;
   int64_t mult = 1;
   switch (*end) {
     case 'K': case 'k': mult = 1 << 10; break;
     case 'M': case 'm': mult = 1 << 20; break;
     case 'G': case 'g': mult = int64_t{1} << 30; break;
     case '\0': break;
-    default: TORCH_CHECK(false, "commgrad-bench: bad size '", s, "'");
+    default: return std::nullopt;
   }
+  if (*end != '\0' && end[1] != '\0') return std::nullopt;
   return static_cast<int64_t>(v * mult);
 }
 
-double parse_number(const std::string& option, const std::string& s) {
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  TORCH_CHECK(end != s.c_str() && *end == '\0' && v >= 0, "commgrad-bench: ", option,
-              " needs a non-negative number, got '", s, "'");
-  return v;
-}
-
-at::ScalarType parse_dtype(const std::string& s) {
+std::optional<at::ScalarType> parse_dtype(const std::string& s) {
   if (s == "float32" || s == "float" || s == "fp32") return at::kFloat;
   if (s == "float64" || s == "double" || s == "fp64") return at::kDouble;
   if (s == "float16" || s == "half" || s == "fp16") return at::kHalf;
@@ -113,16 +91,16 @@ at::ScalarType parse_dtype(const std::string& s) {
   if (s == "int64" || s == "long") return at::kLong;
   if (s == "int8") return at::kChar;
   if (s == "uint8") return at::kByte;
-  TORCH_CHECK(false, "commgrad-bench: unknown dtype '", s, "'");
+  return std::nullopt;
 }
 
-ReduceOp parse_redop(const std::string& s) {
+std::optional<ReduceOp> parse_redop(const std::string& s) {
   if (s == "sum") return ReduceOp::kSum;
   if (s == "avg") return ReduceOp::kAvg;
   if (s == "max") return ReduceOp::kMax;
   if (s == "min") return ReduceOp::kMin;
   if (s == "prod" || s == "product") return ReduceOp::kProduct;
-  TORCH_CHECK(false, "commgrad-bench: unknown reduction '", s, "'");
+  return std::nullopt;
 }
 
 const char* dtype_name(at::ScalarType t) {
@@ -139,53 +117,65 @@ const char* dtype_name(at::ScalarType t) {
   }
 }
 
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      TORCH_CHECK(i + 1 < argc, "commgrad-bench: ", a, " needs a value");
-      return argv[++i];
-    };
-    if (a == "-h" || a == "--help") {
-      usage(std::cout);
-      std::exit(0);
-    } else if (a == "--op") {
-      o.op = value();
-    } else if (a == "--backend") {
-      o.backend = value();
-    } else if (a == "-b" || a == "--minbytes") {
-      o.min_bytes = parse_size(value());
-    } else if (a == "-e" || a == "--maxbytes") {
-      o.max_bytes = parse_size(value());
-    } else if (a == "-f" || a == "--stepfactor") {
-      o.factor = std::max<int64_t>(2, std::stoll(value()));
-    } else if (a == "-d" || a == "--dtype") {
-      o.dtype = parse_dtype(value());
-    } else if (a == "-o" || a == "--redop") {
-      o.redop = parse_redop(value());
-    } else if (a == "-r" || a == "--root") {
-      o.root = std::stoi(value());
-    } else if (a == "-n" || a == "--iters") {
-      o.iters = std::max(1, std::stoi(value()));
-    } else if (a == "-w" || a == "--warmup") {
-      o.warmup = std::max(0, std::stoi(value()));
-    } else if (a == "-c" || a == "--check") {
-      o.check = std::stoi(value()) != 0;
-    } else if (a == "--no-backward") {
-      o.backward = false;
-    } else if (a == "--link-gbps") {
-      o.link_gbps = parse_number(a, value());
-      TORCH_CHECK(o.link_gbps > 0, "commgrad-bench: --link-gbps needs a positive bandwidth, got ", o.link_gbps);
-    } else if (a == "--link-latency-us") {
-      o.link_latency_us = parse_number(a, value());
-    } else {
-      usage(std::cerr);
-      TORCH_CHECK(false, "commgrad-bench: unknown option '", a, "'");
-    }
-  }
-  TORCH_CHECK(o.link_latency_us == 0 || o.link_gbps > 0, "commgrad-bench: --link-latency-us needs --link-gbps");
-  return o;
+// A validator that accepts what `parse` turns into a value.
+template <class Parse>
+CLI::Validator parses(Parse parse, std::string what) {
+  return CLI::Validator(
+      [parse, what](std::string& text) { return parse(text) ? std::string() : what + ", got '" + text + "'"; }, "",
+      what);
+}
+
+// The options of the command line into `o`; the exit code when the program
+// ends here (--help, or a bad command line, named on stderr with exit code 2).
+std::optional<int> parse(int argc, char** argv, Options& o) {
+  std::string op_names;
+  for (const auto& c : collectives()) op_names += c.name + std::string(", ");
+  op_names += "all";
+  cli::App app("commgrad-bench",
+               "nccl-tests-style tables for commgrad's collectives: the raw transport call against the\n"
+               "differentiable op, forward and forward+backward.\n"
+               "  commgrad-run -n N commgrad-bench [options]");
+  app.add_option("--op", o.op, op_names)->type_name("NAME");
+  app.add_option("--backend", o.backend, "auto, gloo, nccl, shm")->type_name("B");
+  app.add_option_function<std::string>("-b,--minbytes", [&o](const std::string& s) { o.min_bytes = *parse_size(s); },
+                                       "smallest size (K, M, G suffixes; default 4K)")
+      ->type_name("S")
+      ->check(parses(parse_size, "expected a size in bytes such as 4K, 1M or 1G"));
+  app.add_option_function<std::string>("-e,--maxbytes", [&o](const std::string& s) { o.max_bytes = *parse_size(s); },
+                                       "largest size (default 64M)")
+      ->type_name("S")
+      ->check(parses(parse_size, "expected a size in bytes such as 4K, 1M or 1G"));
+  app.add_option("-f,--stepfactor", o.factor, "multiply the size by F each step")
+      ->type_name("F")
+      ->check(cli::integer<int64_t>(2));
+  app.add_option_function<std::string>("-d,--dtype", [&o](const std::string& s) { o.dtype = *parse_dtype(s); },
+                                       "float32, float64, float16, bfloat16, int32, int64, int8,\n"
+                                       "uint8 (default float32)")
+      ->type_name("T")
+      ->check(parses(parse_dtype, "expected float32, float64, float16, bfloat16, int32, int64, int8 or uint8"));
+  app.add_option_function<std::string>("-o,--redop", [&o](const std::string& s) { o.redop = *parse_redop(s); },
+                                       "sum, avg, max, min, prod (default sum)")
+      ->type_name("R")
+      ->check(parses(parse_redop, "expected sum, avg, max, min or prod"));
+  app.add_option("-r,--root", o.root, "root of broadcast, reduce, scatter, gather")
+      ->type_name("R")
+      ->check(cli::non_negative());
+  app.add_option("-n,--iters", o.iters, "timed iterations per size")->type_name("I")->check(cli::positive());
+  app.add_option("-w,--warmup", o.warmup, "untimed iterations first")->type_name("W")->check(cli::non_negative());
+  app.add_option("-c,--check", o.check, "check results (0 or 1)")->type_name("0|1")->check(cli::integer(0, 1));
+  app.add_flag_callback("--no-backward", [&o] { o.backward = false; }, "skip the forward+backward columns");
+  app.add_option("--link-gbps", o.link_gbps, "add the link floor (us) at G Gbit/s per host link, and xfloor")
+      ->type_name("G")
+      ->check(cli::number(0, /*inclusive=*/false));
+  app.add_option("--link-latency-us", o.link_latency_us, "add T per step among hosts to the floor (needs --link-gbps)")
+      ->type_name("T")
+      ->check(cli::number(0, /*inclusive=*/true));
+  return cli::parse(app, argc, argv, [&o, &op_names] {
+    bool known = o.op == "all";
+    for (const auto& c : collectives()) known = known || o.op == c.name;
+    if (!known) throw cli::usage_error("unknown --op '" + o.op + "' (" + op_names + ")");
+    if (o.link_latency_us != 0 && o.link_gbps <= 0) throw cli::usage_error("--link-latency-us needs --link-gbps");
+  });
 }
 
 void barrier(const Group& g) {
@@ -377,14 +367,12 @@ void run(const Collective& c, const Options& o, const Group& g) {
 int main(int argc, char** argv) {
   using namespace commgrad::bench;
   try {
-    const Options o = parse(argc, argv);
+    Options o;
+    if (const auto code = parse(argc, argv, o)) return *code;
     std::vector<const Collective*> chosen;
     for (const auto& c : collectives()) {
       if (o.op == "all" || o.op == c.name) chosen.push_back(&c);
     }
-    TORCH_CHECK(!chosen.empty(), "commgrad-bench: unknown --op '", o.op,
-                "' (all_reduce, all_gather, reduce_scatter, broadcast, reduce, scatter, gather, all_to_all, "
-                "send_recv, all)");
     auto world = commgrad::init_process_group(commgrad::InitOptions().backend(o.backend));
     TORCH_CHECK(o.root >= 0 && o.root < world.size(), "commgrad-bench: --root ", o.root, " is outside 0..",
                 world.size() - 1);

@@ -124,9 +124,9 @@ std::optional<int> parse(CLI::App& app, int argc, const char* const* argv, Check
   } catch (const CLI::ExtrasError&) {
     // CLI11 lists every extra word (last first); name the first one.
     const std::vector<std::string> extras = app.remaining();
-    const std::string& first = extras.empty() ? std::string() : extras.front();
-    return report_usage_error(app, (first.size() > 1 && first[0] == '-' ? "unknown option '" : "unexpected argument '") +
-                                       first + "'");
+    const std::string first = extras.empty() ? std::string() : extras.front();
+    const bool option = first.size() > 1 && first[0] == '-';
+    return report_usage_error(app, (option ? "unknown option '" : "unexpected argument '") + first + "'");
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
     return 0;
