@@ -179,7 +179,7 @@ struct Row {
 // Trains `l` for warm-up plus measured steps; the result is the same on every rank.
 Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) {
   const commgrad::Group world = commgrad::world();
-  const auto state = tp::make_model_parallel(l.tp, l.pp, world);
+  const auto state = commgrad::make_model_parallel(l.tp, l.pp, world);
   gpt::TrainerOptions options;
   options.batch = c.batch;
   options.microbatches = c.microbatches;

@@ -93,11 +93,11 @@ int main(int argc, char** argv) {
   const int blas_threads = commgrad::set_blas_threads(threads);
   const bool speaker = world.rank() == 0;
 
-  auto state = tp::initialize_model_parallel(n);
+  auto state = commgrad::initialize_model_parallel(n);
   const auto& g = state.tensor_parallel_group();
   tp::ParallelMLP mlp(tp::ParallelMLPOptions(c.hidden, c.ffn, g).seed(1));
   // The same shard sizes without communication.
-  tp::ParallelMLP local(tp::ParallelMLPOptions(c.hidden, c.ffn / n, tp::single_rank_group()).seed(1));
+  tp::ParallelMLP local(tp::ParallelMLPOptions(c.hidden, c.ffn / n, commgrad::self_group()).seed(1));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
   const auto x = at::randn({c.tokens, c.hidden}, gen).requires_grad_(true);
   const auto activation = at::randn({c.tokens, c.hidden}, gen);
@@ -155,7 +155,7 @@ int main(int argc, char** argv) {
                   step_ms - local_ms, 100.0 * (step_ms - local_ms) / step_ms, 2 * ar_ms, 100.0 * 2 * ar_ms / step_ms);
     }
   }
-  tp::destroy_model_parallel();
+  commgrad::destroy_model_parallel();
   commgrad::destroy_process_group();
   return 0;
 }

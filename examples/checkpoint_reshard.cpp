@@ -52,11 +52,11 @@ struct Config {
 
 // One training run at TP = tp (DP = world / tp) from step `from` to `to`.
 struct Run {
-  tp::ParallelState state;
+  commgrad::ParallelState state;
   tp::ParallelMLP mlp{nullptr};
   std::unique_ptr<commgrad::optim::ZeroOptimizer> zero;
 
-  explicit Run(int tp_size) : state(tp::make_model_parallel(tp_size, 1, commgrad::world())) {
+  explicit Run(int tp_size) : state(commgrad::make_model_parallel(tp_size, 1, commgrad::world())) {
     mlp = tp::ParallelMLP(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(kSeed));
     zero = std::make_unique<commgrad::optim::ZeroOptimizer>(
         mlp,

@@ -12,7 +12,7 @@
 // The model (examples/gpt/model.h): a vocabulary-parallel embedding plus
 // learned positions, 4 ParallelTransformerLayers, a final LayerNorm and the
 // output layer tied to the embedding, with vocabulary-parallel cross
-// entropy. The ranks follow Megatron's order (tp::make_model_parallel): a
+// entropy. The ranks follow Megatron's order (commgrad::make_model_parallel): a
 // pipeline of `pp` ranks (each with `stages-per-rank` stages under the
 // interleaved schedule), each stage split over `tp` ranks, and `dp` replicas
 // of the whole, trained with the sharded optimizer (ZeRO-2, AdamW,
@@ -147,7 +147,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
 // Trains the model alone on every rank (a group of this process alone for
 // every role) from step 1; returns the losses.
 std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus) {
-  const commgrad::Group alone = tp::single_rank_group();
+  const commgrad::Group alone = commgrad::self_group();
   c.schedule = "1f1b";
   c.stages_per_rank = 1;
   auto config = model_config;
@@ -186,7 +186,7 @@ int main(int argc, char** argv) {
       std::printf(", %d microbatches; data %s\n", c.microbatches, corpus.describe().c_str());
       std::fflush(stdout);
     }
-    const auto state = tp::make_model_parallel(c.tp, c.pp, commgrad::world());
+    const auto state = commgrad::make_model_parallel(c.tp, c.pp, commgrad::world());
     gpt::Trainer trainer(trainer_options(c), model_config,
                          gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
                                      state.data_parallel_group(), state.embedding_group()});

@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
     const torch::Device device = cuda ? commgrad::device() : torch::Device(torch::kCPU);
     const int n = commgrad::world_size();
     const bool speaker = commgrad::rank() == 0;
-    auto state = tp::initialize_model_parallel(n);
+    auto state = commgrad::initialize_model_parallel(n);
     if (speaker) {
       std::cout << commgrad::build_info().to_string() << "\n";
       std::cout << "Megatron FFN on " << n << " tensor-parallel rank" << (n > 1 ? "s" : "") << " ("
@@ -103,7 +103,7 @@ int main(int argc, char** argv) {
     ok = run(g, /*sequence_parallel=*/false, torch::kFloat32, speaker, device) && ok;
     ok = run(g, /*sequence_parallel=*/true, torch::kFloat32, speaker, device) && ok;
     ok = run(g, /*sequence_parallel=*/false, torch::kFloat64, speaker, device) && ok;
-    tp::destroy_model_parallel();
+    commgrad::destroy_model_parallel();
     commgrad::destroy_process_group();
     if (!ok) {
       std::cerr << "megatron_ffn: the parallel FFN does not match the one-rank reference\n";

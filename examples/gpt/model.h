@@ -15,7 +15,7 @@
 // the first stage holds the embedding and the positions, the rank of the
 // last stage the final norm and a copy of the embedding for the output
 // layer (Megatron's shared embedding: the two copies' gradients are summed
-// over tp::ParallelState::embedding_group()). With `tie` off the output
+// over commgrad::ParallelState::embedding_group()). With `tie` off the output
 // layer has a weight of its own ("output.weight", vocabulary-parallel,
 // initialised as the embedding is but from another seed): the form that
 // frameworks which cannot share a weight between stages can express

@@ -21,7 +21,7 @@
 
 namespace gpt {
 
-/// The groups of a layout (tp::ParallelState's, or one rank's own group for all).
+/// The groups of a layout (commgrad::ParallelState's, or one rank's own group for all).
 struct Layout {
   commgrad::Group tp, pp, dp, embedding;
 };

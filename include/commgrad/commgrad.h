@@ -8,6 +8,7 @@
 #include "commgrad/dist/device.h"
 #include "commgrad/dist/environment.h"
 #include "commgrad/dist/group.h"
+#include "commgrad/dist/parallel_state.h"
 #include "commgrad/dist/process_group.h"
 #include "commgrad/dist/transport.h"
 #include "commgrad/util/blas.h"
@@ -15,28 +16,12 @@
 #include "commgrad/util/logging.h"
 #include "commgrad/util/print.h"
 
-// Layers that are built as separate libraries (see CMakeLists.txt).
-#if __has_include("commgrad/backend.h")
+// The layers built as separate libraries (see CMakeLists.txt), bottom up.
 #include "commgrad/backend.h"
-#endif
-#if __has_include("commgrad/ops.h")
 #include "commgrad/ops.h"
-#endif
-#if __has_include("commgrad/tp.h")
 #include "commgrad/tp.h"
-#endif
-#if __has_include("commgrad/dp.h")
 #include "commgrad/dp.h"
-#endif
-#if __has_include("commgrad/optim.h")
 #include "commgrad/optim.h"
-#endif
-#if __has_include("commgrad/pp.h")
 #include "commgrad/pp.h"
-#endif
-#if __has_include("commgrad/check.h")
 #include "commgrad/check.h"
-#endif
-#if __has_include("commgrad/checkpoint.h")
 #include "commgrad/checkpoint.h"
-#endif

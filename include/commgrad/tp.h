@@ -2,7 +2,8 @@
 // commgrad::tp: tensor parallelism (Megatron-style), Family 2 gradient
 // semantics: one replicated loss per tensor-parallel group (DESIGN.md).
 //
-//   parallel_state.h  TP / PP / DP groups in Megatron's rank order
+//   parallel_state.h  how layers find their TP group (the layout itself is
+//                     dist/parallel_state.h)
 //   mappings.h        copy_to / reduce_from / scatter_to / gather_from the
 //                     TP and sequence-parallel regions
 //   linear.h          ColumnParallelLinear, RowParallelLinear
@@ -13,11 +14,12 @@
 //   random.h          tensor-parallel random streams, tp::dropout
 //   attention.h       ParallelSelfAttention
 //   transformer_layer.h  ParallelTransformerLayer
+//   weight_gradients.h   deferred weight gradients (the zero-bubble W step)
 //   reference.h       the layers' unsplit, single-rank references
 //
 // Example:
 //   commgrad::init_process_group();
-//   commgrad::tp::initialize_model_parallel(2);
+//   commgrad::initialize_model_parallel(2);
 //   commgrad::tp::ParallelMLP mlp(commgrad::tp::ParallelMLPOptions(1024, 4096).seed(42));
 //   auto y = mlp(x);
 
@@ -31,4 +33,5 @@
 #include "commgrad/tp/random.h"
 #include "commgrad/tp/attention.h"
 #include "commgrad/tp/transformer_layer.h"
+#include "commgrad/tp/weight_gradients.h"
 #include "commgrad/tp/reference.h"

@@ -42,29 +42,8 @@ struct Acc<c10::BFloat16> {
 // AVG of integers sums in a type the sum of every rank cannot overflow (then
 // divides, truncating as C does), so mean(100, 100) of int8 is 100, not -28.
 template <typename T>
-struct AvgAcc {
-  using type = typename Acc<T>::type;
-};
-template <>
-struct AvgAcc<int8_t> {
-  using type = int64_t;
-};
-template <>
-struct AvgAcc<uint8_t> {
-  using type = int64_t;
-};
-template <>
-struct AvgAcc<int16_t> {
-  using type = int64_t;
-};
-template <>
-struct AvgAcc<int32_t> {
-  using type = int64_t;
-};
-template <>
-struct AvgAcc<int64_t> {
-  using type = __int128;
-};
+using AvgAcc = std::conditional_t<std::is_same_v<T, int64_t>, __int128,
+                                  std::conditional_t<std::is_integral_v<T>, int64_t, typename Acc<T>::type>>;
 
 // Integer arithmetic wraps (through unsigned types: no undefined overflow).
 template <typename A>
@@ -163,7 +142,7 @@ void reduce_typed(void* dst, void* dst2, const void* const* srcs, int nsrcs, int
       return reduce_blocks<T, A>(dst, dst2, srcs, nsrcs, count, Add<A>{}, Keep<A>{});
     case RedOp::kAvg:
       if constexpr (std::is_integral_v<T>) {
-        using W = typename AvgAcc<T>::type;
+        using W = AvgAcc<T>;
         return reduce_blocks<T, W>(dst, dst2, srcs, nsrcs, count, WideAdd<W>{}, Divide<W>{divisor});
       } else {
         return reduce_blocks<T, A>(dst, dst2, srcs, nsrcs, count, Add<A>{}, Divide<A>{divisor});

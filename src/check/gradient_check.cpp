@@ -334,7 +334,7 @@ GradCheckResult check_gradients(const std::function<Subject(const Group& tp_grou
                                 const std::vector<at::Tensor>& inputs, const GradCheckOptions& options) {
   const Group g = tp::resolve_tp_group(options.group(), kOp);
   const Subject parallel = factory(g);
-  const Subject reference = factory(tp::single_rank_group());
+  const Subject reference = factory(commgrad::self_group());
   GradCheckOptions o = options;
   o.group(g);
   return check_gradients(parallel, reference, inputs, o);

@@ -5,7 +5,7 @@
 #include "commgrad/backend/shm_process_group.h"
 #include "commgrad/config.h"
 #include "commgrad/dist/build_info.h"
-#include "detail/hierarchical_transport.h"
+#include "commgrad/backend/hierarchical_transport.h"
 #include "commgrad/util/env.h"
 
 #include <c10/util/Exception.h>
@@ -109,7 +109,7 @@ std::vector<std::vector<int>> members_by_host(const std::vector<std::string>& ho
 }
 
 // Shm inside each host, Gloo between the first members of the hosts, flat
-// Gloo for the rest (detail/hierarchical_transport.h).
+// Gloo for the rest (backend/hierarchical_transport.h).
 detail::Transport create_hierarchical(const detail::TransportConfig& c) {
   const auto hosts = members_by_host(c.hosts);
   int host = 0;
@@ -117,7 +117,7 @@ detail::Transport create_hierarchical(const detail::TransportConfig& c) {
   const auto& mine = hosts[host];
   const int local_rank = static_cast<int>(std::find(mine.begin(), mine.end(), c.rank) - mine.begin());
 
-  detail::HierarchyParts parts;
+  backend::HierarchyParts parts;
   parts.hosts = static_cast<int>(hosts.size());
   parts.local_size = static_cast<int>(mine.size());
   parts.host = host;
@@ -138,8 +138,8 @@ detail::Transport create_hierarchical(const detail::TransportConfig& c) {
     leaders.size = parts.hosts;
     parts.leaders = create_gloo(leaders);
   }
-  auto hierarchical = c10::make_intrusive<detail::HierarchicalTransport>(c.rank, c.size, std::move(parts));
-  detail::HierarchicalTransport* pg = hierarchical.get();  // owned by the Transport returned with the table
+  auto hierarchical = c10::make_intrusive<backend::HierarchicalTransport>(c.rank, c.size, std::move(parts));
+  backend::HierarchicalTransport* pg = hierarchical.get();  // owned by the Transport returned with the table
   detail::TransportCapabilities caps;
   caps.reduce_scatter = [pg](at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) {
     return pg->_reduce_scatter_base(out, in, o);

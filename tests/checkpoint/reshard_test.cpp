@@ -39,7 +39,7 @@ TEST(CheckpointModules, SavedAtTp2Dp2LoadsAtEveryOtherLayout) {
   TempRoot root("modules");
   std::map<std::string, at::Tensor> expected;
   spawn_ranks(4, [&](Group& world) {
-    auto state = tp::make_model_parallel(2, 1, world);
+    auto state = commgrad::make_model_parallel(2, 1, world);
     Net net(state.tensor_parallel_group(), 11);
     const auto full = tp::gather_full_state_dict(*net);
     if (world.rank() == 0) {
@@ -62,7 +62,7 @@ TEST(CheckpointModules, SavedAtTp2Dp2LoadsAtEveryOtherLayout) {
   for (const Layout layout : {Layout{1, 1}, Layout{4, 4}, Layout{1, 4}, Layout{2, 2}}) {
     SCOPED_TRACE("TP=" + std::to_string(layout.tp) + " x DP=" + std::to_string(layout.world / layout.tp));
     spawn_ranks(layout.world, [&](Group& world) {
-      auto state = tp::make_model_parallel(layout.tp, 1, world);
+      auto state = commgrad::make_model_parallel(layout.tp, 1, world);
       Net net(state.tensor_parallel_group(), 99);
       const auto result = checkpoint::load(root.str(), checkpoint::module_pieces(*net), {}, world);
       EXPECT_EQ(result.metadata.at("layout"), "tp2 x dp2");
@@ -90,7 +90,7 @@ TEST(CheckpointRng, RestoredExactlyUnderTheSameLayoutAndByTheRuleUnderAnother) {
   std::map<int, at::Tensor> next_default;  // by world rank of the save
   std::map<int, at::Tensor> next_parallel;
   spawn_ranks(4, [&](Group& world) {
-    auto state = tp::make_model_parallel(2, 1, world);
+    auto state = commgrad::make_model_parallel(2, 1, world);
     tp::RngTracker tracker;
     tp::model_parallel_manual_seed(1234, state.tensor_parallel_group(), tracker);
     draw(tracker.default_generator());
@@ -102,7 +102,7 @@ TEST(CheckpointRng, RestoredExactlyUnderTheSameLayoutAndByTheRuleUnderAnother) {
   });
   // The same layout: every stream exactly.
   spawn_ranks(4, [&](Group& world) {
-    auto state = tp::make_model_parallel(2, 1, world);
+    auto state = commgrad::make_model_parallel(2, 1, world);
     tp::RngTracker tracker;
     tp::model_parallel_manual_seed(5, state.tensor_parallel_group(), tracker);
     auto pieces = checkpoint::rng_pieces(tracker, state.tensor_parallel_group());
@@ -115,7 +115,7 @@ TEST(CheckpointRng, RestoredExactlyUnderTheSameLayoutAndByTheRuleUnderAnother) {
   // TP=4: the default stream everywhere; TP ranks 0 and 1 get their saved
   // stream, TP ranks 2 and 3 (absent from the save) keep their own seed.
   spawn_ranks(4, [&](Group& world) {
-    auto state = tp::make_model_parallel(4, 1, world);
+    auto state = commgrad::make_model_parallel(4, 1, world);
     const Group& tp_group = state.tensor_parallel_group();
     tp::RngTracker tracker;
     tp::model_parallel_manual_seed(5, tp_group, tracker);

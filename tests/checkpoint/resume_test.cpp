@@ -43,7 +43,7 @@ std::vector<double> train(const Layout& layout, int from, int to, const std::str
   const auto d = data();
   std::vector<double> losses;
   spawn_ranks(layout.world(), [&](Group& world) {
-    auto state = tp::make_model_parallel(layout.tp, 1, world);
+    auto state = commgrad::make_model_parallel(layout.tp, 1, world);
     tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(42));
     optim::ZeroOptimizer zero(
         mlp, [](auto shards) { return std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(0.01)); },
@@ -111,7 +111,7 @@ TEST(ZeroResume, SameLayoutIsBitForBitAndOtherLayoutsFollowTheCurve) {
 TEST(ZeroResume, AModelOnlyCheckpointHasNoOptimizerState) {
   TempRoot root("model-only");
   spawn_ranks(2, [&](Group& world) {
-    auto state = tp::make_model_parallel(1, 1, world);
+    auto state = commgrad::make_model_parallel(1, 1, world);
     tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(42));
     optim::ZeroOptimizer zero(
         mlp, [](auto shards) { return std::make_unique<torch::optim::Adam>(shards, torch::optim::AdamOptions(0.01)); },

@@ -276,7 +276,7 @@ int main() {
                   h.back() - h.front() + 1 == static_cast<int>(h.size());  // consecutive ranks
   }
   if (equal_hosts) {
-    auto state = commgrad::tp::make_model_parallel(static_cast<int>(by_host.front().size()));
+    auto state = commgrad::make_model_parallel(static_cast<int>(by_host.front().size()));
     check(state.tensor_parallel_group().backend_name() == "shm", "TP group transport in " + state.describe());
     check(state.data_parallel_group().backend_name() == "gloo", "DP group transport in " + state.describe());
     const auto dp_sum = ops::all_reduce(at::ones({2}), {}, state.data_parallel_group());

@@ -40,7 +40,7 @@ TEST(DdpTensorParallel, TwoByTwoMatchesTheUnsplitModel) {
       reference_opt->step();
     }
     spawn_ranks(4, [&](Group& world) {
-      auto state = tp::make_model_parallel(/*tensor_parallel_size=*/2, 1, world);
+      auto state = commgrad::make_model_parallel(/*tensor_parallel_size=*/2, 1, world);
       ASSERT_EQ(state.data_parallel_size(), 2);
       tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, state.tensor_parallel_group()).seed(kSeed));
       mlp->to(torch::kDouble);

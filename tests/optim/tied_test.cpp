@@ -86,7 +86,7 @@ TEST_P(ZeroTied, BothCopiesFollowTheOneModel) {
   }
 
   spawn_ranks(2 * stages, [&](Group& world) {
-    auto state = tp::make_model_parallel(1, stages, world);
+    auto state = commgrad::make_model_parallel(1, stages, world);
     const int s = state.pipeline_parallel_rank();
     const int dp = state.data_parallel_rank();
     Stage stage(s, stages);
@@ -132,7 +132,7 @@ INSTANTIATE_TEST_SUITE_P(StagesAndZero, ZeroTied,
 
 TEST(ZeroTied, CopiesThatDifferAreErrorsOnEveryRank) {
   spawn_ranks(2, [](Group& world) {
-    auto state = tp::make_model_parallel(1, 2, world);
+    auto state = commgrad::make_model_parallel(1, 2, world);
     const int s = state.pipeline_parallel_rank();
     auto module = std::make_shared<torch::nn::Module>();
     module->register_parameter("tied", s == 0 ? at::zeros({4, 3}) : at::zeros({4, 2}));

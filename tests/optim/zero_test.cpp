@@ -351,7 +351,7 @@ TEST_P(ZeroTensorParallel, TwoByTwoMatchesTheUnsplitModel) {
     ref_opt->step();
   }
   spawn_ranks(4, [&](Group& world) {
-    auto state = tp::make_model_parallel(2, 1, world);
+    auto state = commgrad::make_model_parallel(2, 1, world);
     tp::ParallelMLP mlp(
         tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).sequence_parallel(sp).seed(42));
     optim::ZeroOptimizer zero(mlp, [](auto shards) { return make(Kind::kAdamW, shards); },

@@ -121,7 +121,7 @@ TEST(PipelineTest, PipelineTimesDataParallelReducesOncePerStep) {
   ref_loss.backward();
   for (const std::string schedule : {"1f1b", "zbh1"}) spawn_ranks(4, [&](Group& world) {
     SCOPED_TRACE(schedule);
-    auto state = tp::make_model_parallel(1, 2, world);
+    auto state = commgrad::make_model_parallel(1, 2, world);
     const int stage = state.pipeline_parallel_rank();
     const int dp = state.data_parallel_rank();
     Block block(stage);
@@ -157,7 +157,7 @@ TEST(PipelineTest, OneDataParallelOverAllOfARanksStagesReducesOncePerStep) {
   for (auto& b : whole) h = b->forward(h);
   mse(h, y).backward();
   spawn_ranks(4, [&](Group& world) {
-    auto state = tp::make_model_parallel(1, 2, world);
+    auto state = commgrad::make_model_parallel(1, 2, world);
     const int rank = state.pipeline_parallel_rank();
     const int dp = state.data_parallel_rank();
     auto both = std::make_shared<torch::nn::Module>();

@@ -49,7 +49,7 @@ TEST_P(PipelineTimesTensorParallel, LossAndEveryGradientMatchOneRank) {
   const auto ref_loss = unsplit(stages, x, y, whole);
 
   spawn_ranks(4, [&](Group& world) {
-    auto state = tp::make_model_parallel(2, 2, world);
+    auto state = commgrad::make_model_parallel(2, 2, world);
     const auto tp_group = state.tensor_parallel_group();
     const int rank = state.pipeline_parallel_rank();
     std::vector<tp::ParallelMLP> mine;
@@ -114,7 +114,7 @@ TEST_P(ZeroBubbleSplitsEveryStage, LossAndEveryGradientMatchOneRank) {
     const int s = group.rank();
     std::map<std::string, std::vector<at::Tensor>> grads;
     for (const std::string schedule : {"1f1b", "zbh1"}) {
-      tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, tp::single_rank_group()).seed(10 * s + 1));
+      tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, commgrad::self_group()).seed(10 * s + 1));
       pp::Pipeline pipe({[mlp](const at::Tensor& in) mutable { return mlp(in); }},
                         [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); },
                         pp::PipelineOptions(m).schedule(schedule).group(group));
@@ -147,7 +147,7 @@ INSTANTIATE_TEST_SUITE_P(Sizes, ZeroBubbleSplitsEveryStage,
 // optimizer's buckets).
 std::vector<at::Tensor> data_parallel_step(const std::string& schedule, bool zero, Group& world) {
   const int m = 5;
-  auto state = tp::make_model_parallel(1, 2, world);
+  auto state = commgrad::make_model_parallel(1, 2, world);
   const int stage = state.pipeline_parallel_rank();
   const int dp = state.data_parallel_rank();
   tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, state.tensor_parallel_group()).seed(10 * stage + 1));

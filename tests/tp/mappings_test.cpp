@@ -22,7 +22,7 @@ std::vector<int> ranks_of(const Group& g) { return g.ranks(); }
 
 TEST(TpParallelState, MegatronRankOrderTp2Pp1) {
   spawn_ranks(4, [](Group& world) {
-    auto s = tp::make_model_parallel(2, 1, world);
+    auto s = commgrad::make_model_parallel(2, 1, world);
     const int r = world.rank();
     EXPECT_EQ(ranks_of(s.tensor_parallel_group()), (r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3}));
     EXPECT_EQ(ranks_of(s.data_parallel_group()), (r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3}));
@@ -42,7 +42,7 @@ TEST(TpParallelState, MegatronRankOrderTp2Pp1) {
 TEST(TpParallelState, MegatronRankOrderTp2Pp2) {
   // The layout of parallel_state.h's comment, at W = 4.
   spawn_ranks(4, [](Group& world) {
-    auto s = tp::make_model_parallel(2, 2, world);
+    auto s = commgrad::make_model_parallel(2, 2, world);
     const int r = world.rank();
     EXPECT_EQ(ranks_of(s.tensor_parallel_group()), (r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3}));
     EXPECT_EQ(ranks_of(s.pipeline_parallel_group()), (r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3}));
@@ -55,7 +55,7 @@ TEST(TpParallelState, MegatronRankOrderTp2Pp2) {
 TEST(TpParallelState, EmbeddingGroupsJoinTheFirstAndLastStage) {
   // W = 6, TP = 1, PP = 3: pipelines [0, 2, 4] and [1, 3, 5]; the middle stage has none.
   spawn_ranks(6, [](Group& world) {
-    auto s = tp::make_model_parallel(1, 3, world);
+    auto s = commgrad::make_model_parallel(1, 3, world);
     const int r = world.rank();
     if (r == 2 || r == 3) {
       EXPECT_FALSE(s.embedding_group().defined());
@@ -68,14 +68,14 @@ TEST(TpParallelState, EmbeddingGroupsJoinTheFirstAndLastStage) {
     }
   });
   spawn_ranks(2, [](Group& world) {
-    auto s = tp::make_model_parallel(1, 1, world);  // no pipeline: a group of one
+    auto s = commgrad::make_model_parallel(1, 1, world);  // no pipeline: a group of one
     EXPECT_EQ(ranks_of(s.embedding_group()), std::vector<int>{world.rank()});
   });
 }
 
 TEST(TpParallelState, TpEqualsWorld) {
   spawn_ranks(3, [](Group& world) {
-    auto s = tp::make_model_parallel(3, 1, world);
+    auto s = commgrad::make_model_parallel(3, 1, world);
     EXPECT_EQ(ranks_of(s.tensor_parallel_group()), (std::vector<int>{0, 1, 2}));
     EXPECT_EQ(s.tensor_parallel_rank(), world.rank());
     EXPECT_EQ(s.data_parallel_size(), 1);
@@ -84,51 +84,51 @@ TEST(TpParallelState, TpEqualsWorld) {
 
 TEST(TpParallelState, WorldNotDivisibleIsAClearError) {
   spawn_ranks(4, [](Group& world) {
-    EXPECT_THAT(error_of([&] { tp::make_model_parallel(3, 1, world); }),
+    EXPECT_THAT(error_of([&] { commgrad::make_model_parallel(3, 1, world); }),
                 HasSubstr("world size 4 is not divisible by tensor_parallel_size (3) x pipeline_parallel_size (1)"));
-    EXPECT_THAT(error_of([&] { tp::make_model_parallel(2, 3, world); }), HasSubstr("not divisible"));
-    EXPECT_THAT(error_of([&] { tp::make_model_parallel(0, 1, world); }), HasSubstr("must be at least 1"));
+    EXPECT_THAT(error_of([&] { commgrad::make_model_parallel(2, 3, world); }), HasSubstr("not divisible"));
+    EXPECT_THAT(error_of([&] { commgrad::make_model_parallel(0, 1, world); }), HasSubstr("must be at least 1"));
     // Nothing was created by the failed calls: a valid layout still works.
-    auto s = tp::make_model_parallel(4, 1, world);
+    auto s = commgrad::make_model_parallel(4, 1, world);
     EXPECT_EQ(s.tensor_parallel_size(), 4);
   });
 }
 
 TEST(TpParallelState, InitializeInstallsPerWorldAndTearsDown) {
   spawn_ranks(2, [](Group& world) {
-    EXPECT_FALSE(tp::model_parallel_is_initialized());
-    EXPECT_THAT(error_of([] { tp::tensor_parallel_group(); }), HasSubstr("model parallelism is not initialised"));
+    EXPECT_FALSE(commgrad::model_parallel_is_initialized());
+    EXPECT_THAT(error_of([] { commgrad::tensor_parallel_group(); }), HasSubstr("model parallelism is not initialised"));
     EXPECT_THAT(error_of([] { tp::copy_to_tp_region(torch::ones({2})); }),
                 HasSubstr("copy_to_tp_region: no tensor-parallel group given"));
-    auto s = tp::initialize_model_parallel(2);
-    EXPECT_TRUE(tp::model_parallel_is_initialized());
-    EXPECT_EQ(tp::parallel_state(), s);
-    EXPECT_EQ(tp::tensor_parallel_group(), s.tensor_parallel_group());
-    EXPECT_EQ(tp::tensor_parallel_rank(), world.rank());
-    EXPECT_EQ(tp::tensor_parallel_size(), 2);
-    EXPECT_EQ(tp::data_parallel_size(), 1);
-    EXPECT_THAT(error_of([] { tp::initialize_model_parallel(1); }), HasSubstr("already initialised"));
+    auto s = commgrad::initialize_model_parallel(2);
+    EXPECT_TRUE(commgrad::model_parallel_is_initialized());
+    EXPECT_EQ(commgrad::parallel_state(), s);
+    EXPECT_EQ(commgrad::tensor_parallel_group(), s.tensor_parallel_group());
+    EXPECT_EQ(commgrad::tensor_parallel_rank(), world.rank());
+    EXPECT_EQ(commgrad::tensor_parallel_size(), 2);
+    EXPECT_EQ(commgrad::data_parallel_size(), 1);
+    EXPECT_THAT(error_of([] { commgrad::initialize_model_parallel(1); }), HasSubstr("already initialised"));
     // Layers and mappings default to the installed TP group.
     tp::ColumnParallelLinear fc(tp::ColumnParallelLinearOptions(3, 4));
     EXPECT_EQ(fc->options.group(), s.tensor_parallel_group());
     EXPECT_TRUE(torch::equal(tp::reduce_from_tp_region(torch::ones({2})), torch::full({2}, 2.f)));
     // A scoped state overrides the installed one for this thread.
     {
-      tp::ScopedParallelState scope(tp::make_model_parallel(1, 1, world));
-      EXPECT_EQ(tp::tensor_parallel_size(), 1);
+      commgrad::ScopedParallelState scope(commgrad::make_model_parallel(1, 1, world));
+      EXPECT_EQ(commgrad::tensor_parallel_size(), 1);
     }
-    EXPECT_EQ(tp::tensor_parallel_size(), 2);
-    tp::destroy_model_parallel();
-    EXPECT_FALSE(tp::model_parallel_is_initialized());
+    EXPECT_EQ(commgrad::tensor_parallel_size(), 2);
+    commgrad::destroy_model_parallel();
+    EXPECT_FALSE(commgrad::model_parallel_is_initialized());
   });
 }
 
 TEST(TpParallelState, SingleRankGroupNeedsNoCollective) {
-  auto g = tp::single_rank_group();
+  auto g = commgrad::self_group();
   EXPECT_EQ(g.size(), 1);
   EXPECT_EQ(g.rank(), 0);
   EXPECT_EQ(g.name(), "single");
-  EXPECT_EQ(tp::single_rank_group(), g);  // one per thread
+  EXPECT_EQ(commgrad::self_group(), g);  // one per thread
   EXPECT_TRUE(torch::equal(tp::reduce_from_tp_region(torch::ones({3}), g), torch::ones({3})));
 }
 

@@ -79,7 +79,7 @@ bool wait_for_a_draw(const at::Tensor& state) {
 
 TEST(TpSeeds, LayersWithoutASeedDiffer) {
   // Before the fix every unseeded layer used seed 0: two were identical.
-  const Group g = tp::single_rank_group();
+  const Group g = commgrad::self_group();
   for (const auto& [name, build] : unseeded_layers()) {
     SCOPED_TRACE(name);
     const auto a = build(g), b = build(g);
@@ -88,7 +88,7 @@ TEST(TpSeeds, LayersWithoutASeedDiffer) {
   // ... in torch::nn::Linear's constructor form, the group coming from the
   // parallel state (a world of one: new_group then connects to no peer) ...
   spawn_ranks(1, [](Group& world) {
-    tp::ScopedParallelState scope(tp::make_model_parallel(1, 1, world));
+    commgrad::ScopedParallelState scope(commgrad::make_model_parallel(1, 1, world));
     tp::ColumnParallelLinear a(64, 256), b(64, 256);
     EXPECT_FALSE(torch::equal(a->weight, b->weight));
   });
@@ -101,7 +101,7 @@ TEST(TpSeeds, LayersWithoutASeedDiffer) {
 }
 
 TEST(TpSeeds, ManualSeedMakesThemReproducible) {
-  const Group g = tp::single_rank_group();
+  const Group g = commgrad::self_group();
   for (const auto& [name, build] : unseeded_layers()) {
     SCOPED_TRACE(name);
     torch::manual_seed(7);
@@ -137,7 +137,7 @@ TEST(TpSeeds, CloneAndResetKeepTheDrawnSeed) {
   // The drawn seed is in the options: clone() (which calls reset()) and
   // reset_parameters() rebuild the same weights and draw nothing, so cloning
   // on one rank cannot start a broadcast the other ranks do not join.
-  const Group g = tp::single_rank_group();
+  const Group g = commgrad::self_group();
   tp::ParallelMLP mlp(tp::ParallelMLPOptions(8, 16, g));
   const at::Tensor before = default_generator_state();
   auto copy = std::dynamic_pointer_cast<tp::ParallelMLPImpl>(mlp->clone());
@@ -156,7 +156,7 @@ TEST_P(TpSeedsAcrossRanks, ShardsOfTheUnsplitLayerAfterManualSeed) {
   for (const auto& [name, build] : unseeded_layers()) {
     SCOPED_TRACE(name);
     torch::manual_seed(1234);
-    const StateDict unsplit = tp::gather_full_state_dict(*build(tp::single_rank_group()));
+    const StateDict unsplit = tp::gather_full_state_dict(*build(commgrad::self_group()));
     torch::manual_seed(1234);  // on every rank: the ranks share this generator
     const at::Tensor seeded = default_generator_state();
     std::vector<StateDict> gathered(n);
@@ -178,7 +178,7 @@ INSTANTIATE_TEST_SUITE_P(TpSizes, TpSeedsAcrossRanks, ::testing::Values(2, 4),
 TEST(TpSeeds, AnExplicitSeedDrawsNothing) {
   // Neither draws from the generator nor communicates (a group of one would
   // skip the broadcast anyway; the generator shows that nothing was drawn).
-  const Group one = tp::single_rank_group();
+  const Group one = commgrad::self_group();
   const at::Tensor before = default_generator_state();
   tp::ColumnParallelLinear fc(tp::ColumnParallelLinearOptions(8, 12, one).seed(5));
   tp::VocabParallelEmbedding emb(tp::VocabParallelEmbeddingOptions(16, 4, one).seed(5));

@@ -75,7 +75,7 @@ TEST(WeightGradientsTest, AccumulatesAndFiresDataParallelHooks) {
   // Two backwards deferred under no_sync, then compute() with syncing on:
   // DDP reduces (the average of the ranks' sums), as after one synced backward.
   spawn_ranks(2, [](Group& world) {
-    const auto g = tp::single_rank_group();
+    const auto g = commgrad::self_group();
     auto mlp = tp::ParallelMLP(tp::ParallelMLPOptions(kHidden, kFfn, g).seed(5));
     dp::DistributedDataParallel ddp(mlp, world);
     const auto x = seeded_randn({4, kHidden}, 10 + world.rank());
@@ -105,7 +105,7 @@ TEST(WeightGradientsTest, AccumulatesAndFiresDataParallelHooks) {
 }
 
 TEST(WeightGradientsTest, GuardsNestAndClearForgets) {
-  const auto g = tp::single_rank_group();
+  const auto g = commgrad::self_group();
   tp::ColumnParallelLinear fc(tp::ColumnParallelLinearOptions(4, 6, g).seed(1));
   tp::RowParallelLinear out(tp::RowParallelLinearOptions(6, 4, g).seed(2));
   const auto x = seeded_randn({3, 4}, 1);

@@ -165,7 +165,7 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
                                 const std::vector<at::Tensor>& inputs, const GradCheckOptions& options = {});
 
 /// Builds both sides with one factory: the parallel one on options.group()
-/// and the reference on tp::single_rank_group() (the same layer at TP = 1,
+/// and the reference on commgrad::self_group() (the same layer at TP = 1,
 /// which holds the full, unsplit parameters when layers initialise from a
 /// seed), then compares them.
 ///

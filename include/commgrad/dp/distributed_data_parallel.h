@@ -44,7 +44,7 @@ struct DistributedDataParallelOptions {
   /* implicit */ DistributedDataParallelOptions(Group group = Group()) : group_(std::move(group)) {}
 
   /// The data-parallel group. With tensor parallelism pass the DP group of
-  /// the parallel state, e.g. `tp::parallel_state().data_parallel_group()`:
+  /// the parallel state, e.g. `commgrad::parallel_state().data_parallel_group()`:
   /// each rank then reduces its own shards with the ranks that hold the same
   /// shards in the other replicas.
   TORCH_ARG(Group, group);

@@ -65,7 +65,7 @@ struct ZeroOptimizerOptions {
   /// parameters' own dtype.
   TORCH_ARG(bool, float32_master) = true;
   /// The tensor-parallel group, when the module holds TP shards
-  /// (tp::parallel_state().tensor_parallel_group()): clipping counts
+  /// (commgrad::parallel_state().tensor_parallel_group()): clipping counts
   /// TP-replicated parameters once over it. Parameters marked partial_grad
   /// (sequence parallelism) are summed over it in step(), so do not call
   /// tp::allreduce_sequence_parallel_grads() with a ZeroOptimizer.
@@ -85,7 +85,7 @@ struct ZeroOptimizerOptions {
   /// data-parallel rank and size.
   TORCH_ARG(std::vector<std::string>, tied_parameters);
   /// The ranks holding the copies of tied_parameters
-  /// (tp::ParallelState::embedding_group()).
+  /// (commgrad::ParallelState::embedding_group()).
   TORCH_ARG(Group, tied_group);
   /// DistributedDataParallel's options (group, bucket sizes, reduction).
   TORCH_ARG(dp::DistributedDataParallelOptions, ddp);

@@ -1,153 +1,34 @@
 #pragma once
-// Tensor-, pipeline- and data-parallel groups (Megatron's parallel_state).
-//
-// A world of W = tp * pp * dp ranks is cut into groups in Megatron's rank
-// order: the tp ranks of a tensor-parallel group are adjacent (so TP traffic,
-// the heaviest, stays inside a host), data-parallel groups stride by tp
-// inside a pipeline stage, and pipeline groups stride by W / pp. With W = 8,
-// tp = 2, pp = 2:
-//
-//   tensor  [0, 1] [2, 3] [4, 5] [6, 7]
-//   data    [0, 2] [1, 3] [4, 6] [5, 7]
-//   pipe    [0, 4] [1, 5] [2, 6] [3, 7]
-//
-// The groups live in a ParallelState value. initialize_model_parallel() builds
-// one from the world and installs it as the current state, which layers use
-// when they are not given a group; tests and programs that need several
-// states (or one per thread) build them with make_model_parallel() and pass
-// the groups explicitly or install them with ScopedParallelState. There is no
-// hidden global that a test cannot replace.
+// The tensor-parallel side of the parallel layout. The layout itself
+// (ParallelState, its groups and rank order) lives in dist/ since every
+// dimension asks it for its groups; the names it had here are kept as
+// aliases for one release.
 
-#include "commgrad/dist/group.h"
-
-#include <memory>
-#include <string>
+#include "commgrad/dist/parallel_state.h"
 
 namespace commgrad::tp {
-
-namespace detail {
-struct ParallelStateData;  // src/tp/parallel_state.cpp
-}  // namespace detail
-
-/// The groups of one model-parallel layout, as seen from this rank. A cheap
-/// handle: copies share the groups.
-///
-/// Example:
-///   auto state = tp::make_model_parallel(2);          // TP=2, PP=1, DP=W/2
-///   auto fc = tp::ColumnParallelLinear(
-///       tp::ColumnParallelLinearOptions(64, 256, state.tensor_parallel_group()));
-class ParallelState {
- public:
-  /// An empty state (defined() == false).
-  ParallelState() = default;
-  explicit ParallelState(std::shared_ptr<const detail::ParallelStateData> data) : data_(std::move(data)) {}
-
-  /// True when this handle refers to built groups.
-  bool defined() const { return data_ != nullptr; }
-
-  /// The world the groups were cut from.
-  const Group& world() const;
-  /// This rank's tensor-parallel group ("tp<k>").
-  const Group& tensor_parallel_group() const;
-  /// This rank's pipeline-parallel group ("pp<k>").
-  const Group& pipeline_parallel_group() const;
-  /// This rank's data-parallel group ("dp<k>").
-  const Group& data_parallel_group() const;
-  /// The first and the last rank of this rank's pipeline group, which hold
-  /// the tied input and output embeddings (Megatron's embedding group):
-  /// their gradients are summed over it. The pipeline group itself when it
-  /// has one or two ranks; undefined on the ranks of the middle stages.
-  const Group& embedding_group() const;
-
-  int tensor_parallel_rank() const { return tensor_parallel_group().rank(); }
-  int tensor_parallel_size() const { return tensor_parallel_group().size(); }
-  int pipeline_parallel_rank() const { return pipeline_parallel_group().rank(); }
-  int pipeline_parallel_size() const { return pipeline_parallel_group().size(); }
-  int data_parallel_rank() const { return data_parallel_group().rank(); }
-  int data_parallel_size() const { return data_parallel_group().size(); }
-
-  /// "tp 1/2 (shm) pp 0/1 (shm) dp 0/2 (gloo) (world 4, hierarchical)":
-  /// each group's rank, size and transport.
-  std::string describe() const;
-
-  bool operator==(const ParallelState& other) const { return data_ == other.data_; }
-  bool operator!=(const ParallelState& other) const { return data_ != other.data_; }
-
- private:
-  const detail::ParallelStateData& checked() const;
-  std::shared_ptr<const detail::ParallelStateData> data_;
-};
-
-/// Builds the groups of a tp x pp (x dp = W / (tp * pp)) layout over `world`
-/// (empty: commgrad::world()) without installing them. Collective: every rank
-/// of the world calls it with the same sizes. Errors (before any group is
-/// created) when tp or pp is below 1 or W is not divisible by tp * pp.
-///
-/// Example:
-///   auto state = tp::make_model_parallel(4, 1, world);
-ParallelState make_model_parallel(int tensor_parallel_size, int pipeline_parallel_size = 1,
-                                  const Group& world = Group());
-
-/// make_model_parallel() on commgrad::world(), installed as the current state
-/// of that world (in one-rank-per-thread programs each thread's world gets
-/// its own). Errors when a state is already installed for this world.
-///
-/// Example:
-///   commgrad::init_process_group();
-///   tp::initialize_model_parallel(2);
-///   auto g = tp::tensor_parallel_group();
-///   ...
-///   tp::destroy_model_parallel();
-ParallelState initialize_model_parallel(int tensor_parallel_size, int pipeline_parallel_size = 1);
-
-/// Uninstalls the current world's state (no-op when none). Groups stay alive
-/// while ParallelState handles or layers still refer to them.
-void destroy_model_parallel();
-
-/// True when a state is current (installed for this world, or scoped).
-bool model_parallel_is_initialized();
-
-/// The current state: this thread's ScopedParallelState if any, else the one
-/// installed for commgrad::world(). Errors when there is none.
-ParallelState parallel_state();
-
-/// Shortcuts for parallel_state().tensor_parallel_group() and friends.
-Group tensor_parallel_group();
-int tensor_parallel_rank();
-int tensor_parallel_size();
-Group pipeline_parallel_group();
-Group data_parallel_group();
-int data_parallel_rank();
-int data_parallel_size();
 
 /// `group` when defined, else the current state's tensor-parallel group;
 /// errors, naming `op`, when neither exists. Layers and mappings resolve
 /// their group argument with it.
 Group resolve_tp_group(const Group& group, const char* op);
 
-/// A single-rank group that belongs to this process alone (no communication,
-/// no collective call to create it): the tensor-parallel group of an unsplit
-/// reference layer (TP = 1) built next to a parallel one.
-///
-/// Example:
-///   auto reference = tp::ColumnParallelLinear(
-///       tp::ColumnParallelLinearOptions(64, 256, tp::single_rank_group()).seed(7));
-Group single_rank_group();
-
-/// Makes `state` the current one for this thread while it lives.
-///
-/// Example:
-///   tp::ScopedParallelState scope(tp::make_model_parallel(2, 1, world));
-///   tp::ParallelMLP mlp(tp::ParallelMLPOptions(64, 256));   // uses the scoped TP group
-class ScopedParallelState {
- public:
-  explicit ScopedParallelState(ParallelState state);
-  ~ScopedParallelState();
-  ScopedParallelState(const ScopedParallelState&) = delete;
-  ScopedParallelState& operator=(const ScopedParallelState&) = delete;
-
- private:
-  ParallelState previous_;
-};
+// Aliases of the layout's names before it moved to dist/ (one release).
+using commgrad::data_parallel_group;
+using commgrad::data_parallel_rank;
+using commgrad::data_parallel_size;
+using commgrad::destroy_model_parallel;
+using commgrad::initialize_model_parallel;
+using commgrad::make_model_parallel;
+using commgrad::model_parallel_is_initialized;
+using commgrad::parallel_state;
+using commgrad::ParallelState;
+using commgrad::pipeline_parallel_group;
+using commgrad::ScopedParallelState;
+using commgrad::tensor_parallel_group;
+using commgrad::tensor_parallel_rank;
+using commgrad::tensor_parallel_size;
+/// commgrad::self_group() under its former name.
+inline Group single_rank_group() { return self_group(); }
 
 }  // namespace commgrad::tp

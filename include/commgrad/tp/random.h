@@ -160,7 +160,7 @@ class ScopedRngTracker {
 /// communication. The caller must be a member of `tp_group`.
 ///
 /// Example:
-///   tp::model_parallel_manual_seed(1234, tp::tensor_parallel_group());
+///   tp::model_parallel_manual_seed(1234, commgrad::tensor_parallel_group());
 void model_parallel_manual_seed(uint64_t seed, const Group& tp_group, RngTracker tracker = rng_tracker());
 
 // ~~~ Initialisation seeds ~~~

@@ -36,7 +36,7 @@
 // worker thread, in call order (see the header); the data-moving Gloo steps
 // carry bytes, so every dtype crosses.
 
-#include "detail/hierarchical_transport.h"
+#include "commgrad/backend/hierarchical_transport.h"
 
 #include "commgrad/util/buffer_pool.h"
 
@@ -48,7 +48,7 @@
 #include <exception>
 #include <numeric>
 
-namespace commgrad::detail {
+namespace commgrad::backend {
 namespace {
 
 // A Work finished by the worker thread, with a Future (DDP's comm hooks
@@ -440,4 +440,4 @@ c10::intrusive_ptr<c10d::Work> HierarchicalTransport::recvAnysource(std::vector<
   return parts_.flat->recvAnysource(tensors, tag);
 }
 
-}  // namespace commgrad::detail
+}  // namespace commgrad::backend

@@ -1,5 +1,6 @@
 #pragma once
-// The transport of a group that spans hosts (internal to commgrad_dist).
+// `hierarchical`: the transport of a group that spans hosts (dist/ creates
+// it for such groups: commgrad::connect_group, dist/transport.cpp).
 //
 // all_reduce, all_gather and reduce_scatter run in three steps: inside each
 // host over shm onto the host's first rank (its leader), among the leaders
@@ -25,13 +26,16 @@
 #include <thread>
 #include <vector>
 
-namespace commgrad::detail {
+namespace commgrad::backend {
+
+using commgrad::detail::TransportBase;
+using commgrad::detail::TransportPtr;
 
 /// The sub-transports of a hierarchical group, by role, and where the
 /// members live.
 struct HierarchyParts {
   TransportPtr flat;                                   // Gloo over every member
-  c10::intrusive_ptr<backend::ShmProcessGroup> local;  // shm over the members on this host; null when alone
+  c10::intrusive_ptr<ShmProcessGroup> local;  // shm over the members on this host; null when alone
   TransportPtr leaders;  // Gloo over the first member of each host (host order); null on the other ranks
   int hosts = 1;         // number of hosts the group spans
   int local_size = 1;    // members on this host
@@ -116,4 +120,4 @@ class HierarchicalTransport : public TransportBase {
   std::thread worker_;
 };
 
-}  // namespace commgrad::detail
+}  // namespace commgrad::backend
