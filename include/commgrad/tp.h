@@ -1,6 +1,6 @@
 #pragma once
 // commgrad::tp: tensor parallelism (Megatron-style), Family 2 gradient
-// semantics: one replicated loss per tensor-parallel group (DESIGN.md).
+// semantics: one replicated loss per tensor-parallel group (docs/design.md).
 //
 //   parallel_state.h  how layers find their TP group (the layout itself is
 //                     dist/parallel_state.h)

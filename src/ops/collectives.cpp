@@ -5,7 +5,7 @@
 // its Function, whose forward waits for it; the async forms do the same
 // inside AsyncTensor::wait(), so the autograd node exists only once the
 // transport has finished with the buffer. Backward runs the dual collective
-// (DESIGN.md, Family 1 table) through the same raw layer, so gradients get
+// (docs/design.md, Family 1 table) through the same raw layer, so gradients get
 // the same checks, debug fingerprints and Gloo workarounds as forward values.
 //
 // Deferred gradients. An op's backward only *starts* its gradient collective

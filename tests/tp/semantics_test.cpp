@@ -1,4 +1,4 @@
-// Why tensor parallelism needs Family 2 (DESIGN.md, "Gradient semantics").
+// Why tensor parallelism needs Family 2 (docs/design.md, "Gradient semantics").
 //
 // A row-parallel layer ends in "g" = reduce_from_tp_region: forward
 // all-reduce, backward IDENTITY. Every TP rank then computes the same loss L

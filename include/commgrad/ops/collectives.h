@@ -1,7 +1,7 @@
 #pragma once
 // Family 1 differentiable collectives: the objective is the sum of every
 // rank's own loss, L = sum_r L_r (torch.distributed.nn.functional, data
-// parallelism; see DESIGN.md "Gradient semantics"). Each op takes a tensor,
+// parallelism; see docs/design.md "Gradient semantics"). Each op takes a tensor,
 // its options and a group (empty: the world), returns a NEW tensor (its input
 // is never modified), and is one autograd Function whose backward is stated
 // on its declaration.

@@ -2,7 +2,7 @@
 // Family 2 region mappings: Megatron's tensor-parallel communication
 // vocabulary (mappings.py), as differentiable functions.
 //
-// Family 2 ("one replicated loss", DESIGN.md): every rank of a tensor-
+// Family 2 ("one replicated loss", docs/design.md): every rank of a tensor-
 // parallel group holds identical copies of the replicated activations and
 // computes the same loss L; the objective is L, not n * L. So a gradient that
 // is already identical on every rank is NOT summed again: the backward of an
