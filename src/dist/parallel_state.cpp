@@ -185,6 +185,21 @@ Group data_parallel_group() { return parallel_state().data_parallel_group(); }
 int data_parallel_rank() { return parallel_state().data_parallel_rank(); }
 int data_parallel_size() { return parallel_state().data_parallel_size(); }
 
+Group default_data_parallel_group() {
+  const ParallelState s = current_or_empty();
+  return s.defined() ? s.data_parallel_group() : commgrad::world();
+}
+
+Group default_tensor_parallel_group() {
+  const ParallelState s = current_or_empty();
+  return s.defined() && s.tensor_parallel_size() > 1 ? s.tensor_parallel_group() : Group();
+}
+
+Group default_pipeline_parallel_group() {
+  const ParallelState s = current_or_empty();
+  return s.defined() && s.pipeline_parallel_size() > 1 ? s.pipeline_parallel_group() : Group();
+}
+
 Group self_group() {
   // One per thread, created on first use: a Gloo group of one over a private
   // in-memory store. Collectives on it short-circuit after their checks.

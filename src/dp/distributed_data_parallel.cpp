@@ -17,6 +17,7 @@
 #include "commgrad/dp/distributed_data_parallel.h"
 
 #include "commgrad/dist/check.h"
+#include "commgrad/dist/parallel_state.h"
 #include "commgrad/dist/process_group.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/util/names.h"
@@ -166,7 +167,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
                                                  DistributedDataParallelOptions options)
     : module_(std::move(module)) {
   using detail::kOp;
-  Group group = options.group().defined() ? options.group() : world();
+  Group group = options.group().defined() ? options.group() : default_data_parallel_group();
   options.group(group);
   check_member(kOp, group);
   COMMGRAD_CHECK(module_ != nullptr, kOp, group, "the module is null");

@@ -35,6 +35,7 @@
 #include "commgrad/optim/zero_optimizer.h"
 
 #include "commgrad/dist/check.h"
+#include "commgrad/dist/parallel_state.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/optim/clip_grad.h"
 #include "commgrad/tp/sharding.h"
@@ -126,7 +127,13 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
               options.max_grad_norm());
   m.module = std::move(module);
   m.options = std::move(options);
-  const Group group = ops::raw::resolve_group(m.options.ddp().group());
+  // Groups not given come from the current layout (an explicit one wins).
+  if (!m.options.ddp().group().defined()) m.options.ddp().group(default_data_parallel_group());
+  if (!m.options.tensor_parallel_group().defined()) m.options.tensor_parallel_group(default_tensor_parallel_group());
+  if (!m.options.pipeline_parallel_group().defined()) {
+    m.options.pipeline_parallel_group(default_pipeline_parallel_group());
+  }
+  const Group group = m.options.ddp().group();
   for (const auto& name : m.options.tied_parameters()) {
     const auto* p = m.module->named_parameters().find(name);
     COMMGRAD_CHECK(p != nullptr && p->requires_grad(), kOp, group, "tied parameter '", name,

@@ -18,6 +18,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <optional>
+
 namespace commgrad::testing {
 namespace {
 
@@ -336,8 +338,12 @@ TEST(ZeroOptimizer, LearningRateSchedulesDriveTheShardOptimizer) {
 // ZeroOptimizer sums it over the TP group itself.
 class ZeroTensorParallel : public ::testing::TestWithParam<bool> {};
 
-TEST_P(ZeroTensorParallel, TwoByTwoMatchesTheUnsplitModel) {
-  const bool sp = GetParam();
+// TP=2 x DP=2, 4 steps of ZeRO-2 with clipping, against the unsplit model.
+// `groups_from_layout`: the layout is the current one and the optimizer is
+// given no group at all (the natural code); its DP and TP groups must come
+// from the layout (not the world, which would average TP rank 0's shards
+// with TP rank 1's and clip each TP rank by its own norm).
+void train_two_by_two(bool sp, bool groups_from_layout) {
   constexpr int64_t kModel = 6, kFfn = 10;
   const int steps = 4;
   const auto x = seeded_randn({steps, 8, kModel}, 1);
@@ -352,13 +358,16 @@ TEST_P(ZeroTensorParallel, TwoByTwoMatchesTheUnsplitModel) {
   }
   spawn_ranks(4, [&](Group& world) {
     auto state = commgrad::make_model_parallel(2, 1, world);
+    std::optional<commgrad::ScopedParallelState> scope;
+    if (groups_from_layout) scope.emplace(state);
     tp::ParallelMLP mlp(
         tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).sequence_parallel(sp).seed(42));
-    optim::ZeroOptimizer zero(mlp, [](auto shards) { return make(Kind::kAdamW, shards); },
-                              optim::ZeroOptimizerOptions(small_buckets(state.data_parallel_group()))
-                                  .stage(2)
-                                  .max_grad_norm(0.1)
-                                  .tensor_parallel_group(state.tensor_parallel_group()));
+    auto options = optim::ZeroOptimizerOptions(small_buckets(groups_from_layout ? Group() : state.data_parallel_group()))
+                       .stage(2)
+                       .max_grad_norm(0.1);
+    if (!groups_from_layout) options.tensor_parallel_group(state.tensor_parallel_group());
+    optim::ZeroOptimizer zero(mlp, [](auto shards) { return make(Kind::kAdamW, shards); }, options);
+    EXPECT_EQ(zero.group(), state.data_parallel_group());
     const int dp = state.data_parallel_rank();
     const int tp = state.tensor_parallel_rank();
     for (int k = 0; k < steps; ++k) {
@@ -381,6 +390,9 @@ TEST_P(ZeroTensorParallel, TwoByTwoMatchesTheUnsplitModel) {
     }
   });
 }
+
+TEST_P(ZeroTensorParallel, TwoByTwoMatchesTheUnsplitModel) { train_two_by_two(GetParam(), false); }
+TEST_P(ZeroTensorParallel, GroupsComeFromTheCurrentLayout) { train_two_by_two(GetParam(), true); }
 
 INSTANTIATE_TEST_SUITE_P(SequenceParallel, ZeroTensorParallel, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "sp" : "no_sp"; });

@@ -122,6 +122,15 @@ Group data_parallel_group();
 int data_parallel_rank();
 int data_parallel_size();
 
+/// The groups wrappers use when they are given none (an explicit group
+/// always wins): the current layout's data-parallel group, or the world when
+/// no layout is current (DistributedDataParallel, ZeroOptimizer).
+Group default_data_parallel_group();
+/// The current layout's tensor-parallel (pipeline-parallel) group when it
+/// has more than one rank; undefined otherwise (ZeroOptimizer's global norm).
+Group default_tensor_parallel_group();
+Group default_pipeline_parallel_group();
+
 /// A single-rank group that belongs to this process alone (no communication,
 /// no collective call to create it; one per thread): the group of an unsplit
 /// reference layer (TP = 1) built next to a parallel one, or of a one-rank

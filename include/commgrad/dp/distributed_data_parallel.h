@@ -40,13 +40,14 @@ enum class GradReduction {
 /// Example:
 ///   commgrad::dp::DistributedDataParallelOptions(dp_group).bucket_cap_mb(8).find_unused_parameters(true)
 struct DistributedDataParallelOptions {
-  /// `group` is the data-parallel group; an undefined group means the world.
+  /// `group` is the data-parallel group; an undefined group means the
+  /// current layout's (commgrad::default_data_parallel_group()).
   /* implicit */ DistributedDataParallelOptions(Group group = Group()) : group_(std::move(group)) {}
 
-  /// The data-parallel group. With tensor parallelism pass the DP group of
-  /// the parallel state, e.g. `commgrad::parallel_state().data_parallel_group()`:
-  /// each rank then reduces its own shards with the ranks that hold the same
-  /// shards in the other replicas.
+  /// The data-parallel group. Undefined: the current parallel layout's DP
+  /// group (each rank then reduces its own shards with the ranks that hold
+  /// the same shards in the other replicas), or the world when no layout is
+  /// current.
   TORCH_ARG(Group, group);
   /// Bucket size in MiB (PyTorch's default, 25). Gradients are packed into
   /// buckets of about this size, in reverse registration order.

@@ -49,8 +49,9 @@ using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
 /// Example:
 ///   commgrad::optim::ZeroOptimizerOptions(dp_group).stage(2).max_grad_norm(1.0)
 struct ZeroOptimizerOptions {
-  /// `ddp` sets the data-parallel group (an undefined group: the world) and
-  /// the buckets; ZeroOptimizer pads them and installs its own hook.
+  /// `ddp` sets the data-parallel group (undefined: the current layout's,
+  /// or the world without one) and the buckets; ZeroOptimizer pads them and
+  /// installs its own hook.
   /* implicit */ ZeroOptimizerOptions(dp::DistributedDataParallelOptions ddp = {}) : ddp_(std::move(ddp)) {}
   /// 1: optimizer state sharded; 2: gradients sharded too (no `.grad()` is
   /// kept between steps; see DistributedDataParallelOptions::release_gradients).
@@ -64,14 +65,15 @@ struct ZeroOptimizerOptions {
   /// rounded result after each step (mixed precision). Off: step in the
   /// parameters' own dtype.
   TORCH_ARG(bool, float32_master) = true;
-  /// The tensor-parallel group, when the module holds TP shards
-  /// (commgrad::parallel_state().tensor_parallel_group()): clipping counts
+  /// The tensor-parallel group, when the module holds TP shards (undefined:
+  /// the current layout's when its TP size is above 1): clipping counts
   /// TP-replicated parameters once over it. Parameters marked partial_grad
   /// (sequence parallelism) are summed over it in step(), so do not call
   /// tp::allreduce_sequence_parallel_grads() with a ZeroOptimizer.
   TORCH_ARG(Group, tensor_parallel_group);
   /// The pipeline-parallel group, when the module is one stage of a
-  /// pipeline: the global norm for clipping then sums over the stages too.
+  /// pipeline (undefined: the current layout's when its PP size is above
+  /// 1): the global norm for clipping then sums over the stages too.
   TORCH_ARG(Group, pipeline_parallel_group);
   /// Parameters (named_parameters() names) of which another rank of
   /// `tied_group` holds a copy that must stay equal: the input embedding of
