@@ -75,6 +75,10 @@ WorkPtr TorchBackend::settled(WorkPtr work, bool async_op) {
   return {};
 }
 
+WorkPtr TorchBackend::finished(std::vector<at::Tensor> outputs, c10d::OpType type, bool async_op) {
+  return settled(c10::make_intrusive<CoalescedWork>(std::vector<WorkPtr>{}, std::move(outputs), type), async_op);
+}
+
 template <class Call>
 WorkPtr TorchBackend::run(const char* op, bool async_op, Call&& call) {
   ++sequence_;
@@ -88,8 +92,7 @@ WorkPtr TorchBackend::run(const char* op, bool async_op, Call&& call) {
 }
 
 template <class Part>
-WorkPtr TorchBackend::post_each(const char* op, size_t n, bool async_op, std::vector<at::Tensor> outputs,
-                                Part&& part) {
+WorkPtr TorchBackend::post_each(size_t n, bool async_op, std::vector<at::Tensor> outputs, Part&& part) {
   std::vector<WorkPtr> works;
   std::exception_ptr rejected;
   for (size_t i = 0; i < n; ++i) {
@@ -137,9 +140,7 @@ WorkPtr TorchBackend::integer_average(at::Tensor& tensor, const c10d::AllreduceO
   sum.reduceOp = sum_op();
   run("all_reduce", true, [&](c10d::Backend& t) { return t.allreduce(wide, sum); })->wait();
   tensor.copy_(wide[0].div(getSize(), "trunc"));
-  return settled(c10::make_intrusive<CoalescedWork>(std::vector<WorkPtr>{}, std::vector<at::Tensor>{tensor},
-                                                    c10d::OpType::ALLREDUCE),
-                 opts.asyncOp);
+  return finished({tensor}, c10d::OpType::ALLREDUCE, opts.asyncOp);
 }
 
 WorkPtr TorchBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -197,7 +198,7 @@ WorkPtr TorchBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& o
               outputs.size(), " outputs for ", inputs.size(), " inputs");
   auto parts = opts;
   parts.asyncOp = true;  // one Work for them all
-  return post_each("reduce_scatter_tensor_coalesced", inputs.size(), opts.asyncOp, outputs,
+  return post_each(inputs.size(), opts.asyncOp, outputs,
                    [&](size_t i) { return _reduce_scatter_base(outputs[i], inputs[i], parts); });
 }
 
@@ -245,8 +246,7 @@ WorkPtr TorchBackend::allgather_padded(std::vector<at::Tensor>& outputs, at::Ten
   for (int r = 0; r < getSize(); ++r) {
     outputs[r].copy_(gathered.narrow(0, r * most, outputs[r].numel()).view(outputs[r].sizes()));
   }
-  return settled(c10::make_intrusive<CoalescedWork>(std::vector<WorkPtr>{}, outputs, c10d::OpType::ALLGATHER),
-                 opts.asyncOp);
+  return finished(outputs, c10d::OpType::ALLGATHER, opts.asyncOp);
 }
 
 WorkPtr TorchBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
@@ -265,7 +265,7 @@ WorkPtr TorchBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& o
               outputs.size(), " outputs for ", inputs.size(), " inputs");
   auto parts = opts;
   parts.asyncOp = true;  // one Work for them all
-  return post_each("all_gather_into_tensor_coalesced", inputs.size(), opts.asyncOp, outputs,
+  return post_each(inputs.size(), opts.asyncOp, outputs,
                    [&](size_t i) { return _allgather_base(outputs[i], inputs[i], parts); });
 }
 
@@ -285,7 +285,7 @@ WorkPtr TorchBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& 
   }
   auto parts = opts;
   parts.asyncOp = true;  // one Work for them all
-  return post_each("all_gather_coalesced", inputs.size(), opts.asyncOp, std::move(flat), [&](size_t i) {
+  return post_each(inputs.size(), opts.asyncOp, std::move(flat), [&](size_t i) {
     std::vector<std::vector<at::Tensor>> outs(1);
     for (auto& list : output_lists) outs[0].push_back(list[i]);
     std::vector<at::Tensor> in{inputs[i]};
@@ -394,8 +394,7 @@ WorkPtr TorchBackend::allreduce_sparse(std::vector<at::Tensor>& tensors, const c
   all_values = gather_all(all_values, values);
   const auto sum = at::sparse_coo_tensor(at::cat(all_indices).t(), at::cat(all_values), t.sizes()).coalesce();
   t.copy_(sum);
-  return settled(c10::make_intrusive<CoalescedWork>(std::vector<WorkPtr>{}, tensors, c10d::OpType::ALLREDUCE),
-                 opts.asyncOp);
+  return finished(tensors, c10d::OpType::ALLREDUCE, opts.asyncOp);
 }
 
 // ~~~ monitored barrier ~~~
@@ -440,7 +439,7 @@ void TorchBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_
     ++released_;
     return;
   }
-  const std::vector<int> late = late_ranks(timeout, wait_all_ranks);
+  const std::vector<int> late = late_ranks(deadline, timeout, wait_all_ranks);
   if (!late.empty()) {
     commgrad::detail::throw_dist_error(c10::str(where, wait_all_ranks ? "Ranks " : "Rank ", c10::Join(", ", late),
                                                 " failed to pass monitoredBarrier in ", timeout.count(), " ms"));
@@ -449,11 +448,11 @@ void TorchBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_
 }
 
 // Rank 0: takes one arrival of every rank, waiting for each in rank order
-// until one deadline. Without `wait_all_ranks` the first late rank ends the
+// until `deadline` (the barrier's `timeout` from its start). Without `wait_all_ranks` the first late rank ends the
 // wait (a timeout spent before any rank is rank 0's own); the arrivals that
 // are there then are taken all the same, as Gloo's posted receives take them.
-std::vector<int> TorchBackend::late_ranks(std::chrono::milliseconds timeout, bool wait_all_ranks) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+std::vector<int> TorchBackend::late_ranks(std::chrono::steady_clock::time_point deadline,
+                                          std::chrono::milliseconds timeout, bool wait_all_ranks) {
   if (arrivals_taken_.empty()) arrivals_taken_.assign(getSize(), 0);
   if (!wait_all_ranks && timeout.count() <= 0 && getSize() > 1) {
     commgrad::detail::throw_dist_error(c10::str("[commgrad] monitored_barrier ", group_.describe(),

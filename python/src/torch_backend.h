@@ -121,6 +121,8 @@ class TorchBackend final : public c10d::Backend {
   // it waits for `work` and returns none (torch.distributed then has nothing
   // to wrap, wait on and free).
   static c10::intrusive_ptr<c10d::Work> settled(c10::intrusive_ptr<c10d::Work> work, bool async_op);
+  // The Work of a call that finished here, holding `outputs` (settled()).
+  static c10::intrusive_ptr<c10d::Work> finished(std::vector<at::Tensor> outputs, c10d::OpType type, bool async_op);
   std::chrono::milliseconds timeout_or(std::chrono::milliseconds requested) const;
   static bool uneven(const std::vector<at::Tensor>& outputs);
   c10::intrusive_ptr<c10d::Work> integer_average(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
@@ -131,10 +133,10 @@ class TorchBackend final : public c10d::Backend {
   // one Work for them all; rethrows the first rejection once the posted
   // parts are done.
   template <class Part>
-  c10::intrusive_ptr<c10d::Work> post_each(const char* op, size_t n, bool async_op, std::vector<at::Tensor> outputs,
-                                           Part&& part);
+  c10::intrusive_ptr<c10d::Work> post_each(size_t n, bool async_op, std::vector<at::Tensor> outputs, Part&& part);
   // Rank 0's side of monitoredBarrier: the ranks that did not arrive in time.
-  std::vector<int> late_ranks(std::chrono::milliseconds timeout, bool wait_all_ranks);
+  std::vector<int> late_ranks(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
+                              bool wait_all_ranks);
 
   c10::intrusive_ptr<c10d::Store> store_;  // c10d's, prefixed for this group
   Group group_;
