@@ -22,6 +22,7 @@
 #include "commgrad/tp.h"
 #include "commgrad/dp.h"
 #include "commgrad/optim.h"
+#include "commgrad/fsdp.h"
 #include "commgrad/pp.h"
 #include "commgrad/check.h"
 #include "commgrad/checkpoint.h"

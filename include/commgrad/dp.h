@@ -3,3 +3,5 @@
 
 #include "commgrad/dp/comm_hooks.h"
 #include "commgrad/dp/distributed_data_parallel.h"
+#include "commgrad/dp/mixed_precision.h"
+#include "commgrad/dp/replicas.h"

@@ -3,6 +3,7 @@
 
 #include "commgrad/dp/comm_hooks.h"
 #include "commgrad/dp/distributed_data_parallel.h"
+#include "commgrad/dp/replicas.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -19,13 +20,7 @@ struct Node;
 
 namespace commgrad::dp::detail {
 
-/// A named tensor of the module (parameter or buffer).
-using NamedTensor = std::pair<std::string, at::Tensor>;
-
-/// Broadcasts `tensors` from the group's rank 0 in place, packed into byte
-/// buffers of at most `cap_bytes` (one broadcast per buffer). Every rank must
-/// pass tensors of the same shapes and dtypes in the same order.
-void broadcast_from_first(const Group& group, const std::vector<at::Tensor>& tensors, int64_t cap_bytes);
+using dp::NamedTensor;
 
 /// Splits tensors (given in reduction order) into buckets: one dtype per
 /// bucket; a bucket closes once it holds at least its limit in bytes (the
