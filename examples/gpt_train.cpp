@@ -2,7 +2,7 @@
 // parallel), checked against the same model on one rank.
 //
 //   commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2 [--sp] [--microbatches 4] [--steps 10]
-//                               [--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank 2]
+//                               [--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank 2] [--fsdp]
 //                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
 //                               [--curve PREFIX|none] [--check]
 //
@@ -17,7 +17,9 @@
 // interleaved schedule), each stage split over `tp` ranks, and `dp` replicas
 // of the whole, trained with the sharded optimizer (ZeRO-2, AdamW,
 // global-norm clipping over every stage and TP rank; the tied embedding's
-// gradient summed between the first and last stage). Each step takes a
+// gradient summed between the first and last stage), or with --fsdp sharded
+// by commgrad::fsdp (parameters too: one unit per layer, the tied embedding
+// a unit of its own) and stepped by the same AdamW. Each step takes a
 // global batch of 8 sequences of a deterministic corpus (examples/gpt/
 // corpus.h; --text FILE: the file's bytes): every replica its 8/dp rows,
 // split into `microbatches`.
@@ -66,6 +68,7 @@ constexpr double kTolerance = 1e-5;
 struct Config {
   int tp = 1, pp = 1, dp = 1;
   bool sp = false;
+  bool fsdp = false;
   int microbatches = 4;
   int steps = 10;
   std::string schedule = "1f1b";
@@ -77,7 +80,7 @@ struct Config {
 
   std::string layout() const {
     return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp) +
-           (sp ? " (SP)" : "");
+           (sp ? " (SP)" : "") + (fsdp ? " (FSDP)" : "");
   }
 };
 
@@ -88,6 +91,7 @@ gpt::TrainerOptions trainer_options(const Config& c) {
   o.microbatches = c.microbatches;
   o.schedule = c.schedule;
   o.stages_per_rank = c.stages_per_rank;
+  o.fsdp = c.fsdp;
   return o;
 }
 
@@ -103,6 +107,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--pp", c.pp, "pipeline stages (ranks)")->check(cli::positive());
   app.add_option("--dp", c.dp, "data-parallel replicas")->check(cli::positive());
   app.add_flag("--sp", c.sp, "sequence parallelism (with --tp)");
+  app.add_flag("--fsdp", c.fsdp, "shard parameters, gradients and optimizer state over DP\n(commgrad::fsdp, one unit per layer) instead of ZeRO-2");
   app.add_option("--microbatches", c.microbatches, "microbatches per step and replica")->check(cli::positive());
   app.add_option("--steps", c.steps, "train to this step (after a resume too)")->check(cli::positive());
   app.add_option("--schedule", c.schedule, "pipeline schedule: 1f1b, gpipe, interleaved or zbh1")
@@ -125,6 +130,9 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
     if (c.stages_per_rank != 1 && c.schedule != "interleaved") {
       throw cli::usage_error("--stages-per-rank " + std::to_string(c.stages_per_rank) +
                              " needs --schedule interleaved");
+    }
+    if (c.fsdp && (c.sp || c.schedule == "zbh1" || !c.save.empty() || !c.resume.empty())) {
+      throw cli::usage_error("--fsdp does not combine with --sp, --schedule zbh1, --save or --resume yet");
     }
     if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
@@ -150,6 +158,7 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   const commgrad::Group alone = commgrad::self_group();
   c.schedule = "1f1b";
   c.stages_per_rank = 1;
+  c.fsdp = false;
   auto config = model_config;
   config.sequence_parallel = false;
   gpt::Trainer trainer(trainer_options(c), config, gpt::Layout{alone, alone, alone, alone});

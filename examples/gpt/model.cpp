@@ -62,24 +62,41 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
   }
 }
 
+commgrad::fsdp::FullyShardedModule GptRankImpl::fully_shard(const commgrad::fsdp::FullyShardOptions& options,
+                                                             const commgrad::Group& embedding_group) {
+  namespace fsdp = commgrad::fsdp;
+  for (auto& layer : layers_) {
+    if (layer) fsdp::fully_shard(layer, options);
+  }
+  // A tied copy on another stage is a unit of its own, so that both copies
+  // split into the same ranges and their gradients can be summed.
+  if (!tied_parameters().empty()) fsdp::fully_shard(embedding_, fsdp::FullyShardOptions(options).tied_group(embedding_group));
+  return fsdp::fully_shard(shared_from_this(), options);
+}
+
+// Every module runs through fsdp::call (a plain forward when the model is not sharded).
 torch::Tensor GptRankImpl::forward_stage(int local, const torch::Tensor& input) {
-  const auto& s = stages_.at(local);
-  torch::Tensor x = input;
-  if (s.global == 0) {
-    x = embedding_(input.t()) + positions_;  // [s, b, h]
-    if (config_.sequence_parallel) x = tp::scatter_to_sequence_parallel_region(x, tp_group_);
-  }
-  for (int64_t l = s.first_layer; l < s.end_layer; ++l) x = layers_[l](x);
-  if (s.global == stage_count_ - 1) {
-    x = final_norm_(x);
-    // The output layer: column-parallel over the vocabulary, with the
-    // embedding's weight or, untied, its own (Family 1: identity forward,
-    // gradient all-reduced).
-    x = config_.sequence_parallel ? tp::gather_from_sequence_parallel_region(x, tp_group_)
-                                  : tp::copy_to_tp_region(x, tp_group_);
-    x = torch::matmul(x, (config_.tie ? embedding_ : output_)->weight.t());
-  }
-  return x;
+  namespace fsdp = commgrad::fsdp;
+  return fsdp::call_function(*this, [&] {
+    const auto& s = stages_.at(local);
+    torch::Tensor x = input;
+    if (s.global == 0) {
+      x = fsdp::call(embedding_, input.t()) + positions_;  // [s, b, h]
+      if (config_.sequence_parallel) x = tp::scatter_to_sequence_parallel_region(x, tp_group_);
+    }
+    for (int64_t l = s.first_layer; l < s.end_layer; ++l) x = fsdp::call(layers_[l], x);
+    if (s.global == stage_count_ - 1) {
+      x = final_norm_(x);
+      // The output layer: column-parallel over the vocabulary, with the
+      // embedding's weight or, untied, its own (Family 1: identity forward,
+      // gradient all-reduced).
+      x = config_.sequence_parallel ? tp::gather_from_sequence_parallel_region(x, tp_group_)
+                                    : tp::copy_to_tp_region(x, tp_group_);
+      const auto& vocab = config_.tie ? embedding_ : output_;
+      x = fsdp::call_function(*vocab, [&] { return torch::matmul(x, vocab->weight.t()); });
+    }
+    return x;
+  });
 }
 
 torch::Tensor GptRankImpl::forward(const torch::Tensor& ids) {

@@ -57,6 +57,12 @@ class GptRankImpl : public torch::nn::Module, public commgrad::tp::ShardedModule
   /// token ids [b, s] in on the first stage, activations [s, b, h] (or
   /// [s/tp, b, h] with SP) between stages, logits [s, b, V/tp] out of the last.
   torch::Tensor forward_stage(int local, const torch::Tensor& input);
+  /// Shards the parameters over options.group() (commgrad::fsdp): one unit
+  /// per layer, the embedding one of its own when a copy of it lives on
+  /// another stage (its gradient summed over `embedding_group`), the rest
+  /// (positions, final norm, untied output) the root. Returns the root.
+  commgrad::fsdp::FullyShardedModule fully_shard(const commgrad::fsdp::FullyShardOptions& options,
+                                                 const commgrad::Group& embedding_group);
   /// The whole model on one rank of a pipeline of one: ids -> logits.
   torch::Tensor forward(const torch::Tensor& ids);
   /// Cross entropy of one microbatch: logits [s, b, V/tp], targets [b, s].

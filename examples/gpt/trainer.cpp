@@ -1,5 +1,6 @@
 #include "trainer.h"
 
+#include <stdexcept>
 #include <vector>
 
 namespace gpt {
@@ -10,18 +11,7 @@ Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, c
     : options_(options),
       layout_(layout),
       model_(model_config, layout.pp.rank(), layout.pp.size(), options.stages_per_rank, layout.tp) {
-  zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
-      model_,
-      [](std::vector<torch::Tensor> shards) {
-        return std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
-      },
-      commgrad::optim::ZeroOptimizerOptions(commgrad::dp::DistributedDataParallelOptions(layout.dp))
-          .stage(2)
-          .max_grad_norm(1.0)
-          .tensor_parallel_group(layout.tp)
-          .pipeline_parallel_group(layout.pp)
-          .tied_parameters(model_->tied_parameters())
-          .tied_group(layout.embedding));
+  make_optimizer();
   std::vector<commgrad::pp::StageFunction> stages;
   for (int v = 0; v < options.stages_per_rank; ++v) {
     stages.push_back([model = model_, v](const torch::Tensor& x) mutable { return model->forward_stage(v, x); });
@@ -33,16 +23,43 @@ Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, c
           .schedule(layout.pp.size() == 1 && options.schedule == "interleaved" ? "1f1b" : options.schedule)
           .stages_per_rank(options.stages_per_rank)
           .group(layout.pp)
-          .no_sync({commgrad::pp::no_sync_of(*zero_)}));
+          .no_sync({options.fsdp ? commgrad::pp::no_sync_of(sharded_) : commgrad::pp::no_sync_of(*zero_)}));
+}
+
+void Trainer::make_optimizer() {
+  const auto adamw = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
+  if (options_.fsdp) {
+    sharded_ = model_->fully_shard(commgrad::fsdp::FullyShardOptions(layout_.dp), layout_.embedding);
+    optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), adamw);
+    return;
+  }
+  zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
+      model_,
+      [adamw](std::vector<torch::Tensor> shards) { return std::make_unique<torch::optim::AdamW>(shards, adamw); },
+      commgrad::optim::ZeroOptimizerOptions(commgrad::dp::DistributedDataParallelOptions(layout_.dp))
+          .stage(2)
+          .max_grad_norm(1.0)
+          .tensor_parallel_group(layout_.tp)
+          .pipeline_parallel_group(layout_.pp)
+          .tied_parameters(model_->tied_parameters())
+          .tied_group(layout_.embedding));
 }
 
 double Trainer::step(const Corpus& corpus, int k) {
   auto [x, y] = corpus.batch(k, options_.batch, model_->config().sequence);
   const int replicas = layout_.dp.size();
   const int replica = layout_.dp.rank();
-  zero_->zero_grad();
-  last_ = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
-  zero_->step();
+  if (options_.fsdp) {
+    optimizer_->zero_grad();
+    last_ = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
+    sharded_.finish_gradients();
+    sharded_.clip_grad_norm_(1.0, layout_.tp, layout_.pp);
+    optimizer_->step();
+  } else {
+    zero_->zero_grad();
+    last_ = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
+    zero_->step();
+  }
   return commgrad::ops::raw::all_reduce(torch::full({1}, last_.loss, torch::kDouble),
                                         commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg), layout_.dp)
       .wait()
@@ -50,12 +67,14 @@ double Trainer::step(const Corpus& corpus, int k) {
 }
 
 void Trainer::save(const std::string& root, int step, const std::string& layout) {
+  if (options_.fsdp) throw std::invalid_argument("gpt_train: --save with --fsdp is not supported yet");
   auto pieces = checkpoint::module_pieces(*model_);
   for (auto& p : checkpoint::optimizer_pieces(*zero_)) pieces.push_back(std::move(p));
   checkpoint::save(root, step, pieces, {{"layout", layout}}, checkpoint::SaveOptions().keep(2));
 }
 
 std::pair<int, std::string> Trainer::load(const std::string& root) {
+  if (options_.fsdp) throw std::invalid_argument("gpt_train: --resume with --fsdp is not supported yet");
   auto model = checkpoint::module_pieces(*model_);
   auto optim = checkpoint::optimizer_load_pieces(*zero_);
   auto all = model;

@@ -5,7 +5,9 @@
 // The rank holds the stages pp::Pipeline gives it, split over the TP group;
 // one ZeroOptimizer (ZeRO-2, AdamW at 3e-3 with weight decay 0.01, global
 // gradient-norm clipping at 1.0 over every stage and TP rank, the tied
-// embedding summed over the embedding group) over the DP group. A step takes
+// embedding summed over the embedding group) over the DP group, or, with
+// `fsdp`, the model sharded by commgrad::fsdp (one unit per layer) and the
+// same AdamW over this rank's pieces, clipped the same way. A step takes
 // batch k of a corpus: every replica its batch/dp rows, split into the
 // microbatches.
 
@@ -32,6 +34,9 @@ struct TrainerOptions {
   int microbatches = 4;
   std::string schedule = "1f1b";  // "interleaved" on a pipeline of one rank runs as 1f1b
   int stages_per_rank = 1;
+  /// Parameters, gradients and optimizer state sharded over DP
+  /// (commgrad::fsdp, one unit per layer) instead of ZeRO-2.
+  bool fsdp = false;
 };
 
 class Trainer {
@@ -53,7 +58,10 @@ class Trainer {
   TrainerOptions options_;
   Layout layout_;
   GptRank model_;
+  void make_optimizer();
   std::unique_ptr<commgrad::optim::ZeroOptimizer> zero_;
+  commgrad::fsdp::FullyShardedModule sharded_;                 // with fsdp
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;          // with fsdp
   std::unique_ptr<commgrad::pp::Pipeline> pipe_;
   commgrad::pp::PipelineStepResult last_;
 };

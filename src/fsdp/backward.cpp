@@ -183,7 +183,7 @@ at::Tensor Unit::pack_gradients() {
     g.reset();
   }
   const int64_t world = group_.size() * (options_.replicate_group().defined() ? options_.replicate_group().size() : 1);
-  const bool half = at::isReducedFloatingType(reduce_dtype_);
+  const bool half = (reduce_dtype_ == at::kHalf || reduce_dtype_ == at::kBFloat16);
   payload.div_(half ? dp::predivide_factor(world) : static_cast<double>(world));
   packed_ = true;
   return payload;
@@ -207,7 +207,7 @@ void Unit::finish_reduction() {
   if (options_.replicate_group().defined() && options_.replicate_group().size() > 1) {
     reduced = ops::raw::all_reduce(reduced, ops::AllReduceOptions().op(ReduceOp::kSum), options_.replicate_group()).wait();
   }
-  if (at::isReducedFloatingType(reduce_dtype_)) reduced.div_(static_cast<double>(world) / dp::predivide_factor(world));
+  if ((reduce_dtype_ == at::kHalf || reduce_dtype_ == at::kBFloat16)) reduced.div_(static_cast<double>(world) / dp::predivide_factor(world));
   at::Tensor master = reduced.to(dtype_);
   for (auto& p : params_) {
     if (!p.requires_grad) continue;

@@ -246,7 +246,7 @@ Out finish_forward(Unit& unit, Out out) {
 /// Example:
 ///   auto y = commgrad::fsdp::call_function(*model, [&] { return model->forward_stage(0, x); });
 template <class Fn>
-auto call_function(torch::nn::Module& module, Fn&& fn) {
+auto call_function(const torch::nn::Module& module, Fn&& fn) {
   auto unit = detail::unit_of(module);
   if (!unit) return fn();
   detail::before_forward(*unit);
