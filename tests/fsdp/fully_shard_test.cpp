@@ -103,7 +103,6 @@ constexpr int64_t kModel = 16, kHeads = 4, kLayers = 3, kSeq = 5, kBatch = 2;
 
 struct TransformerImpl : torch::nn::Module {
   TransformerImpl() {
-    torch::manual_seed(7);
     input = register_module("input", torch::nn::Linear(kModel, kModel));
     for (int64_t i = 0; i < kLayers; ++i) {
       layers.push_back(register_module(
@@ -113,6 +112,10 @@ struct TransformerImpl : torch::nn::Module {
                                                  .dropout(0.0))));
     }
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kModel})));
+    // The same values in every thread (the global generator is shared).
+    torch::NoGradGuard no_grad;
+    uint64_t seed = 300;
+    for (auto& p : parameters()) p.copy_(seeded_randn(p.sizes(), seed++) * 0.2);
   }
   // `delay` runs before each layer (to shift the ranks against each other).
   torch::Tensor forward(const torch::Tensor& x, const std::function<void()>& delay = {}) {
