@@ -241,6 +241,40 @@ TEST(FullyShard, AccumulationAndClippingEqualOneRank) {
   }
 }
 
+// ~~~ HSDP ~~~
+
+TEST(FullyShard, HybridShardingFollowsDdpOverTheWholeWorld) {
+  spawn_ranks(4, [&](Group& world) {
+    // Shard over {0, 1} and {2, 3}; replicate over {0, 2} and {1, 3} (FSDP2's 2-D mesh).
+    std::vector<Group> shard{new_group({0, 1}), new_group({2, 3})};
+    std::vector<Group> replicate{new_group({0, 2}), new_group({1, 3})};
+    const int r = world.rank();
+    Mlp ref(7, 11, 3, 2), model(7, 11, 3, 2);
+    dp::DistributedDataParallel ddp(ref, world);
+    torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
+    fsdp::fully_shard(model->fc1, fsdp::FullyShardOptions(shard[r / 2]).replicate_group(replicate[r % 2]));
+    auto sharded = fsdp::fully_shard(model, fsdp::FullyShardOptions(shard[r / 2]).replicate_group(replicate[r % 2]));
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+    for (int step = 0; step < 5; ++step) {
+      const auto x = seeded_randn({4, 7}, 400 + 10 * step + r);
+      const auto ref_loss = ref->forward(x).pow(2).sum();
+      const auto loss = fsdp::call(model, x).pow(2).sum();
+      EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-5 * std::abs(ref_loss.item<double>()));
+      ref_loss.backward();
+      loss.backward();
+      ref_opt.step();
+      opt.step();
+      ref_opt.zero_grad();
+      opt.zero_grad();
+    }
+    const auto full = sharded.full_state_dict();
+    for (const auto& item : ref->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 1e-5, 1e-6))
+          << item.key() << ": max difference " << (full[item.key()] - item.value()).abs().max().item<double>();
+    }
+  });
+}
+
 // ~~~ Mixed precision ~~~
 
 TEST(FullyShard, Bfloat16ComputeWithFloat32ReductionMatchesAnEmulation) {
