@@ -235,8 +235,10 @@ void Unit::adopt(at::Tensor gathered) {
   auto* target = full_.storage().unsafeGetStorageImpl();
   const size_t bytes = static_cast<size_t>(padded_) * full_.element_size();
   auto storage = gathered.storage();
+  // Only a plain allocation nobody else holds (not a transport's buffer, not the shard).
   const bool own = gathered.is_contiguous() && gathered.storage_offset() == 0 && storage.nbytes() == bytes &&
-                   storage.use_count() == 2 && !gathered.is_alias_of(shard_) && gathered.scalar_type() == compute_dtype_;
+                   storage.use_count() == 2 && storage.allocator() != nullptr && !gathered.is_alias_of(shard_) &&
+                   gathered.scalar_type() == compute_dtype_;
   if (own) {
     auto* source = storage.unsafeGetStorageImpl();
     target->set_data_ptr(source->set_data_ptr(at::DataPtr(nullptr, gathered.device())));
