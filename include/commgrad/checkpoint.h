@@ -9,6 +9,7 @@
 //   module_state.h  module_pieces(): a (tensor-parallel) module's parameters and buffers
 //   rng_state.h     rng_pieces() / restore_rng(): the TP RNG tracker's streams
 //   optimizer_state.h  optimizer_pieces() / restore_optimizer(): a ZeroOptimizer's sharded state
+//   loss_scaler_state.h  loss_scaler_pieces() / restore_loss_scaler(): a DynamicLossScaler's state
 //
 // Example:
 //   auto pieces = checkpoint::module_pieces(*model);
@@ -18,6 +19,7 @@
 
 #include "commgrad/checkpoint/directory.h"
 #include "commgrad/checkpoint/load.h"
+#include "commgrad/checkpoint/loss_scaler_state.h"
 #include "commgrad/checkpoint/module_state.h"
 #include "commgrad/checkpoint/optimizer_state.h"
 #include "commgrad/checkpoint/rng_state.h"
