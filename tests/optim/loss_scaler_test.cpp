@@ -14,6 +14,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <limits>
@@ -134,6 +135,9 @@ void expect_bitwise_equal(const std::vector<at::Tensor>& a, const std::vector<at
 class LossScalerRanks : public ::testing::TestWithParam<int> {};
 
 TEST_P(LossScalerRanks, InfOnOneRankSkipsTheStepEverywhereAndOtherStepsEqualUnscaledTraining) {
+#if TORCH_VERSION_MAJOR < 2
+  GTEST_SKIP() << "LibTorch 1.13 has no float16 matmul on CPU";
+#endif
   const int n = GetParam();
   // Step 2: inf on the last rank's gradient; step 3: NaN on rank 0's.
   // Each after the data-parallel sum, so only that rank sees it.
