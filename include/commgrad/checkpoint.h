@@ -18,6 +18,7 @@
 //   auto result = checkpoint::load("ckpt", checkpoint::module_pieces(*model));  // any TP size
 
 #include "commgrad/checkpoint/directory.h"
+#include "commgrad/checkpoint/fsdp_state.h"
 #include "commgrad/checkpoint/load.h"
 #include "commgrad/checkpoint/loss_scaler_state.h"
 #include "commgrad/checkpoint/module_state.h"

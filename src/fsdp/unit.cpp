@@ -326,7 +326,7 @@ UnitInfo Unit::info(const std::string& name) const {
   out.padded_numel = padded_;
   out.shard_numel = shard_numel_;
   for (const auto& p : params_) {
-    if (p.length > 0) out.segments.push_back({p.name, p.param_begin, p.shard_offset, p.length});
+    if (p.length > 0) out.segments.push_back({p.name, p.param_begin, p.shard_offset, p.length, p.view.sizes().vec()});
   }
   return out;
 }
