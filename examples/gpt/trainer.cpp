@@ -1,6 +1,5 @@
 #include "trainer.h"
 
-#include <stdexcept>
 #include <vector>
 
 namespace gpt {
@@ -66,22 +65,28 @@ double Trainer::step(const Corpus& corpus, int k) {
       .item<double>();
 }
 
+// FSDP and ZeRO-2 write the same format: a checkpoint of either loads into either.
 void Trainer::save(const std::string& root, int step, const std::string& layout) {
-  if (options_.fsdp) throw std::invalid_argument("gpt_train: --save with --fsdp is not supported yet");
-  auto pieces = checkpoint::module_pieces(*model_);
-  for (auto& p : checkpoint::optimizer_pieces(*zero_)) pieces.push_back(std::move(p));
+  auto pieces = options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_);
+  auto optim = options_.fsdp ? checkpoint::fsdp_optimizer_pieces(sharded_, *optimizer_)
+                             : checkpoint::optimizer_pieces(*zero_);
+  pieces.insert(pieces.end(), optim.begin(), optim.end());
   checkpoint::save(root, step, pieces, {{"layout", layout}}, checkpoint::SaveOptions().keep(2));
 }
 
 std::pair<int, std::string> Trainer::load(const std::string& root) {
-  if (options_.fsdp) throw std::invalid_argument("gpt_train: --resume with --fsdp is not supported yet");
-  auto model = checkpoint::module_pieces(*model_);
-  auto optim = checkpoint::optimizer_load_pieces(*zero_);
+  auto model = options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_);
+  auto optim = options_.fsdp ? checkpoint::fsdp_optimizer_load_pieces(sharded_, *optimizer_)
+                             : checkpoint::optimizer_load_pieces(*zero_);
   auto all = model;
   all.insert(all.end(), optim.begin(), optim.end());
   const auto result = checkpoint::load(root, all);
-  checkpoint::restore_optimizer(*zero_, std::vector<checkpoint::TensorPiece>(all.begin() + model.size(), all.end()),
-                                result);
+  const std::vector<checkpoint::TensorPiece> loaded(all.begin() + model.size(), all.end());
+  if (options_.fsdp) {
+    checkpoint::restore_fsdp_optimizer(sharded_, *optimizer_, loaded, result);
+  } else {
+    checkpoint::restore_optimizer(*zero_, loaded, result);
+  }
   return {static_cast<int>(result.step), result.metadata.value("layout", std::string("?"))};
 }
 

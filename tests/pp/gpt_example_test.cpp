@@ -111,7 +111,8 @@ TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
 
   // Other layouts: the one-rank curve from step 1, compared on steps 4-6.
   for (const auto& [ranks, layout] : std::vector<std::pair<int, std::vector<std::string>>>{
-           {4, {"--pp", "2", "--dp", "2"}}, {1, {}}, {4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}}}) {
+           {4, {"--pp", "2", "--dp", "2"}}, {1, {}}, {4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}},
+           {4, {"--dp", "4", "--microbatches", "2", "--fsdp"}}}) {
     std::vector<std::string> args{"--steps", "6", "--resume", dir, "--check", "--curve", "none"};
     args.insert(args.end(), layout.begin(), layout.end());
     auto r = gpt_train(ranks, args);
@@ -120,6 +121,18 @@ TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
     EXPECT_THAT(r.out, ::testing::Not(HasSubstr("check step 3/6")));
     EXPECT_THAT(r.out, HasSubstr("check step 6/6"));
   }
+}
+
+TEST(GptTrainExample, SavedUnderFsdpResumesUnderZero) {
+  TempRoot root("gpt_fsdp");
+  const std::string dir = root.str();
+  auto saved = gpt_train(4, {"--tp", "2", "--dp", "2", "--fsdp", "--steps", "3", "--save", dir, "--curve", "none"});
+  ASSERT_EQ(saved.exit_code, 0) << saved.out << saved.err;
+  auto r = gpt_train(4, {"--pp", "2", "--dp", "2", "--steps", "5", "--resume", dir, "--check", "--curve", "none"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("(saved at TP=2 x PP=1 x DP=2 (FSDP))"));
+  EXPECT_THAT(r.out, HasSubstr("check step 5/5"));
+  EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-05): ok\n"));
 }
 
 TEST(GptTrainExample, WritesTheLossCurveAsCsvAndSvg) {
