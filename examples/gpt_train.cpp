@@ -131,8 +131,8 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       throw cli::usage_error("--stages-per-rank " + std::to_string(c.stages_per_rank) +
                              " needs --schedule interleaved");
     }
-    if (c.fsdp && (c.sp || c.schedule == "zbh1")) {
-      throw cli::usage_error("--fsdp does not combine with --sp or --schedule zbh1 yet");
+    if (c.fsdp && c.schedule == "zbh1") {
+      throw cli::usage_error("--fsdp does not combine with --schedule zbh1 yet (deferred weight gradients)");
     }
     if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +

@@ -21,6 +21,7 @@
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/parallel_state.h"
 #include "commgrad/dp/replicas.h"
+#include "commgrad/tp/sharding.h"
 #include "commgrad/util/names.h"
 
 #include <ATen/ATen.h>
@@ -120,6 +121,13 @@ void Unit::collect(const std::shared_ptr<torch::nn::Module>& module, const std::
     if (p.requires_grad) ++trainable_;
   }
   has_frozen_ = trainable_ < params_.size();
+  const auto specs = tp::shard_specs(*module);
+  for (auto& p : params_) {
+    const auto* spec = specs.find(p.name);
+    if (spec != nullptr && spec->spec.partial_grad && spec->group.defined() && spec->group.size() > 1) {
+      p.partial_group = spec->group;
+    }
+  }
   compute_dtype_ = options_.mixed_precision().compute_dtype(dtype_);
   reduce_dtype_ = options_.mixed_precision().reduction_dtype(dtype_);
 }

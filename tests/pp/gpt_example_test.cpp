@@ -76,7 +76,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--sp"}, "tp2_pp2_dp2_sp"},
                       Case{4, {"--pp", "2", "--dp", "2", "--schedule", "zbh1"}, "pp2_dp2_zero_bubble"},
                       Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1"}, "tp2_pp2_sp_zero_bubble"},
-                      Case{4, {"--tp", "2", "--dp", "2", "--fsdp"}, "tp2_dp2_fsdp"},
+                      Case{4, {"--tp", "2", "--dp", "2", "--sp", "--fsdp"}, "tp2_dp2_sp_fsdp"},
                       Case{4, {"--pp", "2", "--dp", "2", "--schedule", "interleaved", "--fsdp"}, "pp2_dp2_interleaved_fsdp"},
                       Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--fsdp"}, "tp2_pp2_dp2_fsdp"}),
     [](const auto& info) { return info.param.name; });
@@ -219,7 +219,7 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
       {{"--dp", "65536", "--microbatches", "65536"}, "does not split into 65536 replicas x 65536 microbatches"},
       {{"--pp", "2", "--stages-per-rank", "2"}, "--stages-per-rank 2 needs --schedule interleaved"},
       {{"--save-every", "2"}, "--save-every needs --save DIR"},
-      {{"--fsdp", "--tp", "2", "--sp"}, "--fsdp does not combine with --sp"},
+      {{"--fsdp", "--pp", "2", "--schedule", "zbh1"}, "--fsdp does not combine with --schedule zbh1"},
   });
 }
 
