@@ -81,6 +81,26 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--fsdp"}, "tp2_pp2_dp2_fsdp"}),
     [](const auto& info) { return info.param.name; });
 
+// 16-bit compute against one rank computing in the same dtype (tolerance
+// 5e-3 for bfloat16, 1e-3 for float16: their rounding); float16 with the
+// loss scaler, saved and resumed with its state.
+TEST(GptTrainExample, SixteenBitFollowsTheOneRankCurveInItsDtype) {
+  auto bf16 = gpt_train(4, {"--tp", "2", "--dp", "2", "--fsdp", "--precision", "bf16", "--steps", "4", "--check",
+                            "--curve", "none"});
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.out << bf16.err;
+  EXPECT_THAT(bf16.out, HasSubstr("(tolerance 5e-03): ok\n"));
+  TempRoot root("gpt_fp16");
+  auto fp16 = gpt_train(4, {"--pp", "2", "--dp", "2", "--fsdp", "--precision", "fp16", "--steps", "3", "--check",
+                            "--save", root.str(), "--curve", "none"});
+  ASSERT_EQ(fp16.exit_code, 0) << fp16.out << fp16.err;
+  EXPECT_THAT(fp16.out, HasSubstr("loss scale 65536, 0 steps skipped"));
+  EXPECT_THAT(fp16.out, HasSubstr("(tolerance 1e-03): ok\n"));
+  auto resumed = gpt_train(2, {"--dp", "2", "--fsdp", "--precision", "fp16", "--steps", "5", "--resume", root.str(),
+                               "--check", "--curve", "none"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  EXPECT_THAT(resumed.out, HasSubstr("(tolerance 1e-03): ok\n"));
+}
+
 TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
   TempRoot root("gpt");
   const std::string dir = root.str();
@@ -220,6 +240,8 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
       {{"--pp", "2", "--stages-per-rank", "2"}, "--stages-per-rank 2 needs --schedule interleaved"},
       {{"--save-every", "2"}, "--save-every needs --save DIR"},
       {{"--fsdp", "--pp", "2", "--schedule", "zbh1"}, "--fsdp does not combine with --schedule zbh1"},
+      {{"--precision", "fp16"}, "--precision fp16 needs --fsdp"},
+      {{"--precision", "fp8"}, "--precision: expected one of fp32, bf16, fp16, got 'fp8'"},
   });
 }
 
