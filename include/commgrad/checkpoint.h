@@ -24,5 +24,6 @@
 #include "commgrad/checkpoint/module_state.h"
 #include "commgrad/checkpoint/optimizer_state.h"
 #include "commgrad/checkpoint/rng_state.h"
+#include "commgrad/checkpoint/safetensors_file.h"
 #include "commgrad/checkpoint/save.h"
 #include "commgrad/checkpoint/tensor_piece.h"
