@@ -278,12 +278,12 @@ void Unit::before_forward() {
                  module_.expired() ? std::string("?") : module_.lock()->name(), ") was called twice in one forward (a unit runs once per forward; wrap the shared part in a unit "
                  "of its own or call it once)");
   last_forward_id_ = t.forward_id;
-  ++t.depth;
   if (!in_order_) {
     t.order.push_back(this);
     in_order_ = true;
   }
-  unshard();
+  unshard();  // a failed gather throws before the call counts as open
+  ++t.depth;
   // Prefetch the unit that ran after this one in the last step.
   auto it = std::find(t.last_order.begin(), t.last_order.end(), this);
   if (it != t.last_order.end() && it + 1 != t.last_order.end()) (*(it + 1))->start_gather(/*prefetch=*/true);
