@@ -22,6 +22,13 @@
 // 3 Psi elements moved per step (2 Psi without resharding; DDP and ZeRO
 // move 2 Psi).
 //
+// Where the allocator keeps freed blocks resident, RSS can grow by what is no
+// longer held: FSDP frees and refills a unit's buffer per layer and, with
+// glibc's default heap, small allocations in between split the freed blocks
+// (its RSS then rises by about a unit per layer in forward, though the
+// bytes held do not). MALLOC_MMAP_THRESHOLD_=524288 (unit-sized blocks
+// mmapped and returned on free) makes the RSS column follow the bytes held.
+//
 // Time. Every round runs one step of each variant (barrier first), so that
 // machine noise hits them alike; rank 0 reports median and p10/p90. FSDP
 // prefetches the next unit's all-gather from the second step on.
@@ -32,6 +39,10 @@
 
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
+
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -58,7 +69,14 @@ int64_t proc_status_bytes(const std::string& key) {
   }
   return 0;
 }
-void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+// Returns the heap that earlier variants freed to the system first, so that
+// a variant's growth is not hidden by pages glibc kept resident.
+void reset_peak_rss() {
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
+  std::ofstream("/proc/self/clear_refs") << "5";
+}
 
 enum class Kind { kDdp, kZero1, kZero2, kFsdp };
 
@@ -232,8 +250,8 @@ int main(int argc, char** argv) {
     };
     std::vector<FsdpReport> fsdp_reports;
     for (const auto& s : specs) {
-      const int64_t before = proc_status_bytes("VmRSS");
       reset_peak_rss();
+      const int64_t before = proc_status_bytes("VmRSS");
       auto v = make_variant(s, c);
       for (int k = 0; k < 2; ++k) step(*v, x, y);
       FsdpReport report;
