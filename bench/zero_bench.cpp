@@ -24,9 +24,9 @@
 //
 // Where the allocator keeps freed blocks resident, RSS can grow by what is no
 // longer held: FSDP frees and refills a unit's buffer per layer and, with
-// glibc's default heap, small allocations in between split the freed blocks
-// (its RSS then rises by about a unit per layer in forward, though the
-// bytes held do not). MALLOC_MMAP_THRESHOLD_=524288 (unit-sized blocks
+// glibc's default heap, the freed blocks are not reused for the next unit
+// (its RSS rises by about a unit per layer in forward, though the bytes
+// held do not; most likely small allocations in between split them). MALLOC_MMAP_THRESHOLD_=524288 (unit-sized blocks
 // mmapped and returned on free) makes the RSS column follow the bytes held.
 //
 // Time. Every round runs one step of each variant (barrier first), so that
