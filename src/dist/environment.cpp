@@ -25,8 +25,7 @@ namespace {
 // printed but had not flushed. Line buffering, set as the library loads
 // (before main prints anything), sends each line as it is written.
 [[maybe_unused]] const bool g_line_buffered = [] {
-  const char* flag = std::getenv("COMMGRAD_LINE_BUFFERED");
-  if (flag == nullptr || std::string(flag) != "1") return false;
+  if (env::get("COMMGRAD_LINE_BUFFERED").value_or("") != "1") return false;
   std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   return true;
 }();

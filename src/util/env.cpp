@@ -39,6 +39,9 @@ const std::vector<Variable>& variables() {
        "shm: collectives from this size run on the worker thread (default 1 MiB); smaller ones finish in the call"},
       {"COMMGRAD_SHM_EAGER_WORKER", "0 or 1", "shm: start async collectives at once (default: when cores are spare)"},
       {"COMMGRAD_HOST", "any text", "this process's host identity for locality decisions (default: host name and boot id)"},
+      {"COMMGRAD_LINE_BUFFERED", "1",
+       "line-buffer stdout from the moment commgrad loads, so that a rank stopped by the launcher loses no printed "
+       "line (commgrad-run sets it for its ranks; set it yourself under another launcher whose ranks write to a pipe)"},
       {"GLOO_SOCKET_IFNAME", "interface[,interface...]", "network interfaces Gloo binds to, as in PyTorch"},
   };
   return list;

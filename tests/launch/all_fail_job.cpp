@@ -1,9 +1,10 @@
-// A rank that prints kLines lines through buffered stdio and returns 1, as
-// every rank of a job that fails alike does: launcher_test checks that every
-// line reaches commgrad-run's output although the launcher stops the other
-// ranks as soon as the first one exits.
+// A rank that prints kLines lines through stdio and returns 1, as every rank
+// of a job that fails alike does: launcher_test checks that every line
+// reaches commgrad-run's output although the launcher stops the other ranks
+// soon after the first one exits.
 
 #include <commgrad/dist/process_group.h>
+#include <commgrad/ops/raw.h>
 
 #include <cstdio>
 
@@ -12,5 +13,8 @@ int main() {
   commgrad::init_process_group();  // as a real program does (and it links commgrad, which line-buffers stdout)
   const int rank = commgrad::rank();
   for (int i = 0; i < kLines; ++i) std::printf("rank %d line %d\n", rank, i);
+  // Every rank has printed (into stdio's buffer, without line buffering)
+  // before any exits: only what happens at exit decides whether it is lost.
+  commgrad::ops::raw::barrier().wait();
   return 1;
 }
