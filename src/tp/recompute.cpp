@@ -316,6 +316,18 @@ std::vector<at::Tensor> declared_parameters(const std::vector<at::Tensor>& param
 
 }  // namespace
 
+const char* recompute_granularity_name(RecomputeGranularity granularity) {
+  switch (granularity) {
+    case RecomputeGranularity::kNone:
+      return "none";
+    case RecomputeGranularity::kSelective:
+      return "selective";
+    case RecomputeGranularity::kFull:
+      return "full";
+  }
+  return "?";
+}
+
 std::vector<at::Tensor> recompute(const RecomputeFunction& fn, const std::vector<at::Tensor>& inputs,
                                   const RecomputeOptions& options) {
   TORCH_CHECK(static_cast<bool>(fn), prefix(options.name()), "the function is empty");

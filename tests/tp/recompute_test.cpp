@@ -9,6 +9,7 @@
 #include "commgrad/dp/distributed_data_parallel.h"
 #include "commgrad/tp/random.h"
 #include "commgrad/tp/recompute.h"
+#include "commgrad/tp/transformer_layer.h"
 
 #include "harness/spawn_ranks.h"
 
@@ -304,6 +305,80 @@ TEST(Recompute, DdpSeesEachDeclaredGradientOnceInTheOuterBackward) {
     for (size_t i = 0; i < grads[0].size(); ++i) {
       EXPECT_TRUE(torch::allclose(grads[1][i], grads[0][i], 1e-6, 1e-7)) << "parameter " << i;
     }
+  });
+}
+
+// ~~~ ParallelTransformerLayer at TP = 2 ~~~
+
+// One training step of a layer with both dropouts on; collectives counted
+// through the group's sequence number (each rank reads it once per phase,
+// so the ranks stay in step).
+struct LayerRun {
+  at::Tensor out, input_grad;
+  std::vector<at::Tensor> grads;
+  uint64_t forward_collectives = 0, backward_collectives = 0;
+};
+
+LayerRun layer_run(Group& g, RecomputeGranularity granularity, bool sequence_parallel) {
+  ScopedRngTracker scoped{RngTracker()};
+  model_parallel_manual_seed(77, g);
+  ParallelTransformerLayer layer(ParallelTransformerLayerOptions(16, 4, 32, g)
+                                     .hidden_dropout(0.2)
+                                     .attention_dropout(0.2)
+                                     .sequence_parallel(sequence_parallel)
+                                     .recompute(granularity)
+                                     .seed(9));
+  layer->train();
+  auto gen = at::detail::createCPUGenerator(123);
+  at::Tensor x = torch::randn({8, 2, 16}, gen);
+  if (sequence_parallel) x = x.chunk(g.size(), 0)[g.rank()].clone();
+  x.requires_grad_(true);
+  LayerRun run;
+  const uint64_t s0 = g.next_sequence();
+  run.out = layer(x);
+  const uint64_t s1 = g.next_sequence();
+  run.out.pow(2).sum().backward();
+  const uint64_t s2 = g.next_sequence();
+  run.forward_collectives = s1 - s0 - 1;
+  run.backward_collectives = s2 - s1 - 1;
+  run.input_grad = x.grad();
+  for (const auto& p : layer->parameters()) run.grads.push_back(p.grad());
+  return run;
+}
+
+class RecomputeLayer : public ::testing::TestWithParam<bool> {};
+
+TEST_P(RecomputeLayer, GradientsEqualWithoutRecomputeWithDropoutOn) {
+  const bool sequence_parallel = GetParam();
+  spawn_ranks(2, [&](Group& g) {
+    const LayerRun none = layer_run(g, RecomputeGranularity::kNone, sequence_parallel);
+    EXPECT_EQ(none.forward_collectives, sequence_parallel ? 4u : 2u);
+    for (auto granularity : {RecomputeGranularity::kSelective, RecomputeGranularity::kFull}) {
+      const std::string what = recompute_granularity_name(granularity);
+      const LayerRun run = layer_run(g, granularity, sequence_parallel);
+      EXPECT_TRUE(torch::equal(run.out, none.out)) << what;
+      EXPECT_TRUE(torch::equal(run.input_grad, none.input_grad)) << what;
+      ASSERT_EQ(run.grads.size(), none.grads.size());
+      for (size_t i = 0; i < run.grads.size(); ++i) {
+        ASSERT_TRUE(run.grads[i].defined()) << what << " parameter " << i;
+        EXPECT_TRUE(torch::equal(run.grads[i], none.grads[i])) << what << " parameter " << i;
+      }
+      EXPECT_EQ(run.forward_collectives, none.forward_collectives) << what;
+      // Selective: not one collective again; full: the forward's once more.
+      const uint64_t extra = granularity == RecomputeGranularity::kFull ? none.forward_collectives : 0;
+      EXPECT_EQ(run.backward_collectives, none.backward_collectives + extra) << what;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(SequenceParallel, RecomputeLayer, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? std::string("sp") : std::string("no_sp"); });
+
+TEST(RecomputeLayerPrint, ShowsTheGranularity) {
+  spawn_ranks(1, [](Group& g) {
+    ParallelTransformerLayer layer(
+        ParallelTransformerLayerOptions(8, 2, 16, g).recompute(RecomputeGranularity::kSelective).seed(1));
+    EXPECT_THAT(c10::str(*layer), HasSubstr("recompute=selective"));
   });
 }
 

@@ -35,6 +35,16 @@
 
 namespace commgrad::tp {
 
+/// What a layer recomputes in backward (Megatron's recompute_granularity).
+enum class RecomputeGranularity {
+  kNone,       ///< keep every activation
+  kSelective,  ///< recompute the attention core softmax(QK^T)V (the s^2 part); no collective is re-issued
+  kFull,       ///< keep only the layer's input; the whole layer, its collectives included, runs again
+};
+
+/// "none", "selective" or "full".
+const char* recompute_granularity_name(RecomputeGranularity granularity);
+
 /// A function recompute() may run twice: tensors in, tensors out. Non-tensor
 /// arguments are captured by the lambda; tensors that need gradients must be
 /// among the inputs or be leaves (parameters), never activations computed
