@@ -4,9 +4,13 @@
 // TP tracker's model-parallel stream), the cost of full recompute counted
 // matmul by matmul against the closed form (torchtitan's test_flops idea),
 // several inputs and outputs with a non-grad input and non-tensor
-// arguments, undeclared parameters, DDP's hooks, and the two errors.
+// arguments, undeclared parameters, DDP's hooks and fully_shard's, the
+// recompute option of ParallelTransformerLayer at TP = 2 (selective and
+// full, with and without sequence parallelism, collectives counted), and
+// the errors.
 
 #include "commgrad/dp/distributed_data_parallel.h"
+#include "commgrad/fsdp/fully_shard.h"
 #include "commgrad/tp/random.h"
 #include "commgrad/tp/recompute.h"
 #include "commgrad/tp/transformer_layer.h"
@@ -45,6 +49,15 @@ RngTracker seeded_tracker(uint64_t seed) {
   tracker.manual_seed(seed);
   tracker.add(kModelParallelRng, seed + kTensorParallelSeedOffset);
   return tracker;
+}
+
+// Parameters from a generator of their own (ranks are threads and share
+// LibTorch's default generator, so torch::manual_seed alone does not make
+// two runs start alike).
+void init_parameters(torch::nn::Module& module, uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  auto gen = at::detail::createCPUGenerator(seed);
+  for (auto& p : module.parameters()) p.copy_(torch::randn(p.sizes(), gen) * 0.3);
 }
 
 // ~~~ PyTorch's test_checkpoint_rng_cpu ~~~
@@ -290,8 +303,8 @@ TEST(Recompute, DdpSeesEachDeclaredGradientOnceInTheOuterBackward) {
   spawn_ranks(2, [](Group& world) {
     std::vector<at::Tensor> grads[2];
     for (bool use_recompute : {false, true}) {
-      torch::manual_seed(5);
       auto model = std::make_shared<Stack>();
+      init_parameters(*model, 5);
       model->recompute_middle = use_recompute;
       dp::DistributedDataParallel ddp(model, dp::DistributedDataParallelOptions(world));
       for (int step = 0; step < 2; ++step) {
@@ -303,8 +316,62 @@ TEST(Recompute, DdpSeesEachDeclaredGradientOnceInTheOuterBackward) {
       for (const auto& p : model->parameters()) grads[use_recompute].push_back(p.grad().clone());
     }
     for (size_t i = 0; i < grads[0].size(); ++i) {
-      EXPECT_TRUE(torch::allclose(grads[1][i], grads[0][i], 1e-6, 1e-7)) << "parameter " << i;
+      EXPECT_TRUE(torch::equal(grads[1][i], grads[0][i])) << "parameter " << i;
     }
+  });
+}
+
+// ~~~ fully_shard ~~~
+
+// A unit whose forward recomputes its body; its parameters are not declared
+// (the tensors its code reads are fully_shard's gathered ones).
+struct BlockImpl : torch::nn::Module {
+  torch::nn::Linear fc1 = register_module("fc1", torch::nn::Linear(6, 12));
+  torch::nn::Linear fc2 = register_module("fc2", torch::nn::Linear(12, 6));
+  bool use_recompute = false;
+  at::Tensor forward(const at::Tensor& x) {
+    auto fn = [this](const at::Tensor& in) { return fc2->forward(torch::gelu(fc1->forward(in))); };
+    return use_recompute ? tp::recompute(fn, x, RecomputeOptions().name("block")) : fn(x);
+  }
+};
+TORCH_MODULE(Block);
+
+struct NetImpl : torch::nn::Module {
+  torch::nn::Linear first = register_module("first", torch::nn::Linear(6, 6));
+  Block block = register_module("block", Block());
+  torch::nn::Linear head = register_module("head", torch::nn::Linear(6, 2));
+  at::Tensor forward(const at::Tensor& x) { return head->forward(fsdp::call(block, torch::relu(first->forward(x)))); }
+};
+TORCH_MODULE(Net);
+
+TEST(Recompute, InsideAFullyShardUnitGathersNoMoreAndTrainsTheSame) {
+  spawn_ranks(2, [](Group& world) {
+    std::vector<float> losses[2];
+    torch::OrderedDict<std::string, at::Tensor> state[2];
+    fsdp::StepStats stats[2];
+    for (bool use_recompute : {false, true}) {
+      Net net;
+      init_parameters(*net, 6);
+      net->block->use_recompute = use_recompute;
+      fsdp::fully_shard(net->block, world);
+      auto sharded = fsdp::fully_shard(net, world);
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+      for (int step = 0; step < 3; ++step) {
+        auto gen = at::detail::createCPUGenerator(100 * step + world.rank());
+        auto loss = fsdp::call(net, torch::randn({4, 6}, gen)).pow(2).sum();
+        loss.backward();
+        losses[use_recompute].push_back(loss.item<float>());
+        opt.step();
+        for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
+      }
+      state[use_recompute] = sharded.full_state_dict();
+      stats[use_recompute] = sharded.last_step();
+    }
+    EXPECT_EQ(losses[1], losses[0]);
+    for (const auto& item : state[0]) EXPECT_TRUE(torch::equal(state[1][item.key()], item.value())) << item.key();
+    EXPECT_EQ(stats[1].all_gathers, stats[0].all_gathers);
+    EXPECT_EQ(stats[1].all_gathers, 3);  // block: forward and backward; the root keeps its parameters
+    EXPECT_EQ(stats[1].reduce_scatters, stats[0].reduce_scatters);
   });
 }
 
@@ -379,6 +446,36 @@ TEST(RecomputeLayerPrint, ShowsTheGranularity) {
     ParallelTransformerLayer layer(
         ParallelTransformerLayerOptions(8, 2, 16, g).recompute(RecomputeGranularity::kSelective).seed(1));
     EXPECT_THAT(c10::str(*layer), HasSubstr("recompute=selective"));
+  });
+}
+
+// The head recomputed: the first gradients of the backward come from inside
+// recompute. Declared, they reach DDP in the outer backward; undeclared,
+// they are accumulated by a nested engine call, DDP's end-of-backward runs
+// at its end, and DDP says so (docs/recompute.md).
+std::vector<at::Tensor> ddp_head_recomputed(Group& world, bool use_recompute, bool declare) {
+  auto model = std::make_shared<Stack>();
+  init_parameters(*model, 7);
+  dp::DistributedDataParallel ddp(model, dp::DistributedDataParallelOptions(world));
+  auto gen = at::detail::createCPUGenerator(world.rank());
+  auto h = model->middle->forward(torch::relu(model->first->forward(torch::randn({4, 6}, gen))));
+  auto head = [&](const at::Tensor& in) { return model->last->forward(in); };
+  auto options = RecomputeOptions().name("head");
+  if (declare) options.parameters(model->last->parameters());
+  auto y = use_recompute ? tp::recompute(head, h, options) : head(h);
+  y.pow(2).sum().backward();
+  std::vector<at::Tensor> grads;
+  for (const auto& p : model->parameters()) grads.push_back(p.grad());
+  return grads;
+}
+
+TEST(Recompute, DdpWhenTheFirstGradientsComeFromInsideRecompute) {
+  spawn_ranks(2, [](Group& world) {
+    const auto expected = ddp_head_recomputed(world, /*use_recompute=*/false, false);
+    const auto got = ddp_head_recomputed(world, /*use_recompute=*/true, /*declare=*/true);
+    for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(torch::equal(got[i], expected[i])) << "parameter " << i;
+    EXPECT_THAT(error_of([&] { ddp_head_recomputed(world, /*use_recompute=*/true, /*declare=*/false); }),
+                HasSubstr("received no gradient in this backward"));
   });
 }
 
