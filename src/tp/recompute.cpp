@@ -41,9 +41,9 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <unordered_set>
 #include <utility>
 
@@ -212,12 +212,14 @@ std::vector<at::Tensor> other_leaves(const State& s, const variable_list& roots,
     if (!seen.insert(node).second) continue;
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
       const at::Tensor& leaf = acc->variable;
-      const bool is_known = std::any_of(known.begin(), known.end(), [&](const at::Tensor& k) { return same_tensor(k, leaf); });
+      const bool is_known =
+          std::any_of(known.begin(), known.end(), [&](const at::Tensor& k) { return same_tensor(k, leaf); });
       if (!is_known) leaves.push_back(leaf);
       continue;
     }
     // commgrad's own helper nodes take sequence number 0 on purpose.
-    const bool earlier = node->thread_id() != thread || (node->sequence_nr() != 0 && node->sequence_nr() < first_sequence_nr);
+    const uint64_t sequence_nr = node->sequence_nr();
+    const bool earlier = node->thread_id() != thread || (sequence_nr != 0 && sequence_nr < first_sequence_nr);
     TORCH_CHECK(!earlier, prefix(s.name), "the recomputed graph reaches '", node->name(),
                 "', which was recorded before the rerun: the function uses a tensor that requires grad, was computed "
                 "outside it and is not one of its inputs. Pass it as an input");
@@ -270,22 +272,27 @@ class RecomputeBackward : public torch::autograd::Node {
     }
     variable_list result(s.inputs.size() + s.parameters.size());
     if (roots.empty()) return result;
+    // What to differentiate with respect to, and where each gradient goes.
+    constexpr size_t kOtherLeaf = static_cast<size_t>(-1);
     variable_list targets;
-    std::vector<size_t> where;  // index in `result` of each target (npos: another leaf)
+    std::vector<size_t> where;  // index in `result`, or kOtherLeaf
+    auto add_target = [&](const at::Tensor& t, size_t index) {
+      targets.push_back(t);
+      where.push_back(index);
+    };
     for (size_t i = 0; i < detached.size(); ++i) {
-      if (detached[i].defined() && detached[i].requires_grad()) targets.push_back(detached[i]), where.push_back(i);
+      if (detached[i].defined() && detached[i].requires_grad()) add_target(detached[i], i);
     }
     for (size_t i = 0; i < s.parameters.size(); ++i) {
-      if (s.parameters[i].requires_grad()) targets.push_back(s.parameters[i]), where.push_back(s.inputs.size() + i);
+      if (s.parameters[i].requires_grad()) add_target(s.parameters[i], s.inputs.size() + i);
     }
-    const variable_list others = other_leaves(s, roots, targets, first_sequence_nr);
-    for (const auto& leaf : others) targets.push_back(leaf), where.push_back(std::string::npos);
+    for (const auto& leaf : other_leaves(s, roots, targets, first_sequence_nr)) add_target(leaf, kOtherLeaf);
     if (targets.empty()) return result;
     const variable_list g = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
                                                   /*create_graph=*/false, /*allow_unused=*/true);
     variable_list other_leaves_with_grad, other_grads;
     for (size_t k = 0; k < targets.size(); ++k) {
-      if (where[k] != std::string::npos) {
+      if (where[k] != kOtherLeaf) {
         result[where[k]] = g[k];
       } else if (g[k].defined()) {
         other_leaves_with_grad.push_back(targets[k]);
@@ -356,9 +363,13 @@ std::vector<at::Tensor> recompute(const RecomputeFunction& fn, const std::vector
 
   auto node = commgrad::detail::make_node<RecomputeBackward>(state);
   torch::autograd::edge_list edges;
-  for (const std::vector<at::Tensor>* list : {&inputs, static_cast<const std::vector<at::Tensor>*>(&s.parameters)}) {
-    for (const auto& t : *list) edges.push_back(t.defined() ? torch::autograd::impl::gradient_edge(t) : torch::autograd::Edge());
-  }
+  auto add_edges = [&](const std::vector<at::Tensor>& tensors) {
+    for (const auto& t : tensors) {
+      edges.push_back(t.defined() ? torch::autograd::impl::gradient_edge(t) : torch::autograd::Edge());
+    }
+  };
+  add_edges(inputs);        // result[i] of RecomputeBackward::apply
+  add_edges(s.parameters);  // result[inputs.size() + i]
   node->set_next_edges(std::move(edges));
   for (auto& o : outputs) {
     OutputMeta m;
