@@ -217,9 +217,12 @@ std::vector<at::Tensor> other_leaves(const State& s, const variable_list& roots,
       if (!is_known) leaves.push_back(leaf);
       continue;
     }
-    // commgrad's own helper nodes take sequence number 0 on purpose.
+    // Nodes of the rerun were made on this thread, numbered from
+    // first_sequence_nr on; commgrad's helper nodes (ops' WaitForGradient)
+    // take number 0 on purpose, so that the engine runs them last.
     const uint64_t sequence_nr = node->sequence_nr();
-    const bool earlier = node->thread_id() != thread || (sequence_nr != 0 && sequence_nr < first_sequence_nr);
+    const bool helper = sequence_nr == 0 && node->name().rfind("commgrad::", 0) == 0;
+    const bool earlier = node->thread_id() != thread || (!helper && sequence_nr < first_sequence_nr);
     TORCH_CHECK(!earlier, prefix(s.name), "the recomputed graph reaches '", node->name(),
                 "', which was recorded before the rerun: the function uses a tensor that requires grad, was computed "
                 "outside it and is not one of its inputs. Pass it as an input");
