@@ -14,9 +14,10 @@
 // incoming gradients through the rerun, puts the random streams back as it
 // found them, and hands the gradients of the inputs and of the declared
 // parameters to the engine, which accumulates them as it would without
-// recompute (in the outer backward, with their hooks: DDP's and
-// fully_shard's hooks see each gradient once). Random draws, and so dropout
-// masks, are bit for bit those of the forward.
+// recompute (in the outer backward, with their hooks, where DDP's reducer
+// expects them); parameters fn reads but that were not declared are
+// accumulated by a nested engine call. Random draws, and so dropout masks,
+// are bit for bit those of the forward.
 //
 // This is the *reentrant* form (the rerun's graph is back-propagated by a
 // nested engine call): LibTorch's non-reentrant form rests on default
