@@ -5,10 +5,12 @@
 
 #include "cli/cli.h"
 
+#include <commgrad/fsdp/fully_shard.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -45,11 +47,21 @@ struct DeepMlpImpl : torch::nn::Module {
       layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(c.width, c.width)));
     }
   }
+  // Each layer through fsdp::call (a plain forward when it is not a unit).
   torch::Tensor forward(torch::Tensor x) {
-    for (auto& layer : layers) x = torch::relu(layer(x));
+    for (auto& layer : layers) {
+      x = torch::relu(commgrad::fsdp::call(layer, x));
+      if (probe) {
+        probe();  // forward, after the layer
+        if (x.requires_grad()) x.register_hook([p = probe](const torch::Tensor&) { p(); });  // backward, before it
+      }
+    }
     return x;
   }
   std::vector<torch::nn::Linear> layers;
+  /// When set, called after each layer's forward and before its backward
+  /// (zero_bench samples the bytes a sharded model holds mid-step).
+  std::function<void()> probe;
 };
 TORCH_MODULE(DeepMlp);
 

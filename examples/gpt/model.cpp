@@ -108,7 +108,8 @@ torch::Tensor GptRankImpl::forward(const torch::Tensor& ids) {
 }
 
 torch::Tensor GptRankImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
-  return tp::vocab_parallel_cross_entropy(logits, targets.t(), tp::CrossEntropyOptions().group(tp_group_));
+  // In float32 whatever the compute dtype (bfloat16 or float16 logits).
+  return tp::vocab_parallel_cross_entropy(logits.to(at::kFloat), targets.t(), tp::CrossEntropyOptions().group(tp_group_));
 }
 
 std::vector<std::string> GptRankImpl::tied_parameters() const {

@@ -18,7 +18,10 @@ Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, c
   }
   pipe_ = std::make_unique<commgrad::pp::Pipeline>(
       std::move(stages),
-      [model = model_](const torch::Tensor& logits, const torch::Tensor& y) { return model->loss(logits, y); },
+      [model = model_, scaler = scaler_.get()](const torch::Tensor& logits, const torch::Tensor& y) {
+        const auto loss = model->loss(logits, y);
+        return scaler != nullptr ? scaler->scale(loss) : loss;
+      },
       commgrad::pp::PipelineOptions(options.microbatches)
           .schedule(layout.pp.size() == 1 && options.schedule == "interleaved" ? "1f1b" : options.schedule)
           .stages_per_rank(options.stages_per_rank)
@@ -26,13 +29,34 @@ Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, c
           .no_sync({options.fsdp ? commgrad::pp::no_sync_of(sharded_) : commgrad::pp::no_sync_of(*zero_)}));
 }
 
+namespace {
+
+c10::optional<at::ScalarType> compute_dtype(const std::string& precision) {
+  if (precision == "bf16") return at::kBFloat16;
+  if (precision == "fp16") return at::kHalf;
+  if (precision == "fp32") return c10::nullopt;
+  throw std::invalid_argument("unknown precision '" + precision + "' (fp32, bf16 or fp16)");
+}
+
+}  // namespace
+
 void Trainer::make_optimizer() {
   const auto adamw = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
+  const auto dtype = compute_dtype(options_.precision);
   if (options_.fsdp) {
-    sharded_ = model_->fully_shard(commgrad::fsdp::FullyShardOptions(layout_.dp), layout_.embedding);
+    const auto policy = commgrad::dp::MixedPrecisionPolicy().param_dtype(dtype).reduce_dtype(
+        dtype ? c10::optional<at::ScalarType>(at::kFloat) : c10::nullopt);
+    sharded_ = model_->fully_shard(commgrad::fsdp::FullyShardOptions(layout_.dp).mixed_precision(policy),
+                                   layout_.embedding);
     optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), adamw);
+    if (options_.precision == "fp16") {
+      scaler_ = std::make_unique<commgrad::optim::DynamicLossScaler>(
+          commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups({layout_.dp, layout_.tp, layout_.pp}));
+    }
     return;
   }
+  if (options_.precision == "fp16") throw std::invalid_argument("precision fp16 needs fsdp (the loss scaler)");
+  if (dtype) model_->to(*dtype);  // ZeroOptimizer keeps float32 masters
   zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
       model_,
       [adamw](std::vector<torch::Tensor> shards) { return std::make_unique<torch::optim::AdamW>(shards, adamw); },
@@ -52,9 +76,7 @@ double Trainer::step(const Corpus& corpus, int k) {
   if (options_.fsdp) {
     optimizer_->zero_grad();
     last_ = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
-    sharded_.finish_gradients();
-    sharded_.clip_grad_norm_(1.0, layout_.tp, layout_.pp);
-    optimizer_->step();
+    step_sharded();
   } else {
     zero_->zero_grad();
     last_ = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
@@ -66,22 +88,59 @@ double Trainer::step(const Corpus& corpus, int k) {
       .item<double>();
 }
 
+// Clips and steps this rank's pieces (unscaled first and skipped on every
+// rank together when any gradient is inf/NaN, under fp16).
+void Trainer::step_sharded() {
+  sharded_.finish_gradients();
+  auto clip_and_step = [this] {
+    sharded_.clip_grad_norm_(1.0, layout_.tp, layout_.pp);
+    optimizer_->step();
+  };
+  if (!scaler_) {
+    clip_and_step();
+    return;
+  }
+  const double scale = scaler_->scale();
+  last_.loss /= scale;
+  for (auto& l : last_.microbatch_losses) l /= scale;
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : model_->parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  scaler_->step(grads, clip_and_step);
+}
+
+// FSDP and ZeRO-2 write the same format: a checkpoint of either loads into either.
 void Trainer::save(const std::string& root, int step, const std::string& layout) {
-  if (options_.fsdp) throw std::invalid_argument("gpt_train: --save with --fsdp is not supported yet");
-  auto pieces = checkpoint::module_pieces(*model_);
-  for (auto& p : checkpoint::optimizer_pieces(*zero_)) pieces.push_back(std::move(p));
+  auto pieces = options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_);
+  auto optim = options_.fsdp ? checkpoint::fsdp_optimizer_pieces(sharded_, *optimizer_)
+                             : checkpoint::optimizer_pieces(*zero_);
+  pieces.insert(pieces.end(), optim.begin(), optim.end());
+  if (scaler_) {
+    for (auto& p : checkpoint::loss_scaler_pieces(*scaler_)) pieces.push_back(std::move(p));
+  }
   checkpoint::save(root, step, pieces, {{"layout", layout}}, checkpoint::SaveOptions().keep(2));
 }
 
 std::pair<int, std::string> Trainer::load(const std::string& root) {
-  if (options_.fsdp) throw std::invalid_argument("gpt_train: --resume with --fsdp is not supported yet");
-  auto model = checkpoint::module_pieces(*model_);
-  auto optim = checkpoint::optimizer_load_pieces(*zero_);
+  auto model = options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_);
+  auto optim = options_.fsdp ? checkpoint::fsdp_optimizer_load_pieces(sharded_, *optimizer_)
+                             : checkpoint::optimizer_load_pieces(*zero_);
   auto all = model;
   all.insert(all.end(), optim.begin(), optim.end());
+  const auto scaler = scaler_ ? checkpoint::loss_scaler_pieces(*scaler_) : std::vector<checkpoint::TensorPiece>{};
+  all.insert(all.end(), scaler.begin(), scaler.end());
   const auto result = checkpoint::load(root, all);
-  checkpoint::restore_optimizer(*zero_, std::vector<checkpoint::TensorPiece>(all.begin() + model.size(), all.end()),
-                                result);
+  if (scaler_) {
+    checkpoint::restore_loss_scaler(*scaler_, std::vector<checkpoint::TensorPiece>(all.end() - scaler.size(), all.end()),
+                                    result);
+  }
+  const std::vector<checkpoint::TensorPiece> loaded(all.begin() + model.size(), all.begin() + model.size() + optim.size());
+  if (options_.fsdp) {
+    checkpoint::restore_fsdp_optimizer(sharded_, *optimizer_, loaded, result);
+  } else {
+    checkpoint::restore_optimizer(*zero_, loaded, result);
+  }
   return {static_cast<int>(result.step), result.metadata.value("layout", std::string("?"))};
 }
 

@@ -7,7 +7,11 @@
 // gradient-norm clipping at 1.0 over every stage and TP rank, the tied
 // embedding summed over the embedding group) over the DP group, or, with
 // `fsdp`, the model sharded by commgrad::fsdp (one unit per layer) and the
-// same AdamW over this rank's pieces, clipped the same way. A step takes
+// same AdamW over this rank's pieces, clipped the same way. Precision bf16
+// computes in bfloat16 (FSDP: float32 shards, float32 gradient reductions;
+// ZeRO-2: bfloat16 parameters with float32 masters); fp16 computes in float16
+// under FSDP with optim::DynamicLossScaler (initial scale 2^16; the inf/NaN
+// check agreed over DP, TP and PP; a skipped step leaves every rank as it was). A step takes
 // batch k of a corpus: every replica its batch/dp rows, split into the
 // microbatches.
 
@@ -37,6 +41,9 @@ struct TrainerOptions {
   /// Parameters, gradients and optimizer state sharded over DP
   /// (commgrad::fsdp, one unit per layer) instead of ZeRO-2.
   bool fsdp = false;
+  /// "fp32", "bf16" (bfloat16 compute, float32 masters and reductions) or
+  /// "fp16" (float16 compute with dynamic loss scaling; needs fsdp).
+  std::string precision = "fp32";
 };
 
 class Trainer {
@@ -48,6 +55,9 @@ class Trainer {
   double step(const Corpus& corpus, int k);
   /// The pipeline's report of the last step (this rank's compute and step time).
   const commgrad::pp::PipelineStepResult& last_step() const { return last_; }
+
+  /// The loss scaler (precision fp16), else null.
+  const commgrad::optim::DynamicLossScaler* loss_scaler() const { return scaler_.get(); }
 
   /// Writes a sharded checkpoint (model and optimizer) of step `step` under `root`.
   void save(const std::string& root, int step, const std::string& layout);
@@ -62,6 +72,8 @@ class Trainer {
   std::unique_ptr<commgrad::optim::ZeroOptimizer> zero_;
   commgrad::fsdp::FullyShardedModule sharded_;                 // with fsdp
   std::unique_ptr<torch::optim::Optimizer> optimizer_;          // with fsdp
+  std::unique_ptr<commgrad::optim::DynamicLossScaler> scaler_;  // with fp16
+  void step_sharded();
   std::unique_ptr<commgrad::pp::Pipeline> pipe_;
   commgrad::pp::PipelineStepResult last_;
 };

@@ -18,10 +18,12 @@
 //   auto result = checkpoint::load("ckpt", checkpoint::module_pieces(*model));  // any TP size
 
 #include "commgrad/checkpoint/directory.h"
+#include "commgrad/checkpoint/fsdp_state.h"
 #include "commgrad/checkpoint/load.h"
 #include "commgrad/checkpoint/loss_scaler_state.h"
 #include "commgrad/checkpoint/module_state.h"
 #include "commgrad/checkpoint/optimizer_state.h"
 #include "commgrad/checkpoint/rng_state.h"
+#include "commgrad/checkpoint/safetensors_file.h"
 #include "commgrad/checkpoint/save.h"
 #include "commgrad/checkpoint/tensor_piece.h"

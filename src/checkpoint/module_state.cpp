@@ -12,6 +12,8 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
+
 namespace commgrad::checkpoint {
 
 namespace {
@@ -67,6 +69,40 @@ std::vector<TensorPiece> module_pieces(const torch::nn::Module& module, const st
     }
   }
   for (const auto& b : module.named_buffers()) pieces.push_back(TensorPiece::whole(prefix + b.key(), b.value()));
+  return pieces;
+}
+
+std::vector<TensorPiece> range_pieces(const std::vector<ParameterBlock>& blocks, const std::string& name,
+                                      int64_t begin, const at::Tensor& data, bool required) {
+  const int64_t length = data.numel();
+  std::vector<TensorPiece> pieces;
+  auto piece = [&](const ParameterBlock& b, int64_t flat_begin, const at::Tensor& tensor) {
+    TensorPiece p;
+    p.name = name;
+    p.global_shape = b.global_shape;
+    if (!b.shape.empty()) {
+      p.box_offset = b.offset;
+      p.box_shape = b.shape;
+    }
+    p.flat_begin = flat_begin;
+    p.flat_end = flat_begin + tensor.numel();
+    p.tensor = tensor;
+    p.required = required;
+    pieces.push_back(std::move(p));
+  };
+  if (blocks.size() == 1) {
+    piece(blocks[0], begin, data);
+    return pieces;
+  }
+  TORCH_CHECK(blocks[0].dim == 0, "[commgrad] checkpoint: '", name, "', partitioned with a stride along dim ",
+              blocks[0].dim, ": only strided partitions along dim 0 can hold flat ranges");
+  int64_t per_block = 1;
+  for (int64_t extent : blocks[0].shape) per_block *= extent;
+  for (size_t j = 0; j < blocks.size(); ++j) {
+    const int64_t lo = std::max<int64_t>(begin, j * per_block);
+    const int64_t hi = std::min<int64_t>(begin + length, (j + 1) * per_block);
+    if (lo < hi) piece(blocks[j], lo - j * per_block, data.narrow(0, lo - begin, hi - lo));
+  }
   return pieces;
 }
 

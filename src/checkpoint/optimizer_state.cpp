@@ -20,44 +20,6 @@
 namespace commgrad::checkpoint {
 namespace {
 
-// The pieces of elements [begin, begin + data.numel()) of parameter `param`'s
-// local tensor, whose state `data` is, under `name`.
-std::vector<TensorPiece> range_pieces(const torch::nn::Module& module, const std::string& param, const std::string& name,
-                                      int64_t begin, const at::Tensor& data, bool required) {
-  const at::Tensor local = module.named_parameters()[param];
-  const auto blocks = parameter_blocks(module, param, local);
-  const int64_t length = data.numel();
-  std::vector<TensorPiece> pieces;
-  auto piece = [&](const ParameterBlock& b, int64_t flat_begin, const at::Tensor& tensor) {
-    TensorPiece p;
-    p.name = name;
-    p.global_shape = b.global_shape;
-    if (!b.shape.empty()) {
-      p.box_offset = b.offset;
-      p.box_shape = b.shape;
-    }
-    p.flat_begin = flat_begin;
-    p.flat_end = flat_begin + tensor.numel();
-    p.tensor = tensor;
-    p.required = required;
-    pieces.push_back(std::move(p));
-  };
-  if (blocks.size() == 1) {
-    piece(blocks[0], begin, data);
-    return pieces;
-  }
-  TORCH_CHECK(blocks[0].dim == 0, "[commgrad] checkpoint: optimizer state of '", param,
-              "', partitioned with a stride along dim ", blocks[0].dim,
-              ": only strided partitions along dim 0 can hold flat ranges");
-  const int64_t per_block = local.numel() / static_cast<int64_t>(blocks.size());
-  for (size_t j = 0; j < blocks.size(); ++j) {
-    const int64_t lo = std::max<int64_t>(begin, j * per_block);
-    const int64_t hi = std::min<int64_t>(begin + length, (j + 1) * per_block);
-    if (lo < hi) piece(blocks[j], lo - j * per_block, data.narrow(0, lo - begin, hi - lo));
-  }
-  return pieces;
-}
-
 std::string state_name(const std::string& prefix, const std::string& state, const std::string& param) {
   return prefix + state + "/" + param;
 }
@@ -68,7 +30,8 @@ std::vector<TensorPiece> optimizer_pieces(optim::ZeroOptimizer& zero, const std:
   const auto& module = *zero.ddp().module();
   std::vector<TensorPiece> pieces;
   for (const auto& s : zero.state_shards()) {
-    auto more = range_pieces(module, s.param, state_name(prefix, s.state, s.param), s.param_begin, s.tensor, true);
+    auto more = range_pieces(parameter_blocks(module, s.param, module.named_parameters()[s.param]),
+                             state_name(prefix, s.state, s.param), s.param_begin, s.tensor, true);
     pieces.insert(pieces.end(), more.begin(), more.end());
   }
   pieces.push_back(TensorPiece::whole(prefix + "step", at::full({1}, zero.step_count(), at::kLong)));
@@ -83,7 +46,8 @@ std::vector<TensorPiece> optimizer_load_pieces(optim::ZeroOptimizer& zero, const
     for (const auto& seg : shard.segments) {
       for (const auto& state : names) {
         auto data = at::zeros({seg.length}, at::TensorOptions().dtype(shard.state_dtype));
-        auto more = range_pieces(module, seg.name, state_name(prefix, state, seg.name), seg.param_begin, data, false);
+        auto more = range_pieces(parameter_blocks(module, seg.name, module.named_parameters()[seg.name]),
+                                 state_name(prefix, state, seg.name), seg.param_begin, data, false);
         pieces.insert(pieces.end(), more.begin(), more.end());
       }
     }

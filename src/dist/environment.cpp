@@ -13,11 +13,23 @@
 #include <c10/util/StringUtil.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
 namespace commgrad {
 namespace {
+
+// Under commgrad-run stdout is a pipe, which stdio buffers fully: a rank
+// that the launcher stops (because another failed) would lose what it
+// printed but had not flushed. Line buffering, set as the library loads
+// (before main prints anything), sends each line as it is written.
+[[maybe_unused]] const bool g_line_buffered = [] {
+  const char* flag = std::getenv("COMMGRAD_LINE_BUFFERED");
+  if (flag == nullptr || std::string(flag) != "1") return false;
+  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
+  return true;
+}();
 
 constexpr const char* kHowToLaunch =
     "launch with `commgrad-run -n N program`, `torchrun --no-python --nproc-per-node N program`, "

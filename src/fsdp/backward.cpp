@@ -182,11 +182,36 @@ at::Tensor Unit::pack_gradients() {
     if (g.defined()) payload.narrow(0, p.offset, p.numel).copy_(g.reshape({-1}));
     g.reset();
   }
+  sum_partial_gradients(payload);
   const int64_t world = group_.size() * (options_.replicate_group().defined() ? options_.replicate_group().size() : 1);
   const bool half = (reduce_dtype_ == at::kHalf || reduce_dtype_ == at::kBFloat16);
   payload.div_(half ? dp::predivide_factor(world) : static_cast<double>(world));
   packed_ = true;
   return payload;
+}
+
+// Parameters used inside a sequence-parallel region (LayerNorm weights,
+// row-parallel biases) hold each TP rank's part of the sequence: their
+// gradients are summed over the TP group before the data-parallel
+// reduce-scatter (the unit's layout differs per TP rank, so not after it).
+void Unit::sum_partial_gradients(at::Tensor& payload) const {
+  std::vector<std::pair<Group, std::vector<const Param*>>> by_group;
+  for (const auto& p : params_) {
+    if (!p.requires_grad || !p.partial_group.defined()) continue;
+    auto it = std::find_if(by_group.begin(), by_group.end(), [&](const auto& e) { return e.first == p.partial_group; });
+    if (it == by_group.end()) it = by_group.insert(by_group.end(), {p.partial_group, {}});
+    it->second.push_back(&p);
+  }
+  for (auto& [group, params] : by_group) {
+    std::vector<at::Tensor> parts;
+    for (const Param* p : params) parts.push_back(payload.narrow(0, p->offset, p->numel));
+    const at::Tensor summed = ops::raw::all_reduce(at::cat(parts), {}, group).wait();
+    int64_t at = 0;
+    for (const Param* p : params) {
+      payload.narrow(0, p->offset, p->numel).copy_(summed.narrow(0, at, p->numel));
+      at += p->numel;
+    }
+  }
 }
 
 void Unit::launch_reduction() {

@@ -239,6 +239,7 @@ std::vector<UnitInfo> FullyShardedModule::units() const {
   return out;
 }
 
+std::shared_ptr<torch::nn::Module> FullyShardedModule::module() const { return unit_->tree()->root()->module(); }
 const Group& FullyShardedModule::group() const { return unit_->group(); }
 const FullyShardOptions& FullyShardedModule::options() const { return unit_->options(); }
 StepStats FullyShardedModule::last_step() const { return unit_->tree()->last; }

@@ -21,6 +21,7 @@
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/parallel_state.h"
 #include "commgrad/dp/replicas.h"
+#include "commgrad/tp/sharding.h"
 #include "commgrad/util/names.h"
 
 #include <ATen/ATen.h>
@@ -120,6 +121,13 @@ void Unit::collect(const std::shared_ptr<torch::nn::Module>& module, const std::
     if (p.requires_grad) ++trainable_;
   }
   has_frozen_ = trainable_ < params_.size();
+  const auto specs = tp::shard_specs(*module);
+  for (auto& p : params_) {
+    const auto* spec = specs.find(p.name);
+    if (spec != nullptr && spec->spec.partial_grad && spec->group.defined() && spec->group.size() > 1) {
+      p.partial_group = spec->group;
+    }
+  }
   compute_dtype_ = options_.mixed_precision().compute_dtype(dtype_);
   reduce_dtype_ = options_.mixed_precision().reduction_dtype(dtype_);
 }
@@ -270,12 +278,12 @@ void Unit::before_forward() {
                  module_.expired() ? std::string("?") : module_.lock()->name(), ") was called twice in one forward (a unit runs once per forward; wrap the shared part in a unit "
                  "of its own or call it once)");
   last_forward_id_ = t.forward_id;
-  ++t.depth;
   if (!in_order_) {
     t.order.push_back(this);
     in_order_ = true;
   }
-  unshard();
+  unshard();  // a failed gather throws before the call counts as open
+  ++t.depth;
   // Prefetch the unit that ran after this one in the last step.
   auto it = std::find(t.last_order.begin(), t.last_order.end(), this);
   if (it != t.last_order.end() && it + 1 != t.last_order.end()) (*(it + 1))->start_gather(/*prefetch=*/true);
@@ -326,7 +334,7 @@ UnitInfo Unit::info(const std::string& name) const {
   out.padded_numel = padded_;
   out.shard_numel = shard_numel_;
   for (const auto& p : params_) {
-    if (p.length > 0) out.segments.push_back({p.name, p.param_begin, p.shard_offset, p.length});
+    if (p.length > 0) out.segments.push_back({p.name, p.param_begin, p.shard_offset, p.length, p.view.sizes().vec()});
   }
   return out;
 }

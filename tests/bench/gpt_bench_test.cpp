@@ -3,7 +3,8 @@
 // the measured bubble beside the closed form pp::bubble_fraction_closed_form
 // gives; a layout of another world is skipped with a note; bad options end
 // every rank with a message (exit code 2, before any rank starts); so do the
-// options of the other benchmark programs.
+// options of the other benchmark programs. zero_bench's tables at a tiny
+// size: bytes against the formulas, FSDP's collectives against the closed form.
 
 #include "harness/command_line.h"
 #include "harness/subprocess.h"
@@ -136,6 +137,42 @@ TEST(GptBench, BadOptionsAreNamedBeforeAnyRankStarts) {
       {{"--layout", "1,2,1,1f1b,2"}, "--layout '1,2,1,1f1b,2': V needs the interleaved schedule"},
       {{"--untie=1"}, "--untie takes no value"},
   });
+}
+
+// zero_bench at a tiny size: every variant's bytes meet its formula exactly
+// (no padding at 2 ranks), FSDP's collectives per step meet the closed form
+// (2 all-gathers per unit with resharding, 1 without; a reduce-scatter per
+// unit; 3 Psi and 2 Psi moved), and every variant has a step time.
+TEST(ZeroBench, BytesAndFsdpCollectivesMeetTheClosedForms) {
+  const auto r = run_process({launcher_path(), "-n", "2", "--timeout", "60", build_path("bin/zero_bench"), "--layers",
+                              "2", "--width", "64", "--batch", "4", "--steps", "2"},
+                             clean_env({{"COMMGRAD_TIMEOUT", "30"}}), std::chrono::seconds(90));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  int memory = 0, collectives = 0, times = 0;
+  for (const auto& row : table(r.out)) {
+    if (row.empty() || row[0] == "variant" || row[0].rfind("---", 0) == 0) continue;
+    const bool fsdp = row[0].rfind("FSDP", 0) == 0;
+    const bool reshard = row[0] == "FSDP + Adam, reshard after forward";
+    SCOPED_TRACE(row[0]);
+    if (row.size() == 9) {  // memory: state / formula, total / formula
+      ++memory;
+      EXPECT_EQ(row[4], "1.000");
+      EXPECT_EQ(row[7], "1.000");
+    } else if (row.size() == 10 && fsdp) {  // FSDP collectives
+      ++collectives;
+      EXPECT_EQ(row[1], reshard ? "4" : "2");
+      EXPECT_EQ(row[1], row[2]);
+      EXPECT_EQ(row[4], "2");
+      EXPECT_EQ(row[4], row[5]);
+      EXPECT_EQ(row[8], reshard ? "3.000" : "2.000");
+    } else if (row.size() == 6) {
+      ++times;
+      EXPECT_GT(std::stod(row[1]), 0.0);
+    }
+  }
+  EXPECT_EQ(memory, 6) << r.out;
+  EXPECT_EQ(collectives, 2) << r.out;
+  EXPECT_EQ(times, 6) << r.out;
 }
 
 // The data-parallel and tensor-parallel benchmarks take their options the same way.

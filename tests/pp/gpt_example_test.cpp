@@ -76,7 +76,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--sp"}, "tp2_pp2_dp2_sp"},
                       Case{4, {"--pp", "2", "--dp", "2", "--schedule", "zbh1"}, "pp2_dp2_zero_bubble"},
                       Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1"}, "tp2_pp2_sp_zero_bubble"},
-                      Case{4, {"--tp", "2", "--dp", "2", "--fsdp"}, "tp2_dp2_fsdp"},
+                      Case{4, {"--tp", "2", "--dp", "2", "--sp", "--fsdp"}, "tp2_dp2_sp_fsdp"},
                       Case{4, {"--pp", "2", "--dp", "2", "--schedule", "interleaved", "--fsdp"}, "pp2_dp2_interleaved_fsdp"},
                       Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--fsdp"}, "tp2_pp2_dp2_fsdp"},
                       Case{4, {"--tp", "2", "--dp", "2", "--sp", "--recompute", "full"}, "tp2_dp2_sp_recompute_full"},
@@ -86,6 +86,26 @@ INSTANTIATE_TEST_SUITE_P(
                            "tp2_pp2_sp_zero_bubble_recompute_selective"},
                       Case{4, {"--tp", "2", "--dp", "2", "--fsdp", "--recompute", "full"}, "tp2_dp2_fsdp_recompute_full"}),
     [](const auto& info) { return info.param.name; });
+
+// 16-bit compute against one rank computing in the same dtype (tolerance
+// 5e-3 for bfloat16, 1e-3 for float16: their rounding); float16 with the
+// loss scaler, saved and resumed with its state.
+TEST(GptTrainExample, SixteenBitFollowsTheOneRankCurveInItsDtype) {
+  auto bf16 = gpt_train(4, {"--tp", "2", "--dp", "2", "--fsdp", "--precision", "bf16", "--steps", "4", "--check",
+                            "--curve", "none"});
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.out << bf16.err;
+  EXPECT_THAT(bf16.out, HasSubstr("(tolerance 5e-03): ok\n"));
+  TempRoot root("gpt_fp16");
+  auto fp16 = gpt_train(4, {"--pp", "2", "--dp", "2", "--fsdp", "--precision", "fp16", "--steps", "3", "--check",
+                            "--save", root.str(), "--curve", "none"});
+  ASSERT_EQ(fp16.exit_code, 0) << fp16.out << fp16.err;
+  EXPECT_THAT(fp16.out, HasSubstr("loss scale 65536, 0 steps skipped"));
+  EXPECT_THAT(fp16.out, HasSubstr("(tolerance 1e-03): ok\n"));
+  auto resumed = gpt_train(2, {"--dp", "2", "--fsdp", "--precision", "fp16", "--steps", "5", "--resume", root.str(),
+                               "--check", "--curve", "none"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  EXPECT_THAT(resumed.out, HasSubstr("(tolerance 1e-03): ok\n"));
+}
 
 TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
   TempRoot root("gpt");
@@ -117,7 +137,8 @@ TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
 
   // Other layouts: the one-rank curve from step 1, compared on steps 4-6.
   for (const auto& [ranks, layout] : std::vector<std::pair<int, std::vector<std::string>>>{
-           {4, {"--pp", "2", "--dp", "2"}}, {1, {}}, {4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}}}) {
+           {4, {"--pp", "2", "--dp", "2"}}, {1, {}}, {4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}},
+           {4, {"--dp", "4", "--microbatches", "2", "--fsdp"}}}) {
     std::vector<std::string> args{"--steps", "6", "--resume", dir, "--check", "--curve", "none"};
     args.insert(args.end(), layout.begin(), layout.end());
     auto r = gpt_train(ranks, args);
@@ -126,6 +147,18 @@ TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
     EXPECT_THAT(r.out, ::testing::Not(HasSubstr("check step 3/6")));
     EXPECT_THAT(r.out, HasSubstr("check step 6/6"));
   }
+}
+
+TEST(GptTrainExample, SavedUnderFsdpResumesUnderZero) {
+  TempRoot root("gpt_fsdp");
+  const std::string dir = root.str();
+  auto saved = gpt_train(4, {"--tp", "2", "--dp", "2", "--fsdp", "--steps", "3", "--save", dir, "--curve", "none"});
+  ASSERT_EQ(saved.exit_code, 0) << saved.out << saved.err;
+  auto r = gpt_train(4, {"--pp", "2", "--dp", "2", "--steps", "5", "--resume", dir, "--check", "--curve", "none"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("(saved at TP=2 x PP=1 x DP=2 (FSDP))"));
+  EXPECT_THAT(r.out, HasSubstr("check step 5/5"));
+  EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-05): ok\n"));
 }
 
 TEST(GptTrainExample, WritesTheLossCurveAsCsvAndSvg) {
@@ -212,7 +245,9 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
       {{"--dp", "65536", "--microbatches", "65536"}, "does not split into 65536 replicas x 65536 microbatches"},
       {{"--pp", "2", "--stages-per-rank", "2"}, "--stages-per-rank 2 needs --schedule interleaved"},
       {{"--save-every", "2"}, "--save-every needs --save DIR"},
-      {{"--fsdp", "--tp", "2", "--sp"}, "--fsdp does not combine with --sp"},
+      {{"--fsdp", "--pp", "2", "--schedule", "zbh1"}, "--fsdp does not combine with --schedule zbh1"},
+      {{"--precision", "fp16"}, "--precision fp16 needs --fsdp"},
+      {{"--precision", "fp8"}, "--precision: expected one of fp32, bf16, fp16, got 'fp8'"},
       {{"--recompute", "partial"}, "--recompute: expected one of none, selective, full, got 'partial'"},
       {{"--recompute", "full", "--schedule", "zbh1"}, "--recompute full does not combine with --schedule zbh1"},
   });

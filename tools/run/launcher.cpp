@@ -180,6 +180,8 @@ bool Launcher::spawn(Rank& rank, const std::string& path) {
       {"GROUP_RANK", std::to_string(options_.node_rank)},
       {"MASTER_ADDR", options_.master_addr},
       {"MASTER_PORT", std::to_string(port_)},
+      // commgrad line-buffers the rank's stdout (see src/dist/environment.cpp).
+      {"COMMGRAD_LINE_BUFFERED", "1"},
   };
   // Everything the child needs is built before fork: after it, the child only
   // makes async-signal-safe calls.
@@ -335,6 +337,7 @@ int Launcher::poll_timeout_ms() const {
   };
   if (!stopping_) consider(job_deadline_);
   if (stopping_ && !killed_) consider(kill_deadline_);
+  consider(stop_deadline_);
   consider(drain_deadline_);
   if (!next) return -1;
   const auto left = std::chrono::duration<double, std::milli>(*next - Clock::now()).count();
@@ -422,12 +425,15 @@ void Launcher::on_rank_exit(Rank& rank, const siginfo_t& info) {
   if (others > 0) message += "; stopping the other " + ranks_phrase(others);
   report(message);
   exit_code_ = exited ? info.si_status : 128 + info.si_status;
-  stop_ranks(SIGTERM);
+  stop_ranks_after_delay();
 }
 
 void Launcher::on_signal(int sig) {
   const int running = running_count();
-  if (!stopping_) {
+  if (stop_deadline_) {  // a failure is stopping the job: forward the signal now
+    stop_deadline_.reset();
+    stop_ranks(sig);
+  } else if (!stopping_) {
     if (running > 0) {
       report("received " + signal_name(sig) + "; forwarding it to " + ranks_phrase(running));
     }
@@ -444,6 +450,10 @@ void Launcher::on_signal(int sig) {
 
 void Launcher::check_deadlines() {
   const Clock::time_point now = Clock::now();
+  if (stop_deadline_ && now >= *stop_deadline_) {
+    stop_deadline_.reset();
+    stop_ranks(SIGTERM);
+  }
   if (!stopping_ && job_deadline_ && now >= *job_deadline_) {
     report("job exceeded --timeout " + format_seconds(*options_.timeout_s) + "s; stopping " +
            ranks_phrase(running_count()));
@@ -500,6 +510,20 @@ void Launcher::stop_ranks(int sig) {
   }
   kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                       std::chrono::duration<double>(options_.grace_s));
+}
+
+// A failed rank's peers often fail alike a moment later; SIGTERM waits the
+// stop delay, so that what they are writing reaches the log (torchrun's
+// agent notices a failure only at its next monitor interval, too). The
+// verdict is the first failure's either way.
+void Launcher::stop_ranks_after_delay() {
+  stopping_ = true;
+  if (options_.stop_delay_s <= 0) {
+    stop_ranks(SIGTERM);
+    return;
+  }
+  stop_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(options_.stop_delay_s));
 }
 
 void Launcher::signal_rank(const Rank& rank, int sig) {

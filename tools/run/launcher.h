@@ -70,6 +70,7 @@ class Launcher {
   bool read_pipe(Rank& rank, bool is_err);
   void close_pipe(Rank& rank, bool is_err);
   void stop_ranks(int sig);
+  void stop_ranks_after_delay();
   void signal_rank(const Rank& rank, int sig);
   void kill_orphans();
   int running_count() const;
@@ -87,6 +88,7 @@ class Launcher {
   bool killed_ = false;           // SIGKILL already sent after the grace period
   std::optional<Clock::time_point> job_deadline_;
   std::optional<Clock::time_point> kill_deadline_;
+  std::optional<Clock::time_point> stop_deadline_;  // a failure's SIGTERM, after the stop delay
   std::optional<Clock::time_point> drain_deadline_;
   bool orphan_check_due_ = false;
 };

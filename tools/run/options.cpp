@@ -32,8 +32,9 @@ const char* const kFooter = R"(--  ends the options; the next word is the progra
 
 Every rank runs in its own process group with stdin from /dev/null; its
 stdout and stderr lines go to the launcher's stdout and stderr.
-When a rank exits non-zero or is killed, the other ranks get SIGTERM, then
-SIGKILL after the grace period, and commgrad-run exits with that rank's code
+When a rank exits non-zero or is killed, the other ranks get SIGTERM after
+the stop delay (ranks exiting anyway finish writing), then SIGKILL after the
+grace period, and commgrad-run exits with that rank's code
 (128+signal for a signal). SIGINT, SIGTERM and SIGHUP are forwarded to all
 ranks and commgrad-run then exits with 128+signal. Ranks die with the launcher,
 even when it is killed with SIGKILL.
@@ -101,6 +102,11 @@ std::optional<int> parse_options(int argc, const char* const* argv, LaunchOption
       ->type_name("S")
       ->check(cli::number(0, /*inclusive=*/false, kMaxSeconds));
   app.add_option("--grace", opts.grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks")
+      ->type_name("S")
+      ->check(cli::number(0, /*inclusive=*/true, kMaxSeconds));
+  app.add_option("--stop-delay", opts.stop_delay_s,
+                 "seconds between a rank's failure and SIGTERM to the others\n(default 0.5: ranks exiting anyway "
+                 "finish writing)")
       ->type_name("S")
       ->check(cli::number(0, /*inclusive=*/true, kMaxSeconds));
   app.add_flag_callback("--no-prefix", [&opts] { opts.prefix = false; },

@@ -27,6 +27,9 @@ struct LaunchOptions {
   std::optional<double> timeout_s;
   /// Seconds between SIGTERM and SIGKILL when stopping ranks (`--grace`).
   double grace_s = 3.0;
+  /// Seconds between a rank's failure and SIGTERM to the others
+  /// (`--stop-delay`): ranks that are exiting anyway finish writing first.
+  double stop_delay_s = 0.5;
   /// Pass output through without the `[rank] ` prefix (`--no-prefix`).
   bool prefix = true;
   /// The program and its arguments.

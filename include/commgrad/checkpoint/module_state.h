@@ -52,4 +52,11 @@ struct ParameterBlock {
 std::vector<ParameterBlock> parameter_blocks(const torch::nn::Module& module, const std::string& name,
                                              const at::Tensor& local);
 
+/// The pieces, named `name`, of elements [begin, begin + data.numel()) of a
+/// parameter's flattened local tensor made of `blocks` (a ZeRO optimizer's
+/// range of a state, an FSDP rank's piece of a parameter): one per block the
+/// range touches; `data` holds the elements.
+std::vector<TensorPiece> range_pieces(const std::vector<ParameterBlock>& blocks, const std::string& name,
+                                      int64_t begin, const at::Tensor& data, bool required = true);
+
 }  // namespace commgrad::checkpoint

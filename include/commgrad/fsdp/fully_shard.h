@@ -106,6 +106,7 @@ struct UnitInfo {
     int64_t param_begin = 0;   ///< first element of the (flattened) parameter in the shard
     int64_t shard_offset = 0;  ///< where it sits in the shard
     int64_t length = 0;
+    std::vector<int64_t> sizes;  ///< the parameter's shape (this rank's tensor-parallel shard of it)
   };
   std::vector<Segment> segments;
 };
@@ -174,6 +175,8 @@ class FullyShardedModule {
 
   /// The units of the tree, innermost first.
   std::vector<UnitInfo> units() const;
+  /// The outermost module of the tree (the names of units() are relative to it).
+  std::shared_ptr<torch::nn::Module> module() const;
   const Group& group() const;
   const FullyShardOptions& options() const;
   /// Collectives of the last synchronised step.

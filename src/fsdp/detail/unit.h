@@ -46,6 +46,7 @@ struct Param {
   int64_t param_begin = 0;          // its first element of the parameter
   at::Tensor piece;                 // registered in the module in place of `compute`
   bool requires_grad = false;
+  Group partial_group;              // sequence parallelism: its gradient is summed over this TP group first
   commgrad::detail::NodePtr accumulator;
   uintptr_t hook_key = 0;
   bool ready = false;
@@ -114,6 +115,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void check_not_replaced() const;
   void post_backward();
   at::Tensor pack_gradients();
+  void sum_partial_gradients(at::Tensor& payload) const;
 
   std::weak_ptr<torch::nn::Module> module_;
   const torch::nn::Module* module_address_ = nullptr;
