@@ -5,7 +5,7 @@
 //                               [--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank 2] [--fsdp]
 //                               [--precision fp32|bf16|fp16]
 //                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
-//                               [--curve PREFIX|none] [--check]
+//                               [--curve PREFIX|none] [--check] [--recompute none|selective|full]
 //
 // (gpt_train --help lists every option with its default; a bad one ends the
 // program with a message naming it and exit code 2, before any rank starts.)
@@ -87,6 +87,7 @@ struct Config {
   int save_every = 0;
   std::string curve = "gpt_train_loss";
   bool check = false;
+  std::string recompute = "none";
 
   std::string layout() const {
     return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp) +
@@ -138,6 +139,9 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--text", c.text, "train on this file's bytes instead of the synthetic corpus")->type_name("FILE");
   app.add_option("--curve", c.curve, "write the loss curve to PREFIX.csv and PREFIX.svg\n(none: do not)")
       ->type_name("PREFIX");
+  app.add_option("--recompute", c.recompute,
+                 "activation recomputation of every layer: none, selective\n(the attention core) or full (the whole layer)")
+      ->check(cli::one_of({"none", "selective", "full"}));
   app.add_flag("--check", c.check, "also train on one rank and compare the curves\n(exit 1 when they part)");
   return cli::parse(app, argc, argv, [&c] {
     if (c.stages_per_rank == 0) c.stages_per_rank = c.schedule == "interleaved" ? 2 : 1;
@@ -148,6 +152,11 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
     if (c.precision == "fp16" && !c.fsdp) throw cli::usage_error("--precision fp16 needs --fsdp (its loss scaler)");
     if (c.fsdp && c.schedule == "zbh1") {
       throw cli::usage_error("--fsdp does not combine with --schedule zbh1 yet (deferred weight gradients)");
+    }
+    if (c.recompute == "full" && c.schedule == "zbh1") {
+      // zbh1 defers weight gradients when the forward runs; a fully
+      // recomputed layer's forward runs without grad (docs/recompute.md).
+      throw cli::usage_error("--recompute full does not combine with --schedule zbh1 yet (selective does)");
     }
     if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
@@ -176,6 +185,7 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   c.fsdp = c.precision == "fp16";  // the same precision; float16 trains only under fsdp
   auto config = model_config;
   config.sequence_parallel = false;
+  config.recompute = tp::RecomputeGranularity::kNone;  // the plain curve
   gpt::Trainer trainer(trainer_options(c), config, gpt::Layout{alone, alone, alone, alone});
   std::vector<double> losses;
   for (int k = 0; k < c.steps; ++k) losses.push_back(trainer.step(corpus, k));
@@ -200,6 +210,9 @@ int main(int argc, char** argv) {
         c.text.empty() ? gpt::Corpus::synthetic(model_config.vocab) : gpt::Corpus::from_file(c.text, model_config.sequence);
     model_config.vocab = corpus.vocab();
     model_config.sequence_parallel = c.sp;
+    model_config.recompute = c.recompute == "full"        ? tp::RecomputeGranularity::kFull
+                             : c.recompute == "selective" ? tp::RecomputeGranularity::kSelective
+                                                          : tp::RecomputeGranularity::kNone;
     if (rank == 0) {
       std::cout << commgrad::build_info().to_string() << "\n";
       std::printf("GPT: %lld layers, hidden %lld, %lld heads, vocab %lld, sequence %lld, tied embeddings; %s, %s",
@@ -207,7 +220,9 @@ int main(int argc, char** argv) {
                   static_cast<long long>(model_config.heads), static_cast<long long>(model_config.vocab),
                   static_cast<long long>(model_config.sequence), c.layout().c_str(), c.schedule.c_str());
       if (c.stages_per_rank > 1) std::printf(" (%d stages per rank)", c.stages_per_rank);
-      std::printf(", %d microbatches; data %s\n", c.microbatches, corpus.describe().c_str());
+      std::printf(", %d microbatches", c.microbatches);
+      if (c.recompute != "none") std::printf(", recompute %s", c.recompute.c_str());
+      std::printf("; data %s\n", corpus.describe().c_str());
       std::fflush(stdout);
     }
     const auto state = commgrad::make_model_parallel(c.tp, c.pp, commgrad::world());

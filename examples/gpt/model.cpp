@@ -49,6 +49,7 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
           tp::ParallelTransformerLayer(tp::ParallelTransformerLayerOptions(config.hidden, config.heads, config.ffn,
                                                                            tp_group)
                                            .sequence_parallel(config.sequence_parallel)
+                                           .recompute(config.recompute)
                                            .seed(100 + l)));
     }
   }

@@ -41,6 +41,8 @@ struct GptConfig {
   int64_t ffn = 64;
   int64_t layers = 4;
   bool sequence_parallel = false;
+  /// Activation recomputation of every layer (tp::ParallelTransformerLayerOptions::recompute).
+  commgrad::tp::RecomputeGranularity recompute = commgrad::tp::RecomputeGranularity::kNone;
   /// The output layer's weight is the embedding's (false: a weight of its own).
   bool tie = true;
 };

@@ -31,6 +31,7 @@
 #include "commgrad/tp/parallel_state.h"
 #include "commgrad/tp/sharding.h"
 #include "commgrad/tp/random.h"
+#include "commgrad/tp/recompute.h"
 #include "commgrad/tp/attention.h"
 #include "commgrad/tp/transformer_layer.h"
 #include "commgrad/tp/weight_gradients.h"

@@ -100,6 +100,7 @@ void ParallelSelfAttentionImpl::pretty_print(std::ostream& stream) const {
          << ", causal=" << options.causal();
   if (options.attention_dropout() > 0) stream << ", attention_dropout=" << options.attention_dropout();
   if (options.sequence_parallel()) stream << ", sequence_parallel=true";
+  if (options.recompute_core()) stream << ", recompute_core=true";
   if (!options.bias()) stream << ", bias=false";
   stream << ")";
 }
@@ -118,9 +119,16 @@ at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& input) {
   auto to_heads = [&](const at::Tensor& t) { return t.reshape({s, b, nh, d}).permute({1, 2, 0, 3}); };
   const at::Tensor q = to_heads(parts[0]), k = to_heads(parts[1]), v = to_heads(parts[2]);  // [b, nh, s, d]
 
+  if (!options.recompute_core() || !is_training()) return dense(core(q, k, v));
+  auto fn = [this](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{core(in[0], in[1], in[2])}; };
+  return dense(recompute(fn, {q, k, v}, RecomputeOptions().name("ParallelSelfAttention core"))[0]);
+}
+
+at::Tensor ParallelSelfAttentionImpl::core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t b = q.size(0), nh = q.size(1), s = q.size(2), d = q.size(3);
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).mul(1.0 / std::sqrt(static_cast<double>(d)));
   if (options.causal()) {
-    const at::Tensor future = at::ones({s, s}, mixed.options().dtype(at::kBool)).triu(1);
+    const at::Tensor future = at::ones({s, s}, q.options().dtype(at::kBool)).triu(1);
     scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
   }
   at::Tensor probs = at::softmax(scores, -1);
@@ -130,8 +138,7 @@ at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& input) {
     auto guard = tracker.fork(kModelParallelRng);
     probs = tp::dropout(probs, options.attention_dropout(), true, tracker);
   }
-  const at::Tensor context = at::matmul(probs, v).permute({2, 0, 1, 3}).reshape({s, b, nh * d});
-  return dense(context);
+  return at::matmul(probs, v).permute({2, 0, 1, 3}).reshape({s, b, nh * d});
 }
 
 }  // namespace commgrad::tp

@@ -67,6 +67,8 @@ void ParallelTransformerLayerImpl::reset() {
   attention = register_module("attention", ParallelSelfAttention(ParallelSelfAttentionOptions(h, options.num_heads(), g)
                                                                      .attention_dropout(options.attention_dropout())
                                                                      .sequence_parallel(options.sequence_parallel())
+                                                                     .recompute_core(options.recompute() ==
+                                                                                     RecomputeGranularity::kSelective)
                                                                      .seed(seed)));
   ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
   mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(h, options.ffn_hidden_size(), g)
@@ -83,6 +85,9 @@ void ParallelTransformerLayerImpl::pretty_print(std::ostream& stream) const {
   if (options.sequence_parallel()) stream << ", sequence_parallel=true";
   if (options.hidden_dropout() > 0) stream << ", hidden_dropout=" << options.hidden_dropout();
   if (options.attention_dropout() > 0) stream << ", attention_dropout=" << options.attention_dropout();
+  if (options.recompute() != RecomputeGranularity::kNone) {
+    stream << ", recompute=" << recompute_granularity_name(options.recompute());
+  }
   stream << ")";
 }
 
@@ -93,6 +98,13 @@ at::Tensor ParallelTransformerLayerImpl::forward(const at::Tensor& input) {
   COMMGRAD_CHECK(input.defined() && input.dim() == 3 && input.size(2) == h, op, g, "expected input [",
                  options.sequence_parallel() ? "seq/tp" : "seq", ", batch, hidden=", h, "], got ",
                  input.defined() ? detail::describe(input) : std::string("an undefined tensor"));
+  if (options.recompute() != RecomputeGranularity::kFull || !is_training()) return forward_layer(input);
+  auto fn = [this](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{forward_layer(in[0])}; };
+  return recompute(fn, {input}, RecomputeOptions().name("ParallelTransformerLayer").parameters(parameters()))[0];
+}
+
+// The layer itself; under full recompute it runs twice (forward, backward).
+at::Tensor ParallelTransformerLayerImpl::forward_layer(const at::Tensor& input) {
   const RngTracker tracker = rng_tracker();
   const bool random = is_training() && (options.hidden_dropout() > 0 || options.attention_dropout() > 0);
   std::optional<RngFork> fork;

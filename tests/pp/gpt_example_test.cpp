@@ -78,7 +78,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1"}, "tp2_pp2_sp_zero_bubble"},
                       Case{4, {"--tp", "2", "--dp", "2", "--sp", "--fsdp"}, "tp2_dp2_sp_fsdp"},
                       Case{4, {"--pp", "2", "--dp", "2", "--schedule", "interleaved", "--fsdp"}, "pp2_dp2_interleaved_fsdp"},
-                      Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--fsdp"}, "tp2_pp2_dp2_fsdp"}),
+                      Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--fsdp"}, "tp2_pp2_dp2_fsdp"},
+                      Case{4, {"--tp", "2", "--dp", "2", "--sp", "--recompute", "full"}, "tp2_dp2_sp_recompute_full"},
+                      Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved", "--recompute", "full"},
+                           "tp2_pp2_sp_interleaved_recompute_full"},
+                      Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1", "--recompute", "selective"},
+                           "tp2_pp2_sp_zero_bubble_recompute_selective"},
+                      Case{4, {"--tp", "2", "--dp", "2", "--fsdp", "--recompute", "full"}, "tp2_dp2_fsdp_recompute_full"}),
     [](const auto& info) { return info.param.name; });
 
 // 16-bit compute against one rank computing in the same dtype (tolerance
@@ -216,7 +222,7 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/gpt_train");
   expect_help_lists(program, {"--tp", "--pp", "--dp", "--sp", "--microbatches", "--steps", "--schedule",
                               "--stages-per-rank", "--save", "--save-every", "--resume", "--text", "--curve",
-                              "--check"});
+                              "--check", "--recompute"});
   const std::string positive = "expected an integer in [1, 2147483647]";
   expect_bad_options(program, {
       {{"--bogus"}, "unknown option '--bogus'"},
@@ -242,6 +248,8 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
       {{"--fsdp", "--pp", "2", "--schedule", "zbh1"}, "--fsdp does not combine with --schedule zbh1"},
       {{"--precision", "fp16"}, "--precision fp16 needs --fsdp"},
       {{"--precision", "fp8"}, "--precision: expected one of fp32, bf16, fp16, got 'fp8'"},
+      {{"--recompute", "partial"}, "--recompute: expected one of none, selective, full, got 'partial'"},
+      {{"--recompute", "full", "--schedule", "zbh1"}, "--recompute full does not combine with --schedule zbh1"},
   });
 }
 

@@ -19,6 +19,7 @@
 
 #include "commgrad/dist/group.h"
 #include "commgrad/tp/linear.h"
+#include "commgrad/tp/recompute.h"
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
@@ -50,6 +51,10 @@ struct ParallelSelfAttentionOptions {
   TORCH_ARG(double, attention_dropout) = 0.0;
   /// Input and output are this rank's chunk of the sequence (dim 0).
   TORCH_ARG(bool, sequence_parallel) = false;
+  /// Selective recompute: the core (scores, softmax, dropout, P V) keeps no
+  /// activation and runs again in backward (tp::recompute, the dropout mask
+  /// replayed); it issues no collective, so none is re-issued.
+  TORCH_ARG(bool, recompute_core) = false;
   /// qkv is initialised from `seed`, dense from `seed + 1` (see init_linear()).
   /// Without one (the default) the layer draws one seed from LibTorch's
   /// default CPU generator, the same on every rank of the group, as
@@ -83,6 +88,9 @@ class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttent
   int64_t num_local_heads() const;
   /// Size of one head (hidden_size / num_heads).
   int64_t head_dim() const;
+  /// The attention core of this rank's heads: q, k, v [b, nh, s, d] ->
+  /// context [s, b, nh * d] (no communication).
+  at::Tensor core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
   /// The options, with the group and the seed resolved.
   ParallelSelfAttentionOptions options;

@@ -23,6 +23,7 @@
 #include "commgrad/dist/group.h"
 #include "commgrad/tp/attention.h"
 #include "commgrad/tp/mlp.h"
+#include "commgrad/tp/recompute.h"
 #include "commgrad/tp/sharding.h"
 
 #include <torch/arg.h>
@@ -59,6 +60,12 @@ struct ParallelTransformerLayerOptions {
   TORCH_ARG(bool, sequence_parallel) = false;
   /// LayerNorm epsilon.
   TORCH_ARG(double, layernorm_eps) = 1e-5;
+  /// Activation recomputation in training: kSelective recomputes the
+  /// attention core (no collective re-issued); kFull keeps only the layer's
+  /// input and reruns the whole layer in backward, collectives included
+  /// (2 per layer without sequence parallelism, 4 with it). Dropout masks are
+  /// replayed: gradients equal those without recompute.
+  TORCH_ARG(RecomputeGranularity, recompute) = RecomputeGranularity::kNone;
   /// attention from `seed` (qkv `seed`, dense `seed + 1`), mlp from
   /// `seed + 2` (fc1 `seed + 2`, fc2 `seed + 3`); LayerNorms start at 1 and 0.
   /// Without one (the default) the layer draws one seed from LibTorch's
@@ -102,6 +109,9 @@ class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransfo
   ParallelSelfAttention attention{nullptr};
   torch::nn::LayerNorm ln2{nullptr};
   ParallelMLP mlp{nullptr};
+
+ private:
+  at::Tensor forward_layer(const at::Tensor& input);
 };
 TORCH_MODULE(ParallelTransformerLayer);
 
