@@ -90,11 +90,17 @@ INSTANTIATE_TEST_SUITE_P(
 // 16-bit compute against one rank computing in the same dtype (tolerance
 // 5e-3 for bfloat16, 1e-3 for float16: their rounding); float16 with the
 // loss scaler, saved and resumed with its state.
-TEST(GptTrainExample, SixteenBitFollowsTheOneRankCurveInItsDtype) {
+TEST(GptTrainExample, Bfloat16FollowsTheOneRankCurveInItsDtype) {
   auto bf16 = gpt_train(4, {"--tp", "2", "--dp", "2", "--fsdp", "--precision", "bf16", "--steps", "4", "--check",
                             "--curve", "none"});
   ASSERT_EQ(bf16.exit_code, 0) << bf16.out << bf16.err;
   EXPECT_THAT(bf16.out, HasSubstr("(tolerance 5e-03): ok\n"));
+}
+
+TEST(GptTrainExample, Float16WithTheLossScalerFollowsTheOneRankCurveAndResumes) {
+#ifdef COMMGRAD_NO_CPU_FLOAT16
+  GTEST_SKIP() << "float16: LibTorch 1.13 has no float16 matmul on the CPU";
+#endif
   TempRoot root("gpt_fp16");
   auto fp16 = gpt_train(4, {"--pp", "2", "--dp", "2", "--fsdp", "--precision", "fp16", "--steps", "3", "--check",
                             "--save", root.str(), "--curve", "none"});
