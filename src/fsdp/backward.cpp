@@ -25,7 +25,6 @@
 #include "detail/unit.h"
 
 #include "commgrad/dist/check.h"
-#include "commgrad/dp/mixed_precision.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
@@ -183,9 +182,7 @@ at::Tensor Unit::pack_gradients() {
     g.reset();
   }
   sum_partial_gradients(payload);
-  const int64_t world = group_.size() * (options_.replicate_group().defined() ? options_.replicate_group().size() : 1);
-  const bool half = (reduce_dtype_ == at::kHalf || reduce_dtype_ == at::kBFloat16);
-  payload.div_(half ? dp::predivide_factor(world) : static_cast<double>(world));
+  payload.div_(pre_divide_);
   packed_ = true;
   return payload;
 }
@@ -228,11 +225,10 @@ void Unit::finish_reduction() {
   at::Tensor reduced = reduction_.wait();
   reduction_ = ops::raw::Pending();
   at::NoGradGuard no_grad;
-  const int64_t world = group_.size() * (options_.replicate_group().defined() ? options_.replicate_group().size() : 1);
   if (options_.replicate_group().defined() && options_.replicate_group().size() > 1) {
     reduced = ops::raw::all_reduce(reduced, ops::AllReduceOptions().op(ReduceOp::kSum), options_.replicate_group()).wait();
   }
-  if ((reduce_dtype_ == at::kHalf || reduce_dtype_ == at::kBFloat16)) reduced.div_(static_cast<double>(world) / dp::predivide_factor(world));
+  if (post_divide_ != 1) reduced.div_(post_divide_);
   at::Tensor master = reduced.to(dtype_);
   for (auto& p : params_) {
     if (!p.requires_grad) continue;
@@ -241,9 +237,7 @@ void Unit::finish_reduction() {
     if (g.defined()) {
       g.add_(part);
     } else {
-      auto alias = at::empty({0}, master.options());
-      alias.set_(master.storage(), master.storage_offset() + p.shard_offset, {p.length});
-      g = alias;
+      g = alias(master, p.shard_offset, {p.length});
     }
   }
 }

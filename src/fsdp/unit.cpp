@@ -44,14 +44,6 @@ struct ParameterRegistry : torch::nn::Module {
   }
 };
 
-// A tensor of `sizes` over `storage` at `offset`, not an autograd view (so
-// it can become a parameter's data and its storage can change under it).
-at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef sizes) {
-  auto t = at::empty({0}, base.options().requires_grad(false));
-  t.set_(base.storage(), base.storage_offset() + offset, sizes);
-  return t;
-}
-
 bool under(const std::string& name, const std::vector<std::string>& prefixes) {
   return std::any_of(prefixes.begin(), prefixes.end(), [&](const std::string& p) {
     return p.empty() || name == p || name.rfind(p + ".", 0) == 0;
@@ -59,6 +51,12 @@ bool under(const std::string& name, const std::vector<std::string>& prefixes) {
 }
 
 }  // namespace
+
+at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef sizes) {
+  auto t = at::empty({0}, base.options().requires_grad(false));
+  t.set_(base.storage(), base.storage_offset() + offset, sizes);
+  return t;
+}
 
 Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions options,
            const std::vector<std::shared_ptr<Unit>>& inner)
@@ -130,6 +128,13 @@ void Unit::collect(const std::shared_ptr<torch::nn::Module>& module, const std::
   }
   compute_dtype_ = options_.mixed_precision().compute_dtype(dtype_);
   reduce_dtype_ = options_.mixed_precision().reduction_dtype(dtype_);
+  // Averaging over every rank holding a copy: all at once before the sum in
+  // float32; in a 16-bit dtype a part before and the rest after (FSDP's rule).
+  const int64_t world =
+      group_.size() * (options_.replicate_group().defined() ? options_.replicate_group().size() : 1);
+  const bool half = reduce_dtype_ == at::kHalf || reduce_dtype_ == at::kBFloat16;
+  pre_divide_ = half ? dp::predivide_factor(world) : static_cast<double>(world);
+  post_divide_ = static_cast<double>(world) / pre_divide_;
 }
 
 // The same parameters on every rank (checked), then rank 0's values.

@@ -126,6 +126,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   at::ScalarType dtype_ = at::kFloat;          // the parameters' own (shard) dtype
   at::ScalarType compute_dtype_ = at::kFloat;
   at::ScalarType reduce_dtype_ = at::kFloat;
+  double pre_divide_ = 1, post_divide_ = 1;    // the average, before and after the sum
   int64_t numel_ = 0, padded_ = 0, shard_numel_ = 0;
   size_t trainable_ = 0;                       // parameters that require grad
   bool has_frozen_ = false;
@@ -140,6 +141,11 @@ class Unit : public std::enable_shared_from_this<Unit> {
   size_t ready_ = 0;                           // parameters whose gradient arrived this backward
   bool packed_ = false, launched_ = false;
 };
+
+/// A tensor of `sizes` over `base`'s storage at `offset` (elements), not an
+/// autograd view: it can become a parameter's data or gradient, and the
+/// storage's data can change under it.
+at::Tensor alias(const at::Tensor& base, int64_t offset, at::IntArrayRef sizes);
 
 /// The autograd node before a unit's outputs: all-gathers the unit's
 /// parameters when backward reaches them (FSDP's pre-backward hook).
