@@ -73,6 +73,69 @@ TEST(TpParallelState, EmbeddingGroupsJoinTheFirstAndLastStage) {
   });
 }
 
+TEST(TpParallelState, ContextAndExpertGroupsInMegatronOrder) {
+  // The second layout of parallel_state.h's comment: W = 8, tp = 2, cp = 2,
+  // dp = 2, ep = 2.
+  spawn_ranks(8, [](Group& world) {
+    auto s = commgrad::make_model_parallel(
+        commgrad::ModelParallelOptions(2).context_parallel_size(2).expert_parallel_size(2), world);
+    const int r = world.rank();
+    const int t = r % 2, c = (r / 2) % 2, d = r / 4;
+    EXPECT_EQ(ranks_of(s.tensor_parallel_group()), (std::vector<int>{r - t, r - t + 1}));
+    EXPECT_EQ(ranks_of(s.context_parallel_group()), (std::vector<int>{r - 2 * c, r - 2 * c + 2}));
+    EXPECT_EQ(ranks_of(s.data_parallel_group()), (std::vector<int>{r - 4 * d, r - 4 * d + 4}));
+    EXPECT_EQ(ranks_of(s.data_context_parallel_group()), (std::vector<int>{t, t + 2, t + 4, t + 6}));
+    EXPECT_EQ(ranks_of(s.expert_parallel_group()), (std::vector<int>{r - 2 * c, r - 2 * c + 2}));
+    EXPECT_EQ(ranks_of(s.expert_data_parallel_group()), (std::vector<int>{r - 4 * d, r - 4 * d + 4}));
+    EXPECT_EQ(ranks_of(s.pipeline_parallel_group()), std::vector<int>{r});
+    EXPECT_EQ(s.context_parallel_rank(), c);
+    EXPECT_EQ(s.expert_parallel_size(), 2);
+    EXPECT_EQ(s.context_parallel_group().name(), c10::str("cp", r / 4 * 2 + t));
+    {
+      commgrad::ScopedParallelState scope(s);
+      EXPECT_EQ(commgrad::default_data_parallel_group(), s.data_context_parallel_group());
+      EXPECT_EQ(commgrad::default_expert_data_parallel_group(), s.expert_data_parallel_group());
+    }
+    // The data-context group works: a sum over it.
+    auto y = tp::reduce_from_tp_region(torch::full({1}, static_cast<float>(r)), s.data_context_parallel_group());
+    EXPECT_EQ(y.item<float>(), 4.f * t + 12.f);
+  });
+}
+
+TEST(TpParallelState, ExpertGroupsSpanContextAndDataRanks) {
+  // W = 8, cp = 2, dp = 4, ep = 4: the data-context group is the world; expert
+  // groups are its first and last four ranks, expert-data groups pairs four apart.
+  spawn_ranks(8, [](Group& world) {
+    auto s = commgrad::make_model_parallel(
+        commgrad::ModelParallelOptions(1).context_parallel_size(2).expert_parallel_size(4), world);
+    const int r = world.rank();
+    EXPECT_EQ(ranks_of(s.data_context_parallel_group()).size(), 8u);
+    EXPECT_EQ(ranks_of(s.expert_parallel_group()),
+              (r < 4 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{4, 5, 6, 7}));
+    EXPECT_EQ(ranks_of(s.expert_data_parallel_group()), (std::vector<int>{r % 4, r % 4 + 4}));
+    EXPECT_EQ(ranks_of(s.context_parallel_group()), (std::vector<int>{r - r % 2, r - r % 2 + 1}));
+    EXPECT_EQ(s.describe(), c10::str("tp 0/1 (gloo) pp 0/1 (gloo) dp ", r / 2, "/4 (gloo) cp ", r % 2, "/2 (gloo) ep ",
+                                     r % 4, "/4 (gloo) (world 8, gloo)"));
+  });
+  spawn_ranks(2, [](Group& world) {
+    // Without cp and ep: the context and expert groups are groups of one, the
+    // data-context and expert-data groups the data-parallel group.
+    auto s = commgrad::make_model_parallel(1, 1, world);
+    EXPECT_EQ(s.context_parallel_size(), 1);
+    EXPECT_EQ(s.expert_parallel_size(), 1);
+    EXPECT_EQ(s.data_context_parallel_group(), s.data_parallel_group());
+    EXPECT_EQ(s.expert_data_parallel_group(), s.data_parallel_group());
+    EXPECT_THAT(error_of([&] {
+                  commgrad::make_model_parallel(commgrad::ModelParallelOptions(1).expert_parallel_size(4), world);
+                }),
+                HasSubstr("expert_parallel_size (4) does not divide data_parallel_size (2) x context_parallel_size (1)"));
+    EXPECT_THAT(error_of([&] {
+                  commgrad::make_model_parallel(commgrad::ModelParallelOptions(1).context_parallel_size(0), world);
+                }),
+                HasSubstr("must be at least 1"));
+  });
+}
+
 TEST(TpParallelState, TpEqualsWorld) {
   spawn_ranks(3, [](Group& world) {
     auto s = commgrad::make_model_parallel(3, 1, world);
@@ -85,7 +148,8 @@ TEST(TpParallelState, TpEqualsWorld) {
 TEST(TpParallelState, WorldNotDivisibleIsAClearError) {
   spawn_ranks(4, [](Group& world) {
     EXPECT_THAT(error_of([&] { commgrad::make_model_parallel(3, 1, world); }),
-                HasSubstr("world size 4 is not divisible by tensor_parallel_size (3) x pipeline_parallel_size (1)"));
+                HasSubstr("world size 4 is not divisible by tensor_parallel_size (3) x context_parallel_size (1) x "
+                          "pipeline_parallel_size (1)"));
     EXPECT_THAT(error_of([&] { commgrad::make_model_parallel(2, 3, world); }), HasSubstr("not divisible"));
     EXPECT_THAT(error_of([&] { commgrad::make_model_parallel(0, 1, world); }), HasSubstr("must be at least 1"));
     // Nothing was created by the failed calls: a valid layout still works.
