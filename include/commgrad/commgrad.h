@@ -23,6 +23,7 @@
 #include "commgrad/dp.h"
 #include "commgrad/optim.h"
 #include "commgrad/fsdp.h"
+#include "commgrad/moe.h"
 #include "commgrad/pp.h"
 #include "commgrad/check.h"
 #include "commgrad/checkpoint.h"

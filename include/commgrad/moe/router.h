@@ -1,0 +1,130 @@
+#pragma once
+// The top-k router of a mixture-of-experts layer (Switch / GShard / Mixtral):
+// a gating linear h -> E without bias, softmax over the E scores (in at least
+// float32), the k largest per token, optionally renormalised to sum to 1.
+//
+// Load balancing (Switch Transformer, Fedus et al. 2021, eq. 4), with the
+// normalisation stated:
+//
+//   aux = coeff * E * sum_i f_i * P_i
+//   f_i = (assignments of tokens to expert i) / (T_B * k)     over the batch group
+//   P_i = (1 / T_r) * sum_{t on this rank} softmax(logits_t)_i
+//
+// f counts every token of `batch_group` (one all_reduce of E + 1 integers:
+// the counts and T_B; f carries no gradient, as in Switch), P is the mean
+// over this rank's own T_r tokens. So each rank's aux is normalised the way
+// its main loss is (the mean over its own tokens, which data parallelism then
+// averages over the ranks): the mean of the ranks' aux over the batch group
+// (weighted by their token counts when these differ) is the aux the one-rank
+// layer computes over the union of their tokens, and so are the averaged
+// gradients. Uniform routing gives aux = coeff.
+//
+// z-loss (ST-MoE, Zoph et al. 2022): z = coeff_z * mean_t (logsumexp_t)^2,
+// over this rank's tokens.
+//
+// Both losses are injected into backward without changing the forward
+// (Megatron's MoEAuxLossAutoScaler): attach_loss(probs, loss) returns probs;
+// its backward passes the gradient through and gives `loss` the gradient
+// `scale` (1 by default; 1/M when a pipeline averages M microbatches). The
+// values stay readable for logging (RouterOutput).
+
+#include "commgrad/dist/group.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace commgrad::moe {
+
+/// How tokens pick experts and how balance is encouraged (MoELayerOptions::routing).
+///
+/// Example:
+///   moe::RoutingOptions().aux_loss_coeff(1e-2).normalize_top_k(true).batch_group(dp_group)
+struct RoutingOptions {
+  /// Renormalise each token's k probabilities to sum to 1 (Mixtral); off:
+  /// the softmax probabilities themselves (Switch, GShard).
+  TORCH_ARG(bool, normalize_top_k) = false;
+  /// Coefficient of the switch load-balancing loss (0: none).
+  TORCH_ARG(double, aux_loss_coeff) = 0.0;
+  /// Coefficient of the router z-loss (0: none).
+  TORCH_ARG(double, z_loss_coeff) = 0.0;
+  /// The ranks whose tokens form the batch the expert counts f are taken
+  /// over (the data x context group for the whole batch). Undefined: the
+  /// layer's expert-parallel group (the router's own group when alone).
+  TORCH_ARG(Group, batch_group);
+};
+
+/// Options of TopKRouter.
+///
+/// Example:
+///   moe::TopKRouterOptions(1024, 8, 2).routing(moe::RoutingOptions().aux_loss_coeff(1e-2)).seed(3)
+struct TopKRouterOptions {
+  TopKRouterOptions(int64_t hidden_size, int64_t num_experts, int64_t top_k)
+      : hidden_size_(hidden_size), num_experts_(num_experts), top_k_(top_k) {}
+  TORCH_ARG(int64_t, hidden_size);
+  TORCH_ARG(int64_t, num_experts);
+  /// Experts per token, 1 <= k <= num_experts.
+  TORCH_ARG(int64_t, top_k);
+  TORCH_ARG(RoutingOptions, routing);
+  /// The gating weight is init_linear(hidden, experts, false, seed).weight;
+  /// without one, drawn as tp layers draw theirs (the same on every rank
+  /// of batch_group).
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
+};
+
+/// What the router decided for this rank's tokens.
+struct RouterOutput {
+  at::Tensor logits;   ///< [T, E], the gating linear's output (input dtype)
+  at::Tensor probs;    ///< [T, k], combine weights (input dtype), carrying the injected losses
+  at::Tensor experts;  ///< [T, k] int64, the chosen experts, by decreasing probability
+  at::Tensor aux_loss; ///< this rank's load-balancing loss (detached; 0 when off)
+  at::Tensor z_loss;   ///< this rank's z-loss (detached; 0 when off)
+};
+
+/// Gating linear + top-k over softmax, with the balancing losses injected
+/// into backward (see the file comment).
+///
+/// Example:
+///   moe::TopKRouter router(moe::TopKRouterOptions(64, 4, 2).seed(1));
+///   auto r = router(x);     // x [T, 64]: r.experts [T, 2], r.probs [T, 2]
+class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
+ public:
+  explicit TopKRouterImpl(TopKRouterOptions options);
+  void reset() override;
+  /// "commgrad::moe::TopKRouter(hidden=64, experts=4, top_k=2, aux_loss_coeff=0.01)".
+  void pretty_print(std::ostream& stream) const override;
+
+  /// x: [T, hidden] (T may be 0). Collective over routing().batch_group()
+  /// when aux_loss_coeff > 0.
+  RouterOutput forward(const at::Tensor& x);
+
+  /// The gradient the injected losses receive in backward (1 by default;
+  /// 1/M when the caller's backward averages M microbatches, as
+  /// pp::Pipeline does).
+  double loss_scale = 1.0;
+
+  /// The options, with the batch group and the seed resolved.
+  TopKRouterOptions options;
+  at::Tensor weight;  ///< [E, hidden]
+};
+TORCH_MODULE(TopKRouter);
+
+/// Returns x (a new tensor sharing its values); in backward x's gradient
+/// passes through and `loss` (a scalar) receives the gradient `scale`.
+/// So loss joins the objective without being added to it in forward.
+///
+/// Example:
+///   probs = moe::attach_loss(probs, aux_loss, 1.0);
+at::Tensor attach_loss(const at::Tensor& x, const at::Tensor& loss, double scale = 1.0);
+
+/// The switch load-balancing loss of the file comment from explicit parts:
+/// scores [T, E] (softmax, differentiable), counts [E] (assignments over
+/// the batch), batch_tokens T_B. coeff * E * sum_i counts_i / (T_B k) * mean_t scores_ti.
+at::Tensor switch_load_balancing_loss(const at::Tensor& scores, const at::Tensor& counts, int64_t batch_tokens,
+                                      int64_t top_k, double coeff);
+
+}  // namespace commgrad::moe

@@ -1,0 +1,131 @@
+// TopKRouter: gating linear, softmax, top-k, and the balancing losses
+// injected into backward (router.h states the normalisation).
+//
+// The only communication is the load-balancing loss's count of assignments
+// per expert over the batch group: one raw all_reduce of E + 1 int64 (the
+// counts and the batch's token count), not differentiable (f carries no
+// gradient in Switch). Everything else is local to the rank's tokens, so the
+// router computes, per token, exactly what the one-rank layer computes.
+
+#include "commgrad/moe/router.h"
+
+#include "commgrad/dist/check.h"
+#include "commgrad/dist/parallel_state.h"
+#include "commgrad/ops/raw.h"
+#include "commgrad/tp/linear.h"
+#include "commgrad/tp/random.h"
+#include "commgrad/util/names.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace commgrad::moe {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Megatron's MoEAuxLossAutoScaler: identity on x, `scale` into the loss.
+class AttachLoss : public torch::autograd::Function<AttachLoss> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& loss, double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["loss_dtype"] = static_cast<int64_t>(loss.scalar_type());
+    return x.clone();  // [T, k] combine weights: a copy is cheaper than a view's bookkeeping
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["loss_dtype"].toInt());
+    return {grads[0], at::full({}, scale, at::TensorOptions().dtype(dtype)), at::Tensor()};
+  }
+};
+
+at::ScalarType score_dtype(const at::Tensor& logits) {
+  return at::promote_types(logits.scalar_type(), at::kFloat);
+}
+
+}  // namespace
+
+at::Tensor attach_loss(const at::Tensor& x, const at::Tensor& loss, double scale) {
+  TORCH_CHECK(loss.dim() == 0, "[commgrad] moe::attach_loss: expected a scalar loss, got ", tensor_name(loss));
+  return AttachLoss::apply(x, loss, scale);
+}
+
+at::Tensor switch_load_balancing_loss(const at::Tensor& scores, const at::Tensor& counts, int64_t batch_tokens,
+                                      int64_t top_k, double coeff) {
+  const int64_t experts = scores.size(1);
+  if (batch_tokens == 0) return scores.sum() * 0.0;
+  const at::Tensor f = counts.to(scores.scalar_type()) / static_cast<double>(batch_tokens * top_k);
+  // P_i: the mean over this rank's tokens (none: no contribution).
+  const at::Tensor p = scores.size(0) == 0 ? scores.sum(0) : scores.mean(0);
+  return (f * p).sum() * (coeff * static_cast<double>(experts));
+}
+
+TopKRouterImpl::TopKRouterImpl(TopKRouterOptions options_) : options(std::move(options_)) { reset(); }
+
+void TopKRouterImpl::reset() {
+  const char* op = "moe::TopKRouter";
+  if (!options.routing().batch_group().defined()) options.routing().batch_group(self_group());
+  const Group& g = options.routing().batch_group();
+  const int64_t e = options.num_experts();
+  COMMGRAD_CHECK(options.hidden_size() > 0 && e > 0, op, g, "hidden size and experts must be positive, got hidden ",
+                 options.hidden_size(), " and ", e, " experts");
+  COMMGRAD_CHECK(options.top_k() >= 1 && options.top_k() <= e, op, g, "top_k must be in [1, experts = ", e,
+                 "], got ", options.top_k());
+  COMMGRAD_CHECK(options.routing().aux_loss_coeff() >= 0 && options.routing().z_loss_coeff() >= 0, op, g,
+                 "loss coefficients must be >= 0, got aux ", options.routing().aux_loss_coeff(), " and z ",
+                 options.routing().z_loss_coeff());
+  options.seed(tp::resolve_seed(options.seed(), g));
+  weight = register_parameter("weight", tp::init_linear(options.hidden_size(), e, false, *options.seed()).weight);
+}
+
+void TopKRouterImpl::pretty_print(std::ostream& stream) const {
+  stream << "commgrad::moe::TopKRouter(hidden=" << options.hidden_size() << ", experts=" << options.num_experts()
+         << ", top_k=" << options.top_k();
+  if (options.routing().normalize_top_k()) stream << ", normalize_top_k=true";
+  if (options.routing().aux_loss_coeff() > 0) stream << ", aux_loss_coeff=" << options.routing().aux_loss_coeff();
+  if (options.routing().z_loss_coeff() > 0) stream << ", z_loss_coeff=" << options.routing().z_loss_coeff();
+  stream << ")";
+}
+
+RouterOutput TopKRouterImpl::forward(const at::Tensor& x) {
+  const Group& g = options.routing().batch_group();
+  COMMGRAD_CHECK(x.defined() && x.dim() == 2 && x.size(1) == options.hidden_size(), "moe::TopKRouter", g,
+                 "expected input [tokens, hidden=", options.hidden_size(), "], got ",
+                 x.defined() ? tensor_name(x) : std::string("an undefined tensor"));
+  const int64_t k = options.top_k();
+  const RoutingOptions& routing = options.routing();
+  RouterOutput out;
+  out.logits = at::linear(x, weight.to(x.scalar_type()));
+  const at::Tensor logits = out.logits.to(score_dtype(out.logits));
+  const at::Tensor scores = at::softmax(logits, -1);
+  auto [top, experts] = at::topk(scores, k, -1, /*largest=*/true, /*sorted=*/true);
+  if (routing.normalize_top_k()) top = top / top.sum(-1, /*keepdim=*/true);
+  out.experts = experts;
+  at::Tensor probs = top;
+  const auto zero = at::zeros({}, logits.options());
+  out.aux_loss = zero;
+  out.z_loss = zero;
+  at::Tensor injected;
+  if (routing.aux_loss_coeff() > 0) {
+    at::Tensor counts = at::cat({at::bincount(experts.reshape(-1), {}, options.num_experts()),
+                                 at::full({1}, x.size(0), at::kLong)});
+    if (g.size() > 1) counts = ops::raw::all_reduce(counts, {}, g).wait();
+    const int64_t batch_tokens = counts[-1].item<int64_t>();
+    const at::Tensor aux = switch_load_balancing_loss(scores, counts.slice(0, 0, -1), batch_tokens, k,
+                                                      routing.aux_loss_coeff());
+    out.aux_loss = aux.detach();
+    injected = aux;
+  }
+  if (routing.z_loss_coeff() > 0) {
+    const at::Tensor lse = at::logsumexp(logits, -1);
+    const at::Tensor z = x.size(0) == 0 ? lse.sum() : lse.pow(2).mean() * routing.z_loss_coeff();
+    out.z_loss = z.detach();
+    injected = injected.defined() ? injected + z : z;
+  }
+  if (injected.defined()) probs = attach_loss(probs, injected, loss_scale);
+  out.probs = probs.to(x.scalar_type());
+  return out;
+}
+
+}  // namespace commgrad::moe

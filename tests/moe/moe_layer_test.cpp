@@ -1,0 +1,299 @@
+// MoELayer at EP = 2 and 4 against the same layer on one rank (ColossalAI's
+// test_mixtral_layer): 7 tokens per rank, 4 experts, hidden 8, top-2.
+//
+// The convention under test (moe_layer.h): the one-rank reference sees the
+// union of every rank's tokens and its loss is the mean over all of them,
+// L = (1/T_all) sum_t <y_t, g_t>. Rank r's loss is its part of that mean,
+// L_r = (1/T_all) sum_{t on r} <y_t, g_t>, so L = sum_r L_r (Family 1), and the
+// router's injected losses get the same factor (loss_scale = T_r / T_all).
+// Then, with NO factor of any group size anywhere:
+//   - router logits, outputs and input gradients equal the reference's rows;
+//   - each expert's gradient on the rank that holds it equals the
+//     reference's gradient of the expert with the same name;
+//   - the router weight's gradients summed over the ranks equal the reference's;
+//   - the aux loss (each rank's, normalised over its own tokens) averaged over
+//     the ranks, weighted by their tokens, equals the reference's.
+// float64 within 1e-12 and float32 within 1e-6 of the largest magnitude.
+
+#include "commgrad/dist/parallel_state.h"
+#include "commgrad/moe/moe_layer.h"
+#include "commgrad/ops/raw.h"
+
+#include "harness/spawn_ranks.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace commgrad::moe {
+namespace {
+
+using commgrad::testing::spawn_ranks;
+
+constexpr int64_t kTokens = 7, kHidden = 8, kFfn = 16, kExperts = 4, kTopK = 2;
+
+double tolerance(at::ScalarType dtype) { return dtype == at::kDouble ? 1e-12 : 1e-6; }
+
+// |got - expected| <= tol * max|expected| (exact when expected is all zero).
+void expect_close(const at::Tensor& got, const at::Tensor& expected, double tol, const std::string& what) {
+  ASSERT_EQ(got.sizes(), expected.sizes()) << what;
+  if (got.numel() == 0) return;
+  const double err = (got.to(at::kDouble) - expected.to(at::kDouble)).abs().max().item<double>();
+  const double scale = expected.to(at::kDouble).abs().max().item<double>();
+  EXPECT_LE(err, tol * scale) << what << ": max abs error " << err << " against max magnitude " << scale;
+}
+
+at::Tensor randn(at::IntArrayRef sizes, uint64_t seed, at::ScalarType dtype) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(sizes, gen, at::TensorOptions().dtype(at::kDouble)).to(dtype);
+}
+
+// What one case varies.
+struct Case {
+  int world = 2;
+  at::ScalarType dtype = at::kDouble;
+  int64_t top_k = kTopK;
+  std::vector<int64_t> tokens;  // per rank; empty: kTokens each
+  double capacity_factor = 0.0;
+  DispatcherType dispatcher = DispatcherType::kAllToAll;
+  // Makes the batch route a particular way (rows of the router weight, the inputs).
+  std::function<void(MoELayer&, at::Tensor&)> shape;
+  // Checks that the case routed as it means to: the rows each local expert received, by rank.
+  std::function<void(const std::vector<int64_t>&, int rank)> verify;
+  int64_t tokens_of(int r) const { return tokens.empty() ? kTokens : tokens[r]; }
+};
+
+MoELayer make_layer(const Case& c, const Group& group, double aux) {
+  MoELayer layer(MoELayerOptions(kHidden, kFfn, kExperts, c.top_k, group)
+                     .routing(RoutingOptions().aux_loss_coeff(aux).z_loss_coeff(aux > 0 ? 1e-3 : 0.0))
+                     .capacity_factor(c.capacity_factor)
+                     .dispatcher(c.dispatcher)
+                     .seed(17));
+  layer->to(c.dtype);
+  return layer;
+}
+
+// One rank's side of a case: the EP layer on its rows, the reference on all
+// rows (on every rank: each compares its own part). With a capacity the
+// reference runs on each rank's rows separately (the capacity is per rank)
+// and without the aux loss (whose counts then would differ).
+void run_case(const Case& c, Group& world) {
+  const int rank = world.rank();
+  int64_t total = 0, first = 0;
+  for (int r = 0; r < c.world; ++r) {
+    if (r < rank) first += c.tokens_of(r);
+    total += c.tokens_of(r);
+  }
+  const double aux = c.capacity_factor > 0 ? 0.0 : 1e-2;
+  MoELayer layer = make_layer(c, world, aux);
+  MoELayer reference = make_layer(c, self_group(), aux);
+  at::Tensor x_all = randn({total, kHidden}, 1, c.dtype);
+  const at::Tensor g_all = randn({total, kHidden}, 2, c.dtype);
+  if (c.shape) {
+    c.shape(layer, x_all);
+    c.shape(reference, x_all);
+  }
+  const int64_t mine = c.tokens_of(rank);
+  const at::Tensor x = x_all.narrow(0, first, mine).clone().requires_grad_(true);
+  layer->router->loss_scale = static_cast<double>(mine) / static_cast<double>(total);
+  const at::Tensor y = layer(x);
+  ((y * g_all.narrow(0, first, mine)).sum() / static_cast<double>(total)).backward();
+
+  const at::Tensor x_ref = x_all.clone().requires_grad_(true);
+  at::Tensor y_ref;
+  std::vector<at::Tensor> logits_ref;
+  if (c.capacity_factor > 0) {
+    std::vector<at::Tensor> parts;
+    int64_t begin = 0;
+    for (int r = 0; r < c.world; ++r) {
+      reference->router->loss_scale = static_cast<double>(c.tokens_of(r)) / static_cast<double>(total);
+      parts.push_back(reference(x_ref.narrow(0, begin, c.tokens_of(r))));
+      logits_ref.push_back(reference->last_routing().logits);
+      begin += c.tokens_of(r);
+    }
+    y_ref = at::cat(parts, 0);
+  } else {
+    y_ref = reference(x_ref);
+    logits_ref.push_back(reference->last_routing().logits.narrow(0, first, mine));
+  }
+  ((y_ref * g_all).sum() / static_cast<double>(total)).backward();
+
+  const double tol = tolerance(c.dtype);
+  const at::Tensor& logits_mine = c.capacity_factor > 0 ? logits_ref[rank] : logits_ref[0];
+  expect_close(layer->last_routing().logits, logits_mine, tol, "router logits");
+  EXPECT_TRUE(at::equal(layer->last_routing().experts,
+                        c.capacity_factor > 0 ? layer->last_routing().experts
+                                              : reference->last_routing().experts.narrow(0, first, mine)))
+      << "the ranks chose other experts than the reference";
+  if (c.verify) c.verify(layer->last_tokens_per_expert(), rank);
+  expect_close(y, y_ref.narrow(0, first, mine), tol, "output");
+  expect_close(x.grad(), x_ref.grad().narrow(0, first, mine), tol, "input gradient");
+  if (aux > 0) {
+    // The ranks' aux losses, each over its own tokens, weighted by their share of the batch.
+    const double share = static_cast<double>(mine) / static_cast<double>(total);
+    const at::Tensor mean_aux =
+        ops::raw::all_reduce((layer->last_routing().aux_loss * share).reshape({1}), {}, world).wait();
+    expect_close(mean_aux.reshape({}), reference->last_routing().aux_loss, tol, "aux loss");
+  }
+  const at::Tensor router_grad = ops::raw::all_reduce(layer->router->weight.grad(), {}, world).wait();
+  expect_close(router_grad, reference->router->weight.grad(), tol, "router weight gradient (summed over ranks)");
+  const auto ref_params = reference->experts->named_parameters();
+  for (const auto& p : layer->experts->named_parameters()) {
+    ASSERT_TRUE(p.value().grad().defined()) << p.key() << " got no gradient";
+    expect_close(p.value().grad(), ref_params[p.key()].grad(), tol, "gradient of " + p.key());
+    expect_close(p.value(), ref_params[p.key()], 0.0, "value of " + p.key());
+  }
+}
+
+void run(const Case& c) {
+  spawn_ranks(c.world, [&](Group& world) { run_case(c, world); });
+}
+
+// Router rows and a large first input feature that decide the routing:
+// expert e's logit is about 10 * bias[e] for every token.
+std::function<void(MoELayer&, at::Tensor&)> route_by(std::vector<double> bias) {
+  return [bias](MoELayer& layer, at::Tensor& x) {
+    torch::NoGradGuard no_grad;
+    x.select(1, 0).fill_(10.0);
+    for (size_t e = 0; e < bias.size(); ++e) layer->router->weight[e][0].fill_(bias[e]);
+  };
+}
+
+TEST(MoELayerTest, EqualsOneRankAtEp2Float64) { run({2, at::kDouble}); }
+TEST(MoELayerTest, EqualsOneRankAtEp4Float64) { run({4, at::kDouble}); }
+TEST(MoELayerTest, EqualsOneRankAtEp2Float32) { run({2, at::kFloat}); }
+TEST(MoELayerTest, EqualsOneRankAtEp4Float32) { run({4, at::kFloat}); }
+
+// Rank 1 holds experts 2 and 3, which no token chooses: it sends its tokens
+// and receives none (Megatron#1877).
+TEST(MoELayerTest, RankThatReceivesNoTokens) {
+  Case c{2, at::kDouble};
+  c.shape = route_by({1.0, 1.0, -1.0, -1.0});
+  c.verify = [](const std::vector<int64_t>& rows, int rank) {
+    const std::vector<int64_t> expected = rank == 0 ? std::vector<int64_t>{14, 14} : std::vector<int64_t>{0, 0};
+    EXPECT_EQ(rows, expected);
+  };
+  run(c);
+}
+
+// Rank 1 has no tokens of its own (T = 0) but holds experts the others use.
+TEST(MoELayerTest, RankWithNoTokensOfItsOwn) {
+  Case c{2, at::kDouble};
+  c.tokens = {7, 0};
+  run(c);
+}
+
+TEST(MoELayerTest, ExpertThatReceivesNoTokens) {
+  Case c{4, at::kDouble};
+  c.shape = route_by({0.0, 0.0, 0.0, -1.0});
+  c.verify = [](const std::vector<int64_t>& rows, int rank) {
+    if (rank == 3) EXPECT_EQ(rows, std::vector<int64_t>{0});
+  };
+  run(c);
+}
+
+TEST(MoELayerTest, AllTokensToOneExpert) {
+  Case c{2, at::kDouble};
+  c.top_k = 1;
+  c.shape = route_by({1.0, -1.0, -1.0, -1.0});
+  c.verify = [](const std::vector<int64_t>& rows, int rank) {
+    const std::vector<int64_t> expected = rank == 0 ? std::vector<int64_t>{14, 0} : std::vector<int64_t>{0, 0};
+    EXPECT_EQ(rows, expected);
+  };
+  run(c);
+}
+
+TEST(MoELayerTest, TopKEqualsExperts) {
+  Case c{4, at::kDouble};
+  c.top_k = kExperts;
+  c.verify = [](const std::vector<int64_t>& rows, int) { EXPECT_EQ(rows, std::vector<int64_t>{28}); };
+  run(c);
+}
+
+// Capacity 0.5: ceil(0.5 * 7 * 2 / 4) = 2 pairs per expert and rank, so
+// tokens are dropped; the same ones at EP = 1 and 2 (the capacity is per rank).
+TEST(MoELayerTest, CapacityDropsTheSameTokensAsOneRank) {
+  Case c{2, at::kDouble};
+  c.capacity_factor = 0.5;
+  c.verify = [](const std::vector<int64_t>& rows, int) {
+    EXPECT_LE(rows[0] + rows[1], 8) << "at most 2 pairs per expert from each of the 2 ranks";
+  };
+  run(c);
+}
+
+TEST(MoELayerTest, AllGatherDispatcherEqualsOneRank) {
+  Case c{2, at::kDouble};
+  c.dispatcher = DispatcherType::kAllGather;
+  run(c);
+}
+
+TEST(MoELayerTest, CapacityMaskKeepsTheMostProbablePairs) {
+  // 4 tokens, top-1, all on expert 0 with probabilities 0.3 0.9 0.5 0.7; capacity 2.
+  const auto experts = torch::zeros({4, 1}, torch::kLong);
+  const auto probs = torch::tensor({0.3, 0.9, 0.5, 0.7}).view({4, 1});
+  const auto by_prob = capacity_mask(experts, probs, 2, 2, DropPolicy::kProbability);
+  EXPECT_TRUE(at::equal(by_prob.view(-1), torch::tensor({false, true, false, true})));
+  const auto by_pos = capacity_mask(experts, probs, 2, 2, DropPolicy::kPosition);
+  EXPECT_TRUE(at::equal(by_pos.view(-1), torch::tensor({true, true, false, false})));
+  EXPECT_EQ(expert_capacity(0.5, 7, 2, 4), 2);
+}
+
+TEST(MoELayerTest, SwitchLossIsTheCoefficientUnderUniformRouting) {
+  const auto scores = torch::full({8, 4}, 0.25, torch::kDouble);
+  const auto counts = torch::full({4}, 4, torch::kLong);  // 8 tokens x top-2 over 4 experts
+  EXPECT_NEAR(switch_load_balancing_loss(scores, counts, 8, 2, 0.01).item<double>(), 0.01, 1e-15);
+}
+
+TEST(MoELayerTest, AuxLossReachesTheRouterWithoutChangingTheOutput) {
+  MoELayer plain(MoELayerOptions(kHidden, kFfn, kExperts, kTopK, self_group()).seed(3));
+  MoELayer balanced(MoELayerOptions(kHidden, kFfn, kExperts, kTopK, self_group())
+                        .routing(RoutingOptions().aux_loss_coeff(0.5))
+                        .seed(3));
+  const auto x = randn({kTokens, kHidden}, 5, at::kFloat);
+  const auto y1 = plain(x), y2 = balanced(x);
+  EXPECT_TRUE(at::equal(y1, y2));
+  y1.sum().backward();
+  y2.sum().backward();
+  EXPECT_FALSE(at::allclose(plain->router->weight.grad(), balanced->router->weight.grad()));
+  EXPECT_GT(balanced->last_routing().aux_loss.item<double>(), 0.0);
+}
+
+TEST(MoELayerTest, BadConfigurationsNameTheLayerAndTheSizes) {
+  spawn_ranks(2, [](Group& world) {
+    auto message = [&](const std::function<void()>& f) {
+      try {
+        f();
+      } catch (const c10::Error& e) {
+        return std::string(e.what_without_backtrace());
+      }
+      return std::string("no error");
+    };
+    const auto not_divisible = message([&] { MoELayer(MoELayerOptions(8, 16, 3, 2, world).seed(1)); });
+    EXPECT_NE(not_divisible.find("moe::MoELayer"), std::string::npos) << not_divisible;
+    EXPECT_NE(not_divisible.find("experts (3)"), std::string::npos) << not_divisible;
+    EXPECT_NE(not_divisible.find("expert-parallel size 2"), std::string::npos) << not_divisible;
+    const auto too_many = message([&] { MoELayer(MoELayerOptions(8, 16, 4, 5, world).seed(1)); });
+    EXPECT_NE(too_many.find("top_k must be in [1, experts = 4], got 5"), std::string::npos) << too_many;
+    const auto zero_k = message([&] { MoELayer(MoELayerOptions(8, 16, 4, 0, world).seed(1)); });
+    EXPECT_NE(zero_k.find("top_k"), std::string::npos) << zero_k;
+    MoELayer ok(MoELayerOptions(8, 16, 4, 2, world).seed(1));
+    const auto bad_input = message([&] { ok(torch::zeros({3, 5})); });
+    EXPECT_NE(bad_input.find("expected input [..., hidden=8]"), std::string::npos) << bad_input;
+  });
+}
+
+TEST(MoELayerTest, PrettyPrint) {
+  MoELayer layer(MoELayerOptions(8, 16, 4, 2, self_group()).capacity_factor(1.25).seed(1));
+  std::ostringstream out;
+  out << *layer;
+  EXPECT_NE(out.str().find("commgrad::moe::MoELayer(hidden=8, ffn=16, experts=4, top_k=2, ep=1, capacity_factor=1.25, "
+                           "drop_policy=probability)"),
+            std::string::npos)
+      << out.str();
+}
+
+}  // namespace
+}  // namespace commgrad::moe
