@@ -7,6 +7,8 @@
 //   token_dispatcher.h  tokens to the ranks of their experts and back
 //                       (differentiable all-to-all; all-gather for comparison)
 //   moe_layer.h         MoELayer: the block the transformer's FFN becomes
+//   expert_data_parallel.h  which group reduces which gradient (dense: data x
+//                       context; experts: expert-data, divided by data x context)
 //
 // Example:
 //   auto state = commgrad::make_model_parallel(commgrad::ModelParallelOptions().expert_parallel_size(2));
@@ -17,3 +19,4 @@
 #include "commgrad/moe/experts.h"
 #include "commgrad/moe/token_dispatcher.h"
 #include "commgrad/moe/moe_layer.h"
+#include "commgrad/moe/expert_data_parallel.h"

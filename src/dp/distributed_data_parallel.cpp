@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 namespace commgrad::dp {
@@ -33,11 +34,15 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   COMMGRAD_CHECK(options.bucket_cap_mb() > 0 && options.first_bucket_cap_mb() > 0, kOp, group,
                  "bucket sizes must be positive, got bucket_cap_mb ", options.bucket_cap_mb(),
                  " and first_bucket_cap_mb ", options.first_bucket_cap_mb());
+  COMMGRAD_CHECK(options.average_divisor() >= 0, kOp, group, "average_divisor must be >= 0 (0: the group size), got ",
+                 options.average_divisor());
 
   // Parameters and buffers, each tensor once (tied weights have several names).
   std::unordered_set<const c10::TensorImpl*> seen;
   std::vector<detail::NamedTensor> params;
+  const auto& ignored = options.ignored_parameters();
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    if (std::find(ignored.begin(), ignored.end(), item.key()) != ignored.end()) continue;
     if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
     const auto& p = item.value();
     COMMGRAD_CHECK(p.layout() == at::kStrided, kOp, group, "parameter '", item.key(), "' is not a dense tensor");

@@ -300,7 +300,8 @@ void DdpReducer::mark_ready(size_t index) {
   ensure_buffer(bucket);
   auto& slot = bucket.views[p.slot];
   auto& grad = p.tensor.mutable_grad();
-  const bool average = options_.reduction() == GradReduction::kAverage && group_.size() > 1;
+  const int64_t divisor = options_.average_divisor() > 0 ? options_.average_divisor() : group_.size();
+  const bool average = options_.reduction() == GradReduction::kAverage && divisor > 1;
   if (grad.defined()) {
     COMMGRAD_CHECK(!grad.is_sparse(), kOp, group_, "parameter '", p.name,
                    "' has a sparse gradient; only dense gradients are supported");
@@ -312,9 +313,9 @@ void DdpReducer::mark_ready(size_t index) {
         slot.copy_(grad);
         grad = slot;
       }
-      if (average) slot.div_(group_.size());
+      if (average) slot.div_(divisor);
     } else if (average) {
-      at::div_out(slot, grad, at::scalar_tensor(group_.size(), slot.options()));
+      at::div_out(slot, grad, at::scalar_tensor(divisor, slot.options()));
     } else {
       slot.copy_(grad);
     }

@@ -85,6 +85,14 @@ struct DistributedDataParallelOptions {
   /// exists only where the communication hook put it. Implies
   /// gradient_as_bucket_view(false).
   TORCH_ARG(bool, release_gradients) = false;
+  /// Parameters (named_parameters() names) this wrapper leaves alone: not
+  /// checked, broadcast nor reduced. Another wrapper over another group
+  /// takes them (experts: moe::expert_ddp_options()).
+  TORCH_ARG(std::vector<std::string>, ignored_parameters);
+  /// With kAverage, divide the summed gradients by this instead of the group
+  /// size (0: the group size). Expert parameters are summed over the
+  /// expert-data group and divided by the data x context size (docs/moe.md).
+  TORCH_ARG(int64_t, average_divisor) = 0;
 };
 
 /// One bucket as built at construction (for inspection and tests).

@@ -19,7 +19,7 @@
 // context group, expert parameters are SUMMED over the expert-data-parallel
 // group and divided by the data x context size (which is ep times the
 // expert-data size); averaging them over the expert-data group alone would
-// make them ep times too large (Megatron PR#5956). See expert_grad_reduction.h.
+// make them ep times too large (Megatron PR#5956). See expert_data_parallel.h.
 //
 // Dropless by default: every (token, choice) pair reaches its expert. With
 // a capacity factor c each expert takes at most ceil(c T k / E) of this

@@ -1,0 +1,155 @@
+// Dense and expert gradients reduced over their own groups (expert_data_parallel.h)
+// at EP = 2 x DP = 2 (4 ranks: expert groups [0, 1] [2, 3], expert-data
+// groups [0, 2] [1, 3]) against the one-rank model on the whole batch.
+//
+// Each rank's loss is the mean over its own 7 tokens (what a trainer
+// computes); the reference's is the mean over all 28. After the two DDP
+// wrappers (or the two ZeroOptimizers) every gradient, dense and expert,
+// equals the reference's, and the global norm counts each expert once. The
+// last test shows the factor the bugs have: experts averaged over
+// the expert-data group alone come out exactly ep = 2 times too large.
+
+#include "commgrad/dist/parallel_state.h"
+#include "commgrad/dp/distributed_data_parallel.h"
+#include "commgrad/moe/expert_data_parallel.h"
+#include "commgrad/moe/moe_layer.h"
+#include "commgrad/optim/zero_optimizer.h"
+
+#include "harness/spawn_ranks.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+
+namespace commgrad::moe {
+namespace {
+
+using commgrad::testing::spawn_ranks;
+
+constexpr int64_t kTokens = 7, kHidden = 8, kRanks = 4;
+
+// A dense projection, then the MoE block with its residual.
+struct NetImpl : torch::nn::Module {
+  NetImpl(const Group& ep, const Group& batch) {
+    proj = register_module("proj", torch::nn::Linear(kHidden, kHidden));
+    moe = register_module("moe", MoELayer(MoELayerOptions(kHidden, 16, 4, 2, ep)
+                                              .routing(RoutingOptions().aux_loss_coeff(1e-2).batch_group(batch))
+                                              .seed(9)));
+    torch::NoGradGuard no_grad;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+    proj->weight.copy_(at::randn(proj->weight.sizes(), gen) * 0.3);
+    proj->bias.copy_(at::randn(proj->bias.sizes(), gen) * 0.1);
+    to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto h = proj(x);
+    return h + moe(h);
+  }
+  torch::nn::Linear proj{nullptr};
+  MoELayer moe{nullptr};
+};
+TORCH_MODULE(Net);
+
+at::Tensor randn(at::IntArrayRef sizes, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(sizes, gen, at::TensorOptions().dtype(at::kDouble));
+}
+
+struct Batch {
+  at::Tensor x = randn({kTokens * kRanks, kHidden}, 1);
+  at::Tensor g = randn({kTokens * kRanks, kHidden}, 2);
+};
+
+// The one-rank model's gradients of the mean over the whole batch.
+Net reference_gradients(const Batch& b) {
+  Net ref(self_group(), self_group());
+  ((ref(b.x) * b.g).sum() / static_cast<double>(b.x.size(0))).backward();
+  return ref;
+}
+
+// This rank's loss: the mean over its own tokens.
+void local_backward(Net& net, const Batch& b, int rank) {
+  const auto x = b.x.narrow(0, rank * kTokens, kTokens);
+  ((net(x) * b.g.narrow(0, rank * kTokens, kTokens)).sum() / static_cast<double>(kTokens)).backward();
+}
+
+void expect_close(const at::Tensor& got, const at::Tensor& expected, const std::string& what) {
+  const double err = (got - expected).abs().max().item<double>();
+  EXPECT_LE(err, 1e-12 * expected.abs().max().item<double>()) << what << ": max abs error " << err;
+}
+
+ParallelState layout(Group& world) {
+  return make_model_parallel(ModelParallelOptions(1, 1).expert_parallel_size(2), world);
+}
+
+TEST(ExpertDataParallelTest, DdpGradientsAndNormEqualOneRankAtEp2Dp2) {
+  const Batch b;
+  const Net ref = reference_gradients(b);
+  double ref_norm_sq = 0;
+  for (const auto& p : ref->parameters()) ref_norm_sq += p.grad().pow(2).sum().item<double>();
+  spawn_ranks(kRanks, [&](Group& world) {
+    const ParallelState s = layout(world);
+    Net net(s.expert_parallel_group(), s.data_context_parallel_group());
+    EXPECT_EQ(expert_parameter_names(*net).size(), 8U);  // 2 local experts x fc1, fc2 x weight, bias
+    dp::DistributedDataParallel dense(net, dense_ddp_options(*net, s.data_context_parallel_group()));
+    dp::DistributedDataParallel experts(
+        net, expert_ddp_options(*net, s.data_context_parallel_group(), s.expert_data_parallel_group()));
+    local_backward(net, b, world.rank());
+    const auto ref_params = ref->named_parameters();
+    for (const auto& p : net->named_parameters()) {
+      expect_close(p.value().grad(), ref_params[p.key()].grad(), "gradient of " + p.key());
+    }
+    const double norm = clip_grad_norm_(*net, 0.0, s.expert_parallel_group());
+    EXPECT_NEAR(norm, std::sqrt(ref_norm_sq), 1e-12 * norm);
+  });
+}
+
+TEST(ExpertDataParallelTest, ZeroStepEqualsOneRankSgdAtEp2Dp2) {
+  const Batch b;
+  const Net ref = reference_gradients(b);
+  constexpr double kLr = 0.5;
+  spawn_ranks(kRanks, [&](Group& world) {
+    const ParallelState s = layout(world);
+    Net net(s.expert_parallel_group(), s.data_context_parallel_group());
+    auto sgd = [](std::vector<at::Tensor> shards) {
+      return std::make_unique<torch::optim::SGD>(shards, torch::optim::SGDOptions(kLr));
+    };
+    optim::ZeroOptimizer dense(
+        net, sgd, optim::ZeroOptimizerOptions(dense_ddp_options(*net, s.data_context_parallel_group())).stage(2));
+    optim::ZeroOptimizer experts(net, sgd,
+                                 optim::ZeroOptimizerOptions(expert_ddp_options(*net, s.data_context_parallel_group(),
+                                                                                s.expert_data_parallel_group()))
+                                     .stage(2));
+    local_backward(net, b, world.rank());
+    dense.step();
+    experts.step();
+    const auto ref_params = ref->named_parameters();
+    for (const auto& p : net->named_parameters()) {
+      const auto& r = ref_params[p.key()];
+      expect_close(p.value(), r - kLr * r.grad(), "stepped " + p.key());
+    }
+  });
+}
+
+TEST(ExpertDataParallelTest, AveragingExpertsOverTheExpertDataGroupAloneIsEpTimesTooLarge) {
+  const Batch b;
+  const Net ref = reference_gradients(b);
+  spawn_ranks(kRanks, [&](Group& world) {
+    const ParallelState s = layout(world);
+    Net net(s.expert_parallel_group(), s.data_context_parallel_group());
+    dp::DistributedDataParallel dense(net, dense_ddp_options(*net, s.data_context_parallel_group()));
+    auto wrong = expert_ddp_options(*net, s.data_context_parallel_group(), s.expert_data_parallel_group());
+    dp::DistributedDataParallel experts(net, wrong.average_divisor(0));  // the group size: edp = 2
+    local_backward(net, b, world.rank());
+    const auto ref_params = ref->named_parameters();
+    for (const auto& name : expert_parameter_names(*net)) {
+      expect_close(net->named_parameters()[name].grad(), 2.0 * ref_params[name].grad(), "twice " + name);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace commgrad::moe
