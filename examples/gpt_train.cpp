@@ -6,6 +6,7 @@
 //                               [--precision fp32|bf16|fp16]
 //                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
 //                               [--curve PREFIX|none] [--check] [--recompute none|selective|full]
+//                               [--experts E [--topk k] [--ep N]]
 //
 // (gpt_train --help lists every option with its default; a bad one ends the
 // program with a message naming it and exit code 2, before any rank starts.)
@@ -30,6 +31,12 @@
 // (default gpt_train_loss). --save DIR writes a sharded checkpoint (model
 // and optimizer) at the end, and every K steps with --save-every; --resume
 // DIR continues from its latest step under any layout.
+//
+// --experts E makes every layer's FFN a mixture of E experts (commgrad::moe,
+// top-k routing with a per-sequence load-balancing loss), split over --ep
+// ranks of each data-parallel group; the experts train with a second ZeRO-2
+// over the expert-data group and, for now, nothing is clipped
+// (docs/moe.md).
 //
 // With --check every rank also trains the model alone (TP = PP = DP = 1)
 // from step 1 and rank 0 compares the curves step by step (after a resume,
@@ -88,10 +95,12 @@ struct Config {
   std::string curve = "gpt_train_loss";
   bool check = false;
   std::string recompute = "none";
+  int experts = 0, topk = 2, ep = 1;
 
   std::string layout() const {
     return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp) +
-           (sp ? " (SP)" : "") + (fsdp ? " (FSDP)" : "") + (precision != "fp32" ? " " + precision : "");
+           (ep > 1 ? " (EP=" + std::to_string(ep) + ")" : "") + (sp ? " (SP)" : "") + (fsdp ? " (FSDP)" : "") +
+           (precision != "fp32" ? " " + precision : "");
   }
 };
 
@@ -142,6 +151,10 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--recompute", c.recompute,
                  "activation recomputation of every layer: none, selective\n(the attention core) or full (the whole layer)")
       ->check(cli::one_of({"none", "selective", "full"}));
+  app.add_option("--experts", c.experts, "mixture of experts: every layer's FFN a MoE block of\nthis many experts (0: dense)")
+      ->check(cli::non_negative());
+  app.add_option("--topk", c.topk, "experts per token (with --experts)")->check(cli::positive());
+  app.add_option("--ep", c.ep, "expert-parallel ranks (split the experts; divides --dp)")->check(cli::positive());
   app.add_flag("--check", c.check, "also train on one rank and compare the curves\n(exit 1 when they part)");
   return cli::parse(app, argc, argv, [&c] {
     if (c.stages_per_rank == 0) c.stages_per_rank = c.schedule == "interleaved" ? 2 : 1;
@@ -161,6 +174,17 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
     if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
                              std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
+    }
+    if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty() || c.precision != "fp32")) {
+      throw cli::usage_error("--experts does not combine with --sp, --fsdp, --save, --resume or --precision yet");
+    }
+    if (c.ep > 1 && (c.experts == 0 || c.dp % c.ep != 0 || c.experts % c.ep != 0)) {
+      throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +
+                             std::to_string(c.dp));
+    }
+    if (c.experts > 0 && c.topk > c.experts) {
+      throw cli::usage_error("--topk " + std::to_string(c.topk) + " is more than the " + std::to_string(c.experts) +
+                             " experts");
     }
     if (c.save_every > 0 && c.save.empty()) {
       throw cli::usage_error("--save-every needs --save DIR and a positive number of steps");
@@ -184,6 +208,7 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   c.stages_per_rank = 1;
   c.fsdp = c.precision == "fp16";  // the same precision; float16 trains only under fsdp
   auto config = model_config;
+  config.ep_group = commgrad::Group();  // every expert on this rank
   config.sequence_parallel = false;
   config.recompute = tp::RecomputeGranularity::kNone;  // the plain curve
   gpt::Trainer trainer(trainer_options(c), config, gpt::Layout{alone, alone, alone, alone});
@@ -209,6 +234,8 @@ int main(int argc, char** argv) {
     const auto corpus =
         c.text.empty() ? gpt::Corpus::synthetic(model_config.vocab) : gpt::Corpus::from_file(c.text, model_config.sequence);
     model_config.vocab = corpus.vocab();
+    model_config.experts = c.experts;
+    model_config.topk = c.topk;
     model_config.sequence_parallel = c.sp;
     model_config.recompute = c.recompute == "full"        ? tp::RecomputeGranularity::kFull
                              : c.recompute == "selective" ? tp::RecomputeGranularity::kSelective
@@ -222,13 +249,17 @@ int main(int argc, char** argv) {
       if (c.stages_per_rank > 1) std::printf(" (%d stages per rank)", c.stages_per_rank);
       std::printf(", %d microbatches", c.microbatches);
       if (c.recompute != "none") std::printf(", recompute %s", c.recompute.c_str());
+      if (c.experts > 0) std::printf(", %d experts (top-%d) over EP=%d", c.experts, c.topk, c.ep);
       std::printf("; data %s\n", corpus.describe().c_str());
       std::fflush(stdout);
     }
-    const auto state = commgrad::make_model_parallel(c.tp, c.pp, commgrad::world());
+    const auto state = commgrad::make_model_parallel(
+        commgrad::ModelParallelOptions(c.tp, c.pp).expert_parallel_size(c.ep), commgrad::world());
+    model_config.ep_group = state.expert_parallel_group();
     gpt::Trainer trainer(trainer_options(c), model_config,
                          gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
-                                     state.data_parallel_group(), state.embedding_group()});
+                                     state.data_parallel_group(), state.embedding_group(),
+                                     state.expert_data_parallel_group()});
     int start = 0;  // steps done before this run
     if (!c.resume.empty()) {
       const auto [step, saved_layout] = trainer.load(c.resume);

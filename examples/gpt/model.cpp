@@ -6,6 +6,23 @@ namespace gpt {
 
 namespace tp = commgrad::tp;
 
+namespace {
+
+// The MoE feed-forward block of a layer (seeded as the layer's MLP would be).
+std::function<torch::nn::AnyModule(const tp::ParallelTransformerLayerOptions&)> moe_block(const GptConfig& config) {
+  if (config.sequence_parallel) throw std::invalid_argument("experts do not combine with sequence parallelism yet");
+  return [config](const tp::ParallelTransformerLayerOptions& o) {
+    namespace moe = commgrad::moe;
+    const commgrad::Group ep = config.ep_group.defined() ? config.ep_group : commgrad::self_group();
+    return torch::nn::AnyModule(
+        moe::MoELayer(moe::MoELayerOptions(o.hidden_size(), o.ffn_hidden_size(), config.experts, config.topk, ep)
+                          .routing(moe::RoutingOptions().aux_loss_coeff(config.aux_loss_coeff).aux_loss_per_sequence(true))
+                          .seed(*o.seed() + 2)));
+  };
+}
+
+}  // namespace
+
 GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int stages_per_rank,
                          const commgrad::Group& tp_group)
     : config_(config), tp_group_(tp_group), pp_size_(pp_size), stage_count_(pp_size * stages_per_rank) {
@@ -44,13 +61,12 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
   layers_.resize(config.layers, tp::ParallelTransformerLayer{nullptr});
   for (const auto& s : stages_) {
     for (int64_t l = s.first_layer; l < s.end_layer; ++l) {
-      layers_[l] = register_module(
-          "layer" + std::to_string(l),
-          tp::ParallelTransformerLayer(tp::ParallelTransformerLayerOptions(config.hidden, config.heads, config.ffn,
-                                                                           tp_group)
-                                           .sequence_parallel(config.sequence_parallel)
-                                           .recompute(config.recompute)
-                                           .seed(100 + l)));
+      auto options = tp::ParallelTransformerLayerOptions(config.hidden, config.heads, config.ffn, tp_group)
+                         .sequence_parallel(config.sequence_parallel)
+                         .recompute(config.recompute)
+                         .seed(100 + l);
+      if (config.experts > 0 && l % config.moe_every == config.moe_every - 1) options.feed_forward(moe_block(config));
+      layers_[l] = register_module("layer" + std::to_string(l), tp::ParallelTransformerLayer(options));
     }
   }
   if (last) {

@@ -45,6 +45,14 @@ struct GptConfig {
   commgrad::tp::RecomputeGranularity recompute = commgrad::tp::RecomputeGranularity::kNone;
   /// The output layer's weight is the embedding's (false: a weight of its own).
   bool tie = true;
+  /// Mixture of experts (commgrad::moe): 0, a dense FFN in every layer; E,
+  /// every `moe_every`-th layer's FFN is a MoELayer of E experts of width ffn
+  /// (top-k routing, per-sequence load-balancing loss), split over `ep_group`.
+  int64_t experts = 0;
+  int64_t topk = 2;
+  int moe_every = 1;
+  double aux_loss_coeff = 1e-2;
+  commgrad::Group ep_group;  // undefined: this rank holds every expert
 };
 
 /// The layers of the stages one rank holds (see the file comment).

@@ -12,6 +12,7 @@ Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, c
       layout_(layout),
       model_(model_config, layout.pp.rank(), layout.pp.size(), options.stages_per_rank, layout.tp) {
   make_optimizer();
+  commgrad::moe::set_aux_loss_scale(*model_, 1.0 / options.microbatches);  // the pipeline averages microbatches
   std::vector<commgrad::pp::StageFunction> stages;
   for (int v = 0; v < options.stages_per_rank; ++v) {
     stages.push_back([model = model_, v](const torch::Tensor& x) mutable { return model->forward_stage(v, x); });
@@ -26,7 +27,7 @@ Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, c
           .schedule(layout.pp.size() == 1 && options.schedule == "interleaved" ? "1f1b" : options.schedule)
           .stages_per_rank(options.stages_per_rank)
           .group(layout.pp)
-          .no_sync({options.fsdp ? commgrad::pp::no_sync_of(sharded_) : commgrad::pp::no_sync_of(*zero_)}));
+          .no_sync(no_sync_functions()));
 }
 
 namespace {
@@ -43,6 +44,9 @@ c10::optional<at::ScalarType> compute_dtype(const std::string& precision) {
 void Trainer::make_optimizer() {
   const auto adamw = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
   const auto dtype = compute_dtype(options_.precision);
+  if (options_.fsdp && model_->config().experts > 0) {
+    throw std::invalid_argument("experts do not combine with fsdp yet (ZeRO-2 only)");
+  }
   if (options_.fsdp) {
     const auto policy = commgrad::dp::MixedPrecisionPolicy().param_dtype(dtype).reduce_dtype(
         dtype ? c10::optional<at::ScalarType>(at::kFloat) : c10::nullopt);
@@ -57,12 +61,23 @@ void Trainer::make_optimizer() {
   }
   if (options_.precision == "fp16") throw std::invalid_argument("precision fp16 needs fsdp (the loss scaler)");
   if (dtype) model_->to(*dtype);  // ZeroOptimizer keeps float32 masters
+  auto make_adamw = [adamw](std::vector<torch::Tensor> shards) {
+    return std::make_unique<torch::optim::AdamW>(shards, adamw);
+  };
+  const bool experts = model_->config().experts > 0;
+  auto ddp = commgrad::dp::DistributedDataParallelOptions(layout_.dp);
+  if (experts) {
+    const auto& edp = layout_.expert_dp.defined() ? layout_.expert_dp : layout_.dp;
+    expert_zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
+        model_, make_adamw,
+        commgrad::optim::ZeroOptimizerOptions(commgrad::moe::expert_ddp_options(*model_, layout_.dp, edp)).stage(2));
+    ddp = commgrad::moe::dense_ddp_options(*model_, layout_.dp, ddp);
+  }
   zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
-      model_,
-      [adamw](std::vector<torch::Tensor> shards) { return std::make_unique<torch::optim::AdamW>(shards, adamw); },
-      commgrad::optim::ZeroOptimizerOptions(commgrad::dp::DistributedDataParallelOptions(layout_.dp))
+      model_, make_adamw,
+      commgrad::optim::ZeroOptimizerOptions(ddp)
           .stage(2)
-          .max_grad_norm(1.0)
+          .max_grad_norm(experts ? 0.0 : 1.0)
           .tensor_parallel_group(layout_.tp)
           .pipeline_parallel_group(layout_.pp)
           .tied_parameters(model_->tied_parameters())
@@ -79,13 +94,25 @@ double Trainer::step(const Corpus& corpus, int k) {
     step_sharded();
   } else {
     zero_->zero_grad();
+    if (expert_zero_) expert_zero_->zero_grad();
     last_ = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
     zero_->step();
+    if (expert_zero_) expert_zero_->step();
   }
   return commgrad::ops::raw::all_reduce(torch::full({1}, last_.loss, torch::kDouble),
                                         commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg), layout_.dp)
       .wait()
       .item<double>();
+}
+
+std::vector<commgrad::pp::NoSyncFunction> Trainer::no_sync_functions() {
+  if (options_.fsdp) return {commgrad::pp::no_sync_of(sharded_)};
+  if (!expert_zero_) return {commgrad::pp::no_sync_of(*zero_)};
+  // One function per stage: both optimizers' guards held together.
+  auto dense = commgrad::pp::no_sync_of(*zero_), experts = commgrad::pp::no_sync_of(*expert_zero_);
+  return {[dense, experts]() -> std::shared_ptr<void> {
+    return std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(dense(), experts());
+  }};
 }
 
 // Clips and steps this rank's pieces (unscaled first and skipped on every
@@ -112,6 +139,7 @@ void Trainer::step_sharded() {
 
 // FSDP and ZeRO-2 write the same format: a checkpoint of either loads into either.
 void Trainer::save(const std::string& root, int step, const std::string& layout) {
+  if (expert_zero_) throw std::invalid_argument("checkpoints of a model with experts are not supported yet");
   auto pieces = options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_);
   auto optim = options_.fsdp ? checkpoint::fsdp_optimizer_pieces(sharded_, *optimizer_)
                              : checkpoint::optimizer_pieces(*zero_);
@@ -123,6 +151,7 @@ void Trainer::save(const std::string& root, int step, const std::string& layout)
 }
 
 std::pair<int, std::string> Trainer::load(const std::string& root) {
+  if (expert_zero_) throw std::invalid_argument("checkpoints of a model with experts are not supported yet");
   auto model = options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_);
   auto optim = options_.fsdp ? checkpoint::fsdp_optimizer_load_pieces(sharded_, *optimizer_)
                              : checkpoint::optimizer_load_pieces(*zero_);

@@ -7,7 +7,11 @@
 // gradient-norm clipping at 1.0 over every stage and TP rank, the tied
 // embedding summed over the embedding group) over the DP group, or, with
 // `fsdp`, the model sharded by commgrad::fsdp (one unit per layer) and the
-// same AdamW over this rank's pieces, clipped the same way. Precision bf16
+// same AdamW over this rank's pieces, clipped the same way. With experts
+// (GptConfig::experts) a second ZeroOptimizer over the expert-data group
+// steps the experts (commgrad::moe::expert_ddp_options: summed, divided by
+// the DP size) and nothing is clipped: the two optimizers do not share a
+// global norm yet. Precision bf16
 // computes in bfloat16 (FSDP: float32 shards, float32 gradient reductions;
 // ZeRO-2: bfloat16 parameters with float32 masters); fp16 computes in float16
 // under FSDP with optim::DynamicLossScaler (initial scale 2^16; the inf/NaN
@@ -30,6 +34,8 @@ namespace gpt {
 /// The groups of a layout (commgrad::ParallelState's, or one rank's own group for all).
 struct Layout {
   commgrad::Group tp, pp, dp, embedding;
+  /// With experts: the expert-data-parallel group (undefined: dp).
+  commgrad::Group expert_dp;
 };
 
 /// How the rank trains: the global batch and the pipeline's schedule.
@@ -70,10 +76,12 @@ class Trainer {
   GptRank model_;
   void make_optimizer();
   std::unique_ptr<commgrad::optim::ZeroOptimizer> zero_;
+  std::unique_ptr<commgrad::optim::ZeroOptimizer> expert_zero_;  // with experts: their parameters
   commgrad::fsdp::FullyShardedModule sharded_;                 // with fsdp
   std::unique_ptr<torch::optim::Optimizer> optimizer_;          // with fsdp
   std::unique_ptr<commgrad::optim::DynamicLossScaler> scaler_;  // with fp16
   void step_sharded();
+  std::vector<commgrad::pp::NoSyncFunction> no_sync_functions();
   std::unique_ptr<commgrad::pp::Pipeline> pipe_;
   commgrad::pp::PipelineStepResult last_;
 };

@@ -62,8 +62,11 @@ at::Tensor MoELayerImpl::forward(const at::Tensor& x) {
   const int64_t h = options.hidden_size();
   COMMGRAD_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == h, "moe::MoELayer", g, "expected input [..., hidden=",
                  h, "], got ", x.defined() ? tensor_name(x) : std::string("an undefined tensor"));
+  const bool per_sequence = options.routing().aux_loss_per_sequence();
+  COMMGRAD_CHECK(!per_sequence || x.dim() == 3, "moe::MoELayer", g,
+                 "aux_loss_per_sequence needs an input [seq, batch, hidden], got ", tensor_name(x));
   const at::Tensor tokens = x.reshape({-1, h});
-  RouterOutput r = router(tokens);
+  RouterOutput r = router(tokens, per_sequence ? x.size(1) : 1);
   at::Tensor keep;
   if (options.capacity_factor() > 0) {
     const int64_t capacity =

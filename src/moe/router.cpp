@@ -44,7 +44,28 @@ at::ScalarType score_dtype(const at::Tensor& logits) {
   return at::promote_types(logits.scalar_type(), at::kFloat);
 }
 
+// The switch loss of each of b sequences (token t = i * b + j belongs to
+// sequence j, as in an [s, b, h] input), averaged over the sequences.
+at::Tensor sequence_load_balancing_loss(const at::Tensor& scores, const at::Tensor& experts, int64_t sequences,
+                                        int64_t num_experts, int64_t top_k, double coeff) {
+  const int64_t tokens = scores.size(0);
+  if (tokens == 0) return scores.sum() * 0.0;
+  const int64_t length = tokens / sequences;
+  const at::Tensor seq = at::arange(tokens, experts.options()).remainder(sequences).unsqueeze(1);
+  const at::Tensor counts =
+      at::bincount((seq * num_experts + experts).reshape(-1), {}, sequences * num_experts).view({sequences, num_experts});
+  const at::Tensor f = counts.to(scores.scalar_type()) / static_cast<double>(length * top_k);
+  const at::Tensor p = scores.view({length, sequences, num_experts}).mean(0);
+  return (f * p).sum(1).mean() * (coeff * static_cast<double>(num_experts));
+}
+
 }  // namespace
+
+void set_aux_loss_scale(torch::nn::Module& module, double scale) {
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (auto* router = dynamic_cast<TopKRouterImpl*>(m.get())) router->loss_scale = scale;
+  }
+}
 
 at::Tensor attach_loss(const at::Tensor& x, const at::Tensor& loss, double scale) {
   TORCH_CHECK(loss.dim() == 0, "[commgrad] moe::attach_loss: expected a scalar loss, got ", tensor_name(loss));
@@ -88,13 +109,15 @@ void TopKRouterImpl::pretty_print(std::ostream& stream) const {
   stream << ")";
 }
 
-RouterOutput TopKRouterImpl::forward(const at::Tensor& x) {
+RouterOutput TopKRouterImpl::forward(const at::Tensor& x, int64_t sequences) {
   const Group& g = options.routing().batch_group();
   COMMGRAD_CHECK(x.defined() && x.dim() == 2 && x.size(1) == options.hidden_size(), "moe::TopKRouter", g,
                  "expected input [tokens, hidden=", options.hidden_size(), "], got ",
                  x.defined() ? tensor_name(x) : std::string("an undefined tensor"));
   const int64_t k = options.top_k();
   const RoutingOptions& routing = options.routing();
+  COMMGRAD_CHECK(sequences >= 1 && x.size(0) % sequences == 0, "moe::TopKRouter", g, "the ", x.size(0),
+                 " tokens do not split into ", sequences, " sequences");
   RouterOutput out;
   out.logits = at::linear(x, weight.to(x.scalar_type()));
   const at::Tensor logits = out.logits.to(score_dtype(out.logits));
@@ -107,7 +130,12 @@ RouterOutput TopKRouterImpl::forward(const at::Tensor& x) {
   out.aux_loss = zero;
   out.z_loss = zero;
   at::Tensor injected;
-  if (routing.aux_loss_coeff() > 0) {
+  if (routing.aux_loss_coeff() > 0 && routing.aux_loss_per_sequence()) {
+    const at::Tensor aux = sequence_load_balancing_loss(scores, experts, sequences, options.num_experts(), k,
+                                                        routing.aux_loss_coeff());
+    out.aux_loss = aux.detach();
+    injected = aux;
+  } else if (routing.aux_loss_coeff() > 0) {
     at::Tensor counts = at::cat({at::bincount(experts.reshape(-1), {}, options.num_experts()),
                                  at::full({1}, x.size(0), at::kLong)});
     if (g.size() > 1) counts = ops::raw::all_reduce(counts, {}, g).wait();

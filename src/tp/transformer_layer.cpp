@@ -71,9 +71,14 @@ void ParallelTransformerLayerImpl::reset() {
                                                                                      RecomputeGranularity::kSelective)
                                                                      .seed(seed)));
   ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
-  mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(h, options.ffn_hidden_size(), g)
-                                               .sequence_parallel(options.sequence_parallel())
-                                               .seed(seed + 2)));
+  if (options.feed_forward()) {
+    feed_forward = options.feed_forward()(options);
+    register_module("mlp", feed_forward.ptr());
+  } else {
+    mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(h, options.ffn_hidden_size(), g)
+                                                 .sequence_parallel(options.sequence_parallel())
+                                                 .seed(seed + 2)));
+  }
   const ShardSpec spec = options.sequence_parallel() ? ShardSpec::sequence_parallel() : ShardSpec::replicated();
   for (const char* name : {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias"}) set_shard_spec(name, spec, g);
 }
@@ -112,7 +117,8 @@ at::Tensor ParallelTransformerLayerImpl::forward_layer(const at::Tensor& input) 
   auto drop = [&](const at::Tensor& x) { return tp::dropout(x, options.hidden_dropout(), is_training(), tracker); };
 
   const at::Tensor residual = input + drop(attention(ln1(input)));
-  return residual + drop(mlp(ln2(residual)));
+  const at::Tensor normed = ln2(residual);
+  return residual + drop(mlp ? mlp(normed) : feed_forward.forward<at::Tensor>(normed));
 }
 
 }  // namespace commgrad::tp

@@ -261,6 +261,31 @@ TEST(MoELayerTest, AuxLossReachesTheRouterWithoutChangingTheOutput) {
   EXPECT_GT(balanced->last_routing().aux_loss.item<double>(), 0.0);
 }
 
+// The per-sequence balancing loss is linear in the sequences: the batch in
+// two halves (each its mean, each half's losses scaled by 1/2, as two
+// microbatches or two data-parallel ranks are) gives the whole batch's gradients.
+TEST(MoELayerTest, PerSequenceAuxLossDoesNotDependOnHowSequencesAreGrouped) {
+  auto make = [] {
+    MoELayer layer(MoELayerOptions(kHidden, kFfn, kExperts, kTopK, self_group())
+                       .routing(RoutingOptions().aux_loss_coeff(0.1).aux_loss_per_sequence(true))
+                       .seed(3));
+    layer->to(at::kDouble);
+    return layer;
+  };
+  const auto x = randn({5, 4, kHidden}, 5, at::kDouble);  // [s, b, h]
+  const auto g = randn({5, 4, kHidden}, 6, at::kDouble);
+  MoELayer whole = make(), halves = make();
+  ((whole(x) * g).sum() / 20.0).backward();
+  set_aux_loss_scale(*halves, 0.5);
+  for (int half = 0; half < 2; ++half) {
+    const auto part = x.narrow(1, 2 * half, 2);
+    ((halves(part) * g.narrow(1, 2 * half, 2)).sum() / 10.0 * 0.5).backward();
+  }
+  for (const auto& p : whole->named_parameters()) {
+    expect_close(halves->named_parameters()[p.key()].grad(), p.value().grad(), 1e-12, p.key());
+  }
+}
+
 TEST(MoELayerTest, BadConfigurationsNameTheLayerAndTheSizes) {
   spawn_ranks(2, [](Group& world) {
     auto message = [&](const std::function<void()>& f) {

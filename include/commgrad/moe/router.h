@@ -56,6 +56,12 @@ struct RoutingOptions {
   /// over (the data x context group for the whole batch). Undefined: the
   /// layer's expert-parallel group (the router's own group when alone).
   TORCH_ARG(Group, batch_group);
+  /// The input is [s, b, h] and the balancing loss is taken per sequence
+  /// (f and P over each sequence's s tokens, then the mean over the b
+  /// sequences; Megatron's seq_aux_loss). No communication, and the loss no
+  /// longer depends on how sequences are grouped into microbatches and data-
+  /// parallel ranks: a model trains the same at every layout (the GPT does).
+  TORCH_ARG(bool, aux_loss_per_sequence) = false;
 };
 
 /// Options of TopKRouter.
@@ -98,9 +104,11 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
   /// "commgrad::moe::TopKRouter(hidden=64, experts=4, top_k=2, aux_loss_coeff=0.01)".
   void pretty_print(std::ostream& stream) const override;
 
-  /// x: [T, hidden] (T may be 0). Collective over routing().batch_group()
-  /// when aux_loss_coeff > 0.
-  RouterOutput forward(const at::Tensor& x);
+  /// x: [T, hidden] (T may be 0); with aux_loss_per_sequence, T = s * b
+  /// tokens of `sequences` = b sequences, token i * b + j of sequence j.
+  /// Collective over routing().batch_group() when aux_loss_coeff > 0 (and
+  /// not per sequence).
+  RouterOutput forward(const at::Tensor& x, int64_t sequences = 1);
 
   /// The gradient the injected losses receive in backward (1 by default;
   /// 1/M when the caller's backward averages M microbatches, as
@@ -113,7 +121,11 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
 };
 TORCH_MODULE(TopKRouter);
 
-/// Returns x (a new tensor sharing its values); in backward x's gradient
+/// Sets TopKRouterImpl::loss_scale of every router inside `module` (1/M
+/// when the caller's backward averages M microbatches).
+void set_aux_loss_scale(torch::nn::Module& module, double scale);
+
+/// Returns a copy of x; in backward x's gradient
 /// passes through and `loss` (a scalar) receives the gradient `scale`.
 /// So loss joins the objective without being added to it in forward.
 ///

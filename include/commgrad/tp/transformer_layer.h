@@ -28,10 +28,12 @@
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 
 namespace commgrad::tp {
@@ -72,6 +74,10 @@ struct ParallelTransformerLayerOptions {
   /// default CPU generator, the same on every rank of the group, as
   /// ColumnParallelLinearOptions::seed() describes; options.seed() then holds it.
   TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
+  /// Builds the feed-forward block in place of ParallelMLP (e.g. a
+  /// moe::MoELayer), from these options with the group and seed resolved:
+  /// [s, b, h] in and out, registered as "mlp". Null (the default): ParallelMLP.
+  TORCH_ARG(std::function<torch::nn::AnyModule(const ParallelTransformerLayerOptions&)>, feed_forward) = nullptr;
 };
 
 /// Pre-LayerNorm transformer layer over the TP group: ln1, ParallelSelfAttention,
@@ -109,6 +115,8 @@ class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransfo
   ParallelSelfAttention attention{nullptr};
   torch::nn::LayerNorm ln2{nullptr};
   ParallelMLP mlp{nullptr};
+  /// The block options.feed_forward() built (then mlp is null).
+  torch::nn::AnyModule feed_forward;
 
  private:
   at::Tensor forward_layer(const at::Tensor& input);
