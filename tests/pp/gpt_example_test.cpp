@@ -207,6 +207,31 @@ TEST(GptTrainExample, TrainsOnTheBytesOfATextFile) {
   EXPECT_THAT(r.err, HasSubstr("missing.txt: cannot be read"));
 }
 
+// Every layer's FFN a mixture of 4 experts (top-2), split over --ep ranks of
+// the data-parallel group (with TP and PP around it), follows the one-rank
+// model holding every expert. (The curve is AdamW's, which a constant factor
+// on a gradient hardly moves: the factor-of-N bugs are caught by moe_test
+// with SGD.)
+TEST(GptTrainExample, ExpertParallelFollowsTheOneRankCurve) {
+  const std::vector<std::pair<int, std::vector<std::string>>> layouts{
+      {2, {"--dp", "2", "--ep", "2"}},
+      {4, {"--tp", "2", "--dp", "2", "--ep", "2"}},
+      {4, {"--pp", "2", "--dp", "2", "--ep", "2"}},
+  };
+  for (const auto& [ranks, layout] : layouts) {
+    std::vector<std::string> args{"--experts", "4", "--topk", "2", "--check", "--steps", "3", "--curve", "none"};
+    args.insert(args.end(), layout.begin(), layout.end());
+    auto r = gpt_train(ranks, args);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_THAT(r.out, HasSubstr("4 experts (top-2) over EP=2"));
+    EXPECT_THAT(r.out, HasSubstr("(one rank 4.79110"));
+    EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-05): ok\n"));
+  }
+  auto r = gpt_train(2, {"--dp", "2", "--ep", "2"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--ep 2 needs --experts divisible by it"));
+}
+
 TEST(GptTrainExample, LayoutsThatDoNotFitAreErrors) {
   const std::vector<std::pair<std::pair<int, std::vector<std::string>>, std::string>> cases{
       {{3, {"--pp", "3"}}, "gpt_train: 4 layers do not split into 3 stages"},
