@@ -81,23 +81,27 @@ void expect_close(const at::Tensor& got, const at::Tensor& expected, const std::
   EXPECT_LE(err, 1e-12 * expected.abs().max().item<double>()) << what << ": max abs error " << err;
 }
 
-ParallelState layout(Group& world) {
-  return make_model_parallel(ModelParallelOptions(1, 1).expert_parallel_size(2), world);
+ParallelState layout(Group& world, int tp = 1) {
+  return make_model_parallel(ModelParallelOptions(tp, 1).expert_parallel_size(2), world);
 }
 
-TEST(ExpertDataParallelTest, DdpGradientsAndNormEqualOneRankAtEp2Dp2) {
+// DDP over both groups at TP = tp x DP = 4 / ... x EP = 2: the TP ranks of a
+// data rank hold the same tokens and replicate the whole model (nothing is
+// split over TP here): no gradient may carry a factor of tp either.
+void expect_ddp_equals_one_rank(int tp) {
   const Batch b;
   const Net ref = reference_gradients(b);
   double ref_norm_sq = 0;
   for (const auto& p : ref->parameters()) ref_norm_sq += p.grad().pow(2).sum().item<double>();
-  spawn_ranks(kRanks, [&](Group& world) {
-    const ParallelState s = layout(world);
+  spawn_ranks(kRanks * tp, [&](Group& world) {
+    const ParallelState s = layout(world, tp);
+    ASSERT_EQ(s.data_context_parallel_group().size(), kRanks);
     Net net(s.expert_parallel_group(), s.data_context_parallel_group());
     EXPECT_EQ(expert_parameter_names(*net).size(), 8U);  // 2 local experts x fc1, fc2 x weight, bias
     dp::DistributedDataParallel dense(net, dense_ddp_options(*net, s.data_context_parallel_group()));
     dp::DistributedDataParallel experts(
         net, expert_ddp_options(*net, s.data_context_parallel_group(), s.expert_data_parallel_group()));
-    local_backward(net, b, world.rank());
+    local_backward(net, b, s.data_context_parallel_group().rank());
     const auto ref_params = ref->named_parameters();
     for (const auto& p : net->named_parameters()) {
       expect_close(p.value().grad(), ref_params[p.key()].grad(), "gradient of " + p.key());
@@ -106,6 +110,9 @@ TEST(ExpertDataParallelTest, DdpGradientsAndNormEqualOneRankAtEp2Dp2) {
     EXPECT_NEAR(norm, std::sqrt(ref_norm_sq), 1e-12 * norm);
   });
 }
+
+TEST(ExpertDataParallelTest, DdpGradientsAndNormEqualOneRankAtEp2Dp2) { expect_ddp_equals_one_rank(1); }
+TEST(ExpertDataParallelTest, DdpGradientsAndNormEqualOneRankAtTp2Ep2Dp2) { expect_ddp_equals_one_rank(2); }
 
 TEST(ExpertDataParallelTest, ZeroStepEqualsOneRankSgdAtEp2Dp2) {
   const Batch b;
@@ -123,7 +130,7 @@ TEST(ExpertDataParallelTest, ZeroStepEqualsOneRankSgdAtEp2Dp2) {
                                  optim::ZeroOptimizerOptions(expert_ddp_options(*net, s.data_context_parallel_group(),
                                                                                 s.expert_data_parallel_group()))
                                      .stage(2));
-    local_backward(net, b, world.rank());
+    local_backward(net, b, s.data_context_parallel_group().rank());
     dense.step();
     experts.step();
     const auto ref_params = ref->named_parameters();
