@@ -49,7 +49,12 @@ struct ExpertsOptions {
   TORCH_ARG(uint64_t, seed) = 0;
 };
 
-/// One expert: fc2(gelu(fc1(x))), exact (erf) GELU.
+/// One expert: fc2(gelu(fc1(x))), exact (erf) GELU; fc1 from
+/// init_linear(h, ffn, bias, seed), fc2 from init_linear(ffn, h, bias, seed + 1).
+///
+/// Example:
+///   moe::ExpertMLP expert(64, 128, true, 7);
+///   auto y = expert(x);   // [n, 64] -> [n, 64]
 class ExpertMLPImpl : public torch::nn::Cloneable<ExpertMLPImpl> {
  public:
   ExpertMLPImpl(int64_t hidden_size, int64_t ffn_hidden_size, bool bias, uint64_t seed);

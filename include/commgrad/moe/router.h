@@ -123,6 +123,9 @@ TORCH_MODULE(TopKRouter);
 
 /// Sets TopKRouterImpl::loss_scale of every router inside `module` (1/M
 /// when the caller's backward averages M microbatches).
+///
+/// Example:
+///   moe::set_aux_loss_scale(*model, 1.0 / microbatches);
 void set_aux_loss_scale(torch::nn::Module& module, double scale);
 
 /// Returns a copy of x; in backward x's gradient
@@ -136,6 +139,9 @@ at::Tensor attach_loss(const at::Tensor& x, const at::Tensor& loss, double scale
 /// The switch load-balancing loss of the file comment from explicit parts:
 /// scores [T, E] (softmax, differentiable), counts [E] (assignments over
 /// the batch), batch_tokens T_B. coeff * E * sum_i counts_i / (T_B k) * mean_t scores_ti.
+///
+/// Example:
+///   auto aux = moe::switch_load_balancing_loss(at::softmax(logits, -1), counts, 28, 2, 1e-2);
 at::Tensor switch_load_balancing_loss(const at::Tensor& scores, const at::Tensor& counts, int64_t batch_tokens,
                                       int64_t top_k, double coeff);
 

@@ -47,6 +47,9 @@ enum class DropPolicy {
 };
 
 /// "probability" or "position".
+///
+/// Example:
+///   std::cout << moe::drop_policy_name(moe::DropPolicy::kPosition);   // position
 const char* drop_policy_name(DropPolicy policy);
 
 /// The pairs [T, k] (bool) each expert keeps when it takes at most
@@ -61,6 +64,9 @@ at::Tensor capacity_mask(const at::Tensor& experts, const at::Tensor& probs, int
 
 /// ceil(capacity_factor * tokens * top_k / num_experts): pairs per expert
 /// and rank (Megatron's get_capacity).
+///
+/// Example:
+///   moe::expert_capacity(1.25, 512, 2, 8)   // 160
 int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t top_k, int64_t num_experts);
 
 /// What combine needs to know of a dispatch.
@@ -103,6 +109,10 @@ at::Tensor all_to_all_combine(const at::Tensor& expert_output, const at::Tensor&
 
 /// The all-gather form (see the file comment); same contract as
 /// all_to_all_dispatch. Every rank must have the same number of tokens.
+///
+/// Example:
+///   auto d = moe::all_gather_dispatch(x, r.experts, {}, 8, ep_group);
+///   auto out = moe::all_gather_combine(experts(d.tokens, d.plan.tokens_per_expert), r.probs, d.plan, ep_group);
 Dispatched all_gather_dispatch(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& keep,
                                int64_t num_experts, const Group& group);
 
