@@ -6,7 +6,7 @@
 //                               [--precision fp32|bf16|fp16]
 //                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
 //                               [--curve PREFIX|none] [--check] [--recompute none|selective|full]
-//                               [--experts E [--topk k] [--ep N]]
+//                               [--experts E [--topk k] [--ep N] [--moe-every 2]]
 //
 // (gpt_train --help lists every option with its default; a bad one ends the
 // program with a message naming it and exit code 2, before any rank starts.)
@@ -95,7 +95,7 @@ struct Config {
   std::string curve = "gpt_train_loss";
   bool check = false;
   std::string recompute = "none";
-  int experts = 0, topk = 2, ep = 1;
+  int experts = 0, topk = 2, ep = 1, moe_every = 1;
 
   std::string layout() const {
     return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp) +
@@ -154,6 +154,8 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--experts", c.experts, "mixture of experts: every layer's FFN a MoE block of\nthis many experts (0: dense)")
       ->check(cli::non_negative());
   app.add_option("--topk", c.topk, "experts per token (with --experts)")->check(cli::positive());
+  app.add_option("--moe-every", c.moe_every, "with --experts: every layer (1) or every other (2) MoE")
+      ->check(cli::positive());
   app.add_option("--ep", c.ep, "expert-parallel ranks (split the experts; divides --dp)")->check(cli::positive());
   app.add_flag("--check", c.check, "also train on one rank and compare the curves\n(exit 1 when they part)");
   return cli::parse(app, argc, argv, [&c] {
@@ -175,8 +177,8 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
                              std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
     }
-    if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty() || c.precision != "fp32")) {
-      throw cli::usage_error("--experts does not combine with --sp, --fsdp, --save, --resume or --precision yet");
+    if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty())) {
+      throw cli::usage_error("--experts does not combine with --sp, --fsdp, --save or --resume yet");
     }
     if (c.ep > 1 && (c.experts == 0 || c.dp % c.ep != 0 || c.experts % c.ep != 0)) {
       throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +
@@ -236,6 +238,7 @@ int main(int argc, char** argv) {
     model_config.vocab = corpus.vocab();
     model_config.experts = c.experts;
     model_config.topk = c.topk;
+    model_config.moe_every = c.moe_every;
     model_config.sequence_parallel = c.sp;
     model_config.recompute = c.recompute == "full"        ? tp::RecomputeGranularity::kFull
                              : c.recompute == "selective" ? tp::RecomputeGranularity::kSelective

@@ -40,9 +40,7 @@ class AttachLoss : public torch::autograd::Function<AttachLoss> {
   }
 };
 
-at::ScalarType score_dtype(const at::Tensor& logits) {
-  return at::promote_types(logits.scalar_type(), at::kFloat);
-}
+at::ScalarType score_dtype(const at::Tensor& x) { return at::promote_types(x.scalar_type(), at::kFloat); }
 
 // The switch loss of each of b sequences (token t = i * b + j belongs to
 // sequence j, as in an [s, b, h] input), averaged over the sequences.
@@ -119,8 +117,11 @@ RouterOutput TopKRouterImpl::forward(const at::Tensor& x, int64_t sequences) {
   COMMGRAD_CHECK(sequences >= 1 && x.size(0) % sequences == 0, "moe::TopKRouter", g, "the ", x.size(0),
                  " tokens do not split into ", sequences, " sequences");
   RouterOutput out;
-  out.logits = at::linear(x, weight.to(x.scalar_type()));
-  const at::Tensor logits = out.logits.to(score_dtype(out.logits));
+  // The gating linear in at least float32 (Megatron's moe_router_dtype): with
+  // 16-bit activations, logits rounded to 16 bits tie and flip top-k choices.
+  const at::ScalarType dtype = score_dtype(x);
+  const at::Tensor logits = at::linear(x.to(dtype), weight.to(dtype));
+  out.logits = logits;
   const at::Tensor scores = at::softmax(logits, -1);
   auto [top, experts] = at::topk(scores, k, -1, /*largest=*/true, /*sorted=*/true);
   if (routing.normalize_top_k()) top = top / top.sum(-1, /*keepdim=*/true);

@@ -1,7 +1,8 @@
 #pragma once
 // The top-k router of a mixture-of-experts layer (Switch / GShard / Mixtral):
-// a gating linear h -> E without bias, softmax over the E scores (in at least
-// float32), the k largest per token, optionally renormalised to sum to 1.
+// a gating linear h -> E without bias and a softmax over the E scores, both in
+// at least float32 (16-bit logits tie and flip choices), the k largest per
+// token, optionally renormalised to sum to 1.
 //
 // Load balancing (Switch Transformer, Fedus et al. 2021, eq. 4), with the
 // normalisation stated:
@@ -84,7 +85,7 @@ struct TopKRouterOptions {
 
 /// What the router decided for this rank's tokens.
 struct RouterOutput {
-  at::Tensor logits;   ///< [T, E], the gating linear's output (input dtype)
+  at::Tensor logits;   ///< [T, E], the gating linear's output (at least float32)
   at::Tensor probs;    ///< [T, k], combine weights (input dtype), carrying the injected losses
   at::Tensor experts;  ///< [T, k] int64, the chosen experts, by decreasing probability
   at::Tensor aux_loss; ///< this rank's load-balancing loss (detached; 0 when off)
