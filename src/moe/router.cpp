@@ -96,6 +96,27 @@ void TopKRouterImpl::reset() {
                  options.routing().z_loss_coeff());
   options.seed(tp::resolve_seed(options.seed(), g));
   weight = register_parameter("weight", tp::init_linear(options.hidden_size(), e, false, *options.seed()).weight);
+  COMMGRAD_CHECK(options.routing().expert_bias_rate() >= 0, op, g, "expert_bias_rate must be >= 0, got ",
+                 options.routing().expert_bias_rate());
+  if (options.routing().expert_bias_rate() > 0) expert_bias = register_buffer("expert_bias", at::zeros({e}));
+  load_ = at::zeros({e}, at::kLong);
+}
+
+void TopKRouterImpl::update_expert_bias() {
+  const double rate = options.routing().expert_bias_rate();
+  if (rate <= 0) return;
+  const Group& g = options.routing().batch_group();
+  at::Tensor load = g.size() > 1 ? ops::raw::all_reduce(load_, {}, g).wait() : load_.clone();
+  const at::Tensor f = load.to(at::kDouble);
+  at::NoGradGuard no_grad;
+  expert_bias.add_((f.mean() - f).sign().to(expert_bias.scalar_type()) * rate);
+  load_.zero_();
+}
+
+void update_expert_bias(torch::nn::Module& module) {
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (auto* router = dynamic_cast<TopKRouterImpl*>(m.get())) router->update_expert_bias();
+  }
 }
 
 void TopKRouterImpl::pretty_print(std::ostream& stream) const {
@@ -104,7 +125,19 @@ void TopKRouterImpl::pretty_print(std::ostream& stream) const {
   if (options.routing().normalize_top_k()) stream << ", normalize_top_k=true";
   if (options.routing().aux_loss_coeff() > 0) stream << ", aux_loss_coeff=" << options.routing().aux_loss_coeff();
   if (options.routing().z_loss_coeff() > 0) stream << ", z_loss_coeff=" << options.routing().z_loss_coeff();
+  if (options.routing().expert_bias_rate() > 0) stream << ", expert_bias_rate=" << options.routing().expert_bias_rate();
   stream << ")";
+}
+
+// The k best experts of each token by score (+ bias) and their scores.
+std::tuple<at::Tensor, at::Tensor> TopKRouterImpl::choose(const at::Tensor& scores, int64_t k) {
+  if (!expert_bias.defined()) return at::topk(scores, k, -1, /*largest=*/true, /*sorted=*/true);
+  const at::Tensor experts = std::get<1>(at::topk(scores.detach() + expert_bias.to(scores.scalar_type()), k, -1));
+  {
+    at::NoGradGuard no_grad;
+    load_.add_(at::bincount(experts.reshape(-1), {}, options.num_experts()));
+  }
+  return {scores.gather(1, experts), experts};
 }
 
 RouterOutput TopKRouterImpl::forward(const at::Tensor& x, int64_t sequences) {
@@ -123,7 +156,7 @@ RouterOutput TopKRouterImpl::forward(const at::Tensor& x, int64_t sequences) {
   const at::Tensor logits = at::linear(x.to(dtype), weight.to(dtype));
   out.logits = logits;
   const at::Tensor scores = at::softmax(logits, -1);
-  auto [top, experts] = at::topk(scores, k, -1, /*largest=*/true, /*sorted=*/true);
+  auto [top, experts] = choose(scores, k);
   if (routing.normalize_top_k()) top = top / top.sum(-1, /*keepdim=*/true);
   out.experts = experts;
   at::Tensor probs = top;

@@ -59,6 +59,7 @@ struct Case {
   std::vector<int64_t> tokens;  // per rank; empty: kTokens each
   double capacity_factor = 0.0;
   DispatcherType dispatcher = DispatcherType::kAllToAll;
+  double bias_rate = 0.0;
   // Makes the batch route a particular way (rows of the router weight, the inputs).
   std::function<void(MoELayer&, at::Tensor&)> shape;
   // Checks that the case routed as it means to: the rows each local expert received, by rank.
@@ -68,7 +69,10 @@ struct Case {
 
 MoELayer make_layer(const Case& c, const Group& group, double aux) {
   MoELayer layer(MoELayerOptions(kHidden, kFfn, kExperts, c.top_k, group)
-                     .routing(RoutingOptions().aux_loss_coeff(aux).z_loss_coeff(aux > 0 ? 1e-3 : 0.0))
+                     .routing(RoutingOptions()
+                                  .aux_loss_coeff(aux)
+                                  .z_loss_coeff(aux > 0 ? 1e-3 : 0.0)
+                                  .expert_bias_rate(c.bias_rate))
                      .capacity_factor(c.capacity_factor)
                      .dispatcher(c.dispatcher)
                      .seed(17));
@@ -228,6 +232,37 @@ TEST(MoELayerTest, AllGatherDispatcherEqualsOneRank) {
   Case c{2, at::kDouble};
   c.dispatcher = DispatcherType::kAllGather;
   run(c);
+}
+
+// Aux-loss-free balancing: a bias that moves choices (not weights) routes
+// the same at EP = 2 as on one rank.
+TEST(MoELayerTest, ExpertBiasEqualsOneRankAtEp2) {
+  Case c{2, at::kDouble};
+  c.bias_rate = 0.01;
+  c.shape = [](MoELayer& layer, at::Tensor&) {
+    torch::NoGradGuard no_grad;
+    layer->router->expert_bias.copy_(torch::tensor({0.2, 0.0, -0.1, 0.3}));
+  };
+  run(c);
+}
+
+TEST(MoELayerTest, ExpertBiasChoosesButTheScoresWeigh) {
+  MoELayer layer(MoELayerOptions(kHidden, kFfn, kExperts, 1, self_group())
+                     .routing(RoutingOptions().expert_bias_rate(0.1))
+                     .seed(3));
+  {
+    torch::NoGradGuard no_grad;
+    layer->router->expert_bias.copy_(torch::tensor({0.0, 0.0, 0.0, 5.0}));
+  }
+  const auto x = randn({kTokens, kHidden}, 5, at::kFloat);
+  layer(x);
+  const auto& r = layer->last_routing();
+  EXPECT_TRUE(at::equal(r.experts, at::full({kTokens, 1}, 3, at::kLong)));
+  EXPECT_TRUE(at::allclose(r.probs, at::softmax(r.logits, -1).narrow(1, 3, 1)));
+  // Loads [0, 0, 0, 7]: the mean 1.75 is above experts 0-2 and below 3.
+  layer->router->update_expert_bias();
+  EXPECT_TRUE(at::allclose(layer->router->expert_bias, torch::tensor({0.1, 0.1, 0.1, 4.9})))
+      << layer->router->expert_bias;
 }
 
 TEST(MoELayerTest, CapacityMaskKeepsTheMostProbablePairs) {

@@ -38,6 +38,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
 namespace commgrad::moe {
 
@@ -63,6 +64,11 @@ struct RoutingOptions {
   /// longer depends on how sequences are grouped into microbatches and data-
   /// parallel ranks: a model trains the same at every layout (the GPT does).
   TORCH_ARG(bool, aux_loss_per_sequence) = false;
+  /// Aux-loss-free balancing (DeepSeek-V3): > 0 chooses experts by score +
+  /// expert_bias (a buffer: no gradient; the combine weights stay the
+  /// scores), and update_expert_bias() moves each bias by this rate toward
+  /// balance. 0: no bias.
+  TORCH_ARG(double, expert_bias_rate) = 0.0;
 };
 
 /// Options of TopKRouter.
@@ -116,9 +122,20 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
   /// pp::Pipeline does).
   double loss_scale = 1.0;
 
+  /// With expert_bias_rate > 0: b_i += rate * sign(mean load - load_i), the
+  /// loads counted since the last update over the batch group (collective
+  /// over it), so every rank's bias stays the same. Call it after each
+  /// optimizer step.
+  void update_expert_bias();
+
   /// The options, with the batch group and the seed resolved.
   TopKRouterOptions options;
-  at::Tensor weight;  ///< [E, hidden]
+  at::Tensor weight;       ///< [E, hidden]
+  at::Tensor expert_bias;  ///< [E] float32 buffer, with expert_bias_rate > 0
+
+ private:
+  std::tuple<at::Tensor, at::Tensor> choose(const at::Tensor& scores, int64_t k);
+  at::Tensor load_;  // pairs per expert since the last update_expert_bias()
 };
 TORCH_MODULE(TopKRouter);
 
@@ -128,6 +145,13 @@ TORCH_MODULE(TopKRouter);
 /// Example:
 ///   moe::set_aux_loss_scale(*model, 1.0 / microbatches);
 void set_aux_loss_scale(torch::nn::Module& module, double scale);
+
+/// TopKRouterImpl::update_expert_bias() of every router with a bias inside `module`.
+///
+/// Example:
+///   zero.step();
+///   moe::update_expert_bias(*model);
+void update_expert_bias(torch::nn::Module& module);
 
 /// Returns a copy of x; in backward x's gradient
 /// passes through and `loss` (a scalar) receives the gradient `scale`.
