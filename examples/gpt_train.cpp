@@ -177,8 +177,8 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
                              std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
     }
-    if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty())) {
-      throw cli::usage_error("--experts does not combine with --sp, --fsdp, --save or --resume yet");
+    if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty() || c.schedule == "zbh1")) {
+      throw cli::usage_error("--experts does not combine with --sp, --fsdp, --save, --resume or --schedule zbh1 yet");
     }
     if (c.ep > 1 && (c.experts == 0 || c.dp % c.ep != 0 || c.experts % c.ep != 0)) {
       throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +
