@@ -187,7 +187,7 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
   options.stages_per_rank = l.v;
   gpt::Trainer trainer(options, c.model,
                        gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
-                                   state.data_parallel_group(), state.embedding_group()});
+                                   state.data_parallel_group(), state.embedding_group(), commgrad::Group()});
   const auto sum = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kSum);
   const auto max = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMax);
   std::vector<double> step_times, bubbles, busiest, forwards, backwards, weights;

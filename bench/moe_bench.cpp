@@ -69,6 +69,28 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   return cli::parse(app, argc, argv);
 }
 
+struct Variant {
+  const char* name;
+  std::function<void()> run;
+  std::vector<double> times;
+};
+
+void report(const Config& c, int n, const std::vector<Variant>& variants, int64_t sent_rows) {
+  const double step = median(variants[0].times);
+  std::printf("# moe_bench: hidden %ld ffn %ld experts %ld top-%ld, %ld tokens per rank, float32, EP=%d (%s), "
+              "1 thread per rank, %d steps\n",
+              static_cast<long>(c.hidden), static_cast<long>(c.ffn), static_cast<long>(c.experts),
+              static_cast<long>(c.topk), static_cast<long>(c.tokens), n, c.dispatcher.c_str(), c.steps);
+  std::printf("  step %.2f ms, %.0f tokens/s\n", step, 1000.0 * static_cast<double>(c.tokens * n) / step);
+  if (n > 1) {
+    const double a2a = median(variants[1].times);
+    const double expected = static_cast<double>(c.tokens * c.topk) * (n - 1) / n;
+    std::printf("  a2a (bare) %.2f ms = %.0f%% of the step\n", a2a, 100.0 * a2a / step);
+    std::printf("  rows sent to other ranks by rank 0: %ld (uniform routing: %.0f); bytes per step %ld\n",
+                static_cast<long>(sent_rows), expected, static_cast<long>(4 * sent_rows * c.hidden * 4));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -109,11 +131,6 @@ int main(int argc, char** argv) {
     }
   };
 
-  struct Variant {
-    const char* name;
-    std::function<void()> run;
-    std::vector<double> times;
-  };
   std::vector<Variant> variants;
   variants.push_back({"step", [&] {
                         layer->zero_grad();
@@ -135,21 +152,7 @@ int main(int argc, char** argv) {
     t = commgrad::ops::raw::all_reduce(t, commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMax), world).wait();
     v.times.assign(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
   }
-  if (world.rank() == 0) {
-    const double step = median(variants[0].times);
-    std::printf("# moe_bench: hidden %ld ffn %ld experts %ld top-%ld, %ld tokens per rank, float32, EP=%d (%s), "
-                "1 thread per rank, %d steps\n",
-                static_cast<long>(c.hidden), static_cast<long>(c.ffn), static_cast<long>(c.experts),
-                static_cast<long>(c.topk), static_cast<long>(c.tokens), n, c.dispatcher.c_str(), c.steps);
-    std::printf("  step %.2f ms, %.0f tokens/s\n", step, 1000.0 * static_cast<double>(c.tokens * n) / step);
-    if (n > 1) {
-      const double a2a = median(variants[1].times);
-      const double expected = static_cast<double>(c.tokens * c.topk) * (n - 1) / n;
-      std::printf("  a2a (bare) %.2f ms = %.0f%% of the step\n", a2a, 100.0 * a2a / step);
-      std::printf("  rows sent to other ranks by rank 0: %ld (uniform routing: %.0f); bytes per step %ld\n",
-                  static_cast<long>(sent_rows), expected, static_cast<long>(4 * sent_rows * c.hidden * 4));
-    }
-  }
+  if (world.rank() == 0) report(c, n, variants, sent_rows);
   commgrad::destroy_process_group();
   return 0;
 }

@@ -116,6 +116,22 @@ gpt::TrainerOptions trainer_options(const Config& c) {
   return o;
 }
 
+// The combinations --experts does not support (yet), named.
+void check_experts(const Config& c) {
+  namespace cli = commgrad::cli;
+  if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty() || c.schedule == "zbh1")) {
+    throw cli::usage_error("--experts does not combine with --sp, --fsdp, --save, --resume or --schedule zbh1 yet");
+  }
+  if (c.ep > 1 && (c.experts == 0 || c.dp % c.ep != 0 || c.experts % c.ep != 0)) {
+    throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +
+                           std::to_string(c.dp));
+  }
+  if (c.experts > 0 && c.topk > c.experts) {
+    throw cli::usage_error("--topk " + std::to_string(c.topk) + " is more than the " + std::to_string(c.experts) +
+                           " experts");
+  }
+}
+
 // The options of the command line into `c`; the exit code when the program
 // ends here (--help, or a bad command line, named on stderr with exit code 2).
 std::optional<int> parse(int argc, char** argv, Config& c) {
@@ -177,17 +193,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
                              std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
     }
-    if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty() || c.schedule == "zbh1")) {
-      throw cli::usage_error("--experts does not combine with --sp, --fsdp, --save, --resume or --schedule zbh1 yet");
-    }
-    if (c.ep > 1 && (c.experts == 0 || c.dp % c.ep != 0 || c.experts % c.ep != 0)) {
-      throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +
-                             std::to_string(c.dp));
-    }
-    if (c.experts > 0 && c.topk > c.experts) {
-      throw cli::usage_error("--topk " + std::to_string(c.topk) + " is more than the " + std::to_string(c.experts) +
-                             " experts");
-    }
+    check_experts(c);
     if (c.save_every > 0 && c.save.empty()) {
       throw cli::usage_error("--save-every needs --save DIR and a positive number of steps");
     }
@@ -213,10 +219,59 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   config.ep_group = commgrad::Group();  // every expert on this rank
   config.sequence_parallel = false;
   config.recompute = tp::RecomputeGranularity::kNone;  // the plain curve
-  gpt::Trainer trainer(trainer_options(c), config, gpt::Layout{alone, alone, alone, alone});
+  gpt::Trainer trainer(trainer_options(c), config, gpt::Layout{alone, alone, alone, alone, alone});
   std::vector<double> losses;
   for (int k = 0; k < c.steps; ++k) losses.push_back(trainer.step(corpus, k));
   return losses;
+}
+
+// The model's options of the command line.
+void configure_model(const Config& c, const gpt::Corpus& corpus, gpt::GptConfig& model_config) {
+  model_config.vocab = corpus.vocab();
+  model_config.experts = c.experts;
+  model_config.topk = c.topk;
+  model_config.moe_every = c.moe_every;
+  model_config.sequence_parallel = c.sp;
+  model_config.recompute = c.recompute == "full"        ? tp::RecomputeGranularity::kFull
+                           : c.recompute == "selective" ? tp::RecomputeGranularity::kSelective
+                                                        : tp::RecomputeGranularity::kNone;
+}
+
+// Rank 0's first lines: the build, the model, the layout and the data.
+void print_header(const Config& c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus) {
+  std::cout << commgrad::build_info().to_string() << "\n";
+  std::printf("GPT: %lld layers, hidden %lld, %lld heads, vocab %lld, sequence %lld, tied embeddings; %s, %s",
+              static_cast<long long>(model_config.layers), static_cast<long long>(model_config.hidden),
+              static_cast<long long>(model_config.heads), static_cast<long long>(model_config.vocab),
+              static_cast<long long>(model_config.sequence), c.layout().c_str(), c.schedule.c_str());
+  if (c.stages_per_rank > 1) std::printf(" (%d stages per rank)", c.stages_per_rank);
+  std::printf(", %d microbatches", c.microbatches);
+  if (c.recompute != "none") std::printf(", recompute %s", c.recompute.c_str());
+  if (c.experts > 0) std::printf(", %d experts (top-%d) over EP=%d", c.experts, c.topk, c.ep);
+  std::printf("; data %s\n", corpus.describe().c_str());
+  std::fflush(stdout);
+}
+
+// --check: trains alone, fills the curve's reference, and says (rank 0)
+// whether the curves stay within the dtype's tolerance.
+bool check_against_one_rank(const Config& c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus,
+                            std::vector<gpt::CurvePoint>& curve, int rank) {
+  const auto reference = train_alone(c, model_config, corpus);
+  double worst = 0;
+  for (auto& point : curve) {
+    point.reference = reference[point.step - 1];
+    worst = std::max(worst, std::abs(point.loss - *point.reference) / std::abs(*point.reference));
+    if (rank == 0) {
+      std::printf("check step %d/%d: loss %.6f (one rank %.6f)\n", point.step, c.steps, point.loss, *point.reference);
+    }
+  }
+  const double allowed = tolerance(c.precision);
+  const bool ok = worst <= allowed;
+  if (rank == 0) {
+    std::printf("max relative difference from one rank %.2g (tolerance %.0e): %s\n", worst, allowed,
+                ok ? "ok" : "MISMATCH");
+  }
+  return ok;
 }
 
 }  // namespace
@@ -235,27 +290,8 @@ int main(int argc, char** argv) {
     gpt::GptConfig model_config;
     const auto corpus =
         c.text.empty() ? gpt::Corpus::synthetic(model_config.vocab) : gpt::Corpus::from_file(c.text, model_config.sequence);
-    model_config.vocab = corpus.vocab();
-    model_config.experts = c.experts;
-    model_config.topk = c.topk;
-    model_config.moe_every = c.moe_every;
-    model_config.sequence_parallel = c.sp;
-    model_config.recompute = c.recompute == "full"        ? tp::RecomputeGranularity::kFull
-                             : c.recompute == "selective" ? tp::RecomputeGranularity::kSelective
-                                                          : tp::RecomputeGranularity::kNone;
-    if (rank == 0) {
-      std::cout << commgrad::build_info().to_string() << "\n";
-      std::printf("GPT: %lld layers, hidden %lld, %lld heads, vocab %lld, sequence %lld, tied embeddings; %s, %s",
-                  static_cast<long long>(model_config.layers), static_cast<long long>(model_config.hidden),
-                  static_cast<long long>(model_config.heads), static_cast<long long>(model_config.vocab),
-                  static_cast<long long>(model_config.sequence), c.layout().c_str(), c.schedule.c_str());
-      if (c.stages_per_rank > 1) std::printf(" (%d stages per rank)", c.stages_per_rank);
-      std::printf(", %d microbatches", c.microbatches);
-      if (c.recompute != "none") std::printf(", recompute %s", c.recompute.c_str());
-      if (c.experts > 0) std::printf(", %d experts (top-%d) over EP=%d", c.experts, c.topk, c.ep);
-      std::printf("; data %s\n", corpus.describe().c_str());
-      std::fflush(stdout);
-    }
+    configure_model(c, corpus, model_config);
+    if (rank == 0) print_header(c, model_config, corpus);
     const auto state = commgrad::make_model_parallel(
         commgrad::ModelParallelOptions(c.tp, c.pp).expert_parallel_size(c.ep), commgrad::world());
     model_config.ep_group = state.expert_parallel_group();
@@ -289,24 +325,7 @@ int main(int argc, char** argv) {
       }
     }
 
-    bool ok = true;
-    if (c.check) {
-      const auto reference = train_alone(c, model_config, corpus);
-      double worst = 0;
-      for (auto& point : curve) {
-        point.reference = reference[point.step - 1];
-        worst = std::max(worst, std::abs(point.loss - *point.reference) / std::abs(*point.reference));
-        if (rank == 0) {
-          std::printf("check step %d/%d: loss %.6f (one rank %.6f)\n", point.step, c.steps, point.loss, *point.reference);
-        }
-      }
-      const double allowed = tolerance(c.precision);
-      ok = worst <= allowed;
-      if (rank == 0) {
-        std::printf("max relative difference from one rank %.2g (tolerance %.0e): %s\n", worst, allowed,
-                    ok ? "ok" : "MISMATCH");
-      }
-    }
+    const bool ok = !c.check || check_against_one_rank(c, model_config, corpus, curve, rank);
     if (rank == 0 && c.curve != "none" && !curve.empty()) {
       gpt::write_csv(c.curve + ".csv", curve);
       gpt::write_svg(c.curve + ".svg", curve, "gpt_train " + c.layout() + ", " + c.schedule);
