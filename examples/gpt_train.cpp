@@ -35,7 +35,7 @@
 // --experts E makes every layer's FFN a mixture of E experts (commgrad::moe,
 // top-k routing with a per-sequence load-balancing loss), split over --ep
 // ranks of each data-parallel group; the experts train with a second ZeRO-2
-// over the expert-data group and, for now, nothing is clipped
+// over the expert-data group, clipped with the rest by one global norm
 // (docs/moe.md).
 //
 // With --check every rank also trains the model alone (TP = PP = DP = 1)

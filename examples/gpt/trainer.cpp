@@ -70,14 +70,18 @@ void Trainer::make_optimizer() {
     const auto& edp = layout_.expert_dp.defined() ? layout_.expert_dp : layout_.dp;
     expert_zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
         model_, make_adamw,
-        commgrad::optim::ZeroOptimizerOptions(commgrad::moe::expert_ddp_options(*model_, layout_.dp, edp)).stage(2));
+        commgrad::optim::ZeroOptimizerOptions(commgrad::moe::expert_ddp_options(*model_, layout_.dp, edp))
+            .stage(2)
+            .tensor_parallel_group(layout_.tp));  // experts are TP-replicated: their squares counted once
     ddp = commgrad::moe::dense_ddp_options(*model_, layout_.dp, ddp);
   }
   zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
       model_, make_adamw,
       commgrad::optim::ZeroOptimizerOptions(ddp)
           .stage(2)
-          .max_grad_norm(experts ? 0.0 : 1.0)
+          .max_grad_norm(1.0)
+          .clip_partner(expert_zero_.get())  // one global norm over dense and expert parameters
+          .clip_partner_group(model_->config().ep_group)
           .tensor_parallel_group(layout_.tp)
           .pipeline_parallel_group(layout_.pp)
           .tied_parameters(model_->tied_parameters())

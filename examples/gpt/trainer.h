@@ -10,8 +10,8 @@
 // same AdamW over this rank's pieces, clipped the same way. With experts
 // (GptConfig::experts) a second ZeroOptimizer over the expert-data group
 // steps the experts (commgrad::moe::expert_ddp_options: summed, divided by
-// the DP size) and nothing is clipped: the two optimizers do not share a
-// global norm yet. Precision bf16
+// the DP size), clipped with the dense parameters by one global norm that
+// counts every expert once (ZeroOptimizerOptions::clip_partner). Precision bf16
 // computes in bfloat16 (FSDP: float32 shards, float32 gradient reductions;
 // ZeRO-2: bfloat16 parameters with float32 masters); fp16 computes in float16
 // under FSDP with optim::DynamicLossScaler (initial scale 2^16; the inf/NaN

@@ -99,6 +99,7 @@ struct ZeroOptimizer::Impl {
   void sum_partial_gradients();
   void sum_tied_gradients();
   void install_hook();
+  double local_squares(bool master) const;
   double clip();
   void all_gather_parameters();
   Shard* shard_with(const std::string& param, int64_t param_begin, size_t* segment);
@@ -316,16 +317,31 @@ void ZeroOptimizer::Impl::check_tied() const {
   }
 }
 
-double ZeroOptimizer::Impl::clip() {
+// The squares of this rank's counted ranges (`master`: of the masters'
+// gradients in step(); else of the reduced gradients, for a clip partner).
+double ZeroOptimizer::Impl::local_squares(bool master) const {
   double sum = 0;
   for (const auto& s : shards) {
+    const at::Tensor& g = master ? s.master.grad() : s.grad;
     for (size_t i = 0; i < s.info.segments.size(); ++i) {
       const auto& seg = s.info.segments[i];
-      if (s.counted[i]) sum += squared_norm(s.master.grad().narrow(0, seg.shard_offset, seg.length));
+      if (s.counted[i]) sum += squared_norm(g.narrow(0, seg.shard_offset, seg.length));
     }
   }
-  auto total = at::full({1}, sum, at::kDouble);
+  return sum;
+}
+
+double ZeroOptimizer::Impl::clip() {
+  auto total = at::full({1}, local_squares(true), at::kDouble);
   if (group.size() > 1) ops::raw::all_reduce_(total, {}, group).wait();
+  Impl* partner = options.clip_partner() != nullptr ? options.clip_partner()->impl_.get() : nullptr;
+  if (partner != nullptr) {
+    auto theirs = at::full({1}, partner->local_squares(false), at::kDouble);
+    if (partner->group.size() > 1) ops::raw::all_reduce_(theirs, {}, partner->group).wait();
+    const auto& g = options.clip_partner_group();
+    if (g.defined() && g.size() > 1) ops::raw::all_reduce_(theirs, {}, g).wait();
+    total += theirs;
+  }
   const auto& tp = options.tensor_parallel_group();
   if (tp.defined() && tp.size() > 1) ops::raw::all_reduce_(total, {}, tp).wait();
   const auto& pp = options.pipeline_parallel_group();
@@ -335,6 +351,11 @@ double ZeroOptimizer::Impl::clip() {
   if (coef < 1.0f) {
     for (auto& s : shards) {
       if (s.master.defined()) s.master.mutable_grad().mul_(coef);
+    }
+    if (partner != nullptr) {
+      for (auto& s : partner->shards) {
+        if (s.grad.defined()) s.grad.mul_(coef);
+      }
     }
   }
   return norm;

@@ -13,6 +13,7 @@
 #include "commgrad/dp/distributed_data_parallel.h"
 #include "commgrad/moe/expert_data_parallel.h"
 #include "commgrad/moe/moe_layer.h"
+#include "commgrad/optim/clip_grad.h"
 #include "commgrad/optim/zero_optimizer.h"
 
 #include "harness/spawn_ranks.h"
@@ -137,6 +138,46 @@ TEST(ExpertDataParallelTest, ZeroStepEqualsOneRankSgdAtEp2Dp2) {
     for (const auto& p : net->named_parameters()) {
       const auto& r = ref_params[p.key()];
       expect_close(p.value(), r - kLr * r.grad(), "stepped " + p.key());
+    }
+  });
+}
+
+// The dense optimizer clips both by one global norm (clip_partner): the
+// norm and the clipped step equal the one-rank model's.
+TEST(ExpertDataParallelTest, ZeroClipsDenseAndExpertsByOneGlobalNormAtEp2Dp2) {
+  const Batch b;
+  const Net ref = reference_gradients(b);
+  double ref_norm_sq = 0;
+  for (const auto& p : ref->parameters()) ref_norm_sq += p.grad().pow(2).sum().item<double>();
+  const double ref_norm = std::sqrt(ref_norm_sq), max_norm = 0.5 * ref_norm;
+  const double coef = optim::clip_coefficient(ref_norm, max_norm);
+  ASSERT_LT(coef, 0.6);
+  constexpr double kLr = 0.5;
+  spawn_ranks(kRanks, [&](Group& world) {
+    const ParallelState s = layout(world);
+    Net net(s.expert_parallel_group(), s.data_context_parallel_group());
+    auto sgd = [](std::vector<at::Tensor> shards) {
+      return std::make_unique<torch::optim::SGD>(shards, torch::optim::SGDOptions(kLr));
+    };
+    optim::ZeroOptimizer experts(net, sgd,
+                                 optim::ZeroOptimizerOptions(expert_ddp_options(*net, s.data_context_parallel_group(),
+                                                                                s.expert_data_parallel_group()))
+                                     .stage(2));
+    optim::ZeroOptimizer dense(net, sgd,
+                               optim::ZeroOptimizerOptions(dense_ddp_options(*net, s.data_context_parallel_group()))
+                                   .stage(2)
+                                   .max_grad_norm(max_norm)
+                                   .clip_partner(&experts)
+                                   .clip_partner_group(s.expert_parallel_group()));
+    local_backward(net, b, s.data_context_parallel_group().rank());
+    const double norm = dense.step();
+    experts.step();
+    EXPECT_NEAR(norm, ref_norm, 1e-12 * ref_norm);
+    const auto ref_params = ref->named_parameters();
+    for (const auto& p : net->named_parameters()) {
+      const auto& r = ref_params[p.key()];
+      // float32 clip factor (torch::nn::utils::clip_grad_norm_'s rounding).
+      expect_close(p.value(), r - kLr * coef * r.grad(), "clipped step of " + p.key());
     }
   });
 }

@@ -33,6 +33,10 @@ class Optimizer;
 
 namespace commgrad::optim {
 
+class ZeroOptimizer;
+/// A ZeroOptimizer in an options struct (TORCH_ARG needs one name for the type).
+using ZeroOptimizerPtr = ZeroOptimizer*;
+
 /// Makes the optimizer that steps this rank's shards (one flat tensor per
 /// bucket). Any torch::optim optimizer whose update is per element works
 /// (SGD with momentum, Adam, AdamW, Adagrad, RMSprop); weight decay applies
@@ -91,6 +95,15 @@ struct ZeroOptimizerOptions {
   TORCH_ARG(Group, tied_group);
   /// DistributedDataParallel's options (group, bucket sizes, reduction).
   TORCH_ARG(dp::DistributedDataParallelOptions, ddp);
+  /// Another ZeroOptimizer over other parameters of the same module (the
+  /// experts', over the expert-data group: moe::expert_ddp_options()),
+  /// clipped with this one by one global norm: its squares, summed over its
+  /// own group and `clip_partner_group` (the expert-parallel group: each rank
+  /// holds other experts), join this one's before the TP and PP sums, and its
+  /// reduced gradients are scaled by the same factor. Step it after this one,
+  /// with max_grad_norm 0 and the same tensor_parallel_group.
+  TORCH_ARG(ZeroOptimizerPtr, clip_partner) = nullptr;
+  TORCH_ARG(Group, clip_partner_group);
 };
 
 /// This rank's part of one bucket (for inspection, tests and checkpoints).
