@@ -13,6 +13,7 @@
 #include "commgrad/dist/transport.h"
 #include "commgrad/util/blas.h"
 #include "commgrad/util/buffer_pool.h"
+#include "commgrad/util/error.h"
 #include "commgrad/util/logging.h"
 #include "commgrad/util/print.h"
 

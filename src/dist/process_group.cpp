@@ -23,6 +23,7 @@
 #include "commgrad/util/env.h"
 #include "commgrad/util/logging.h"
 #include "commgrad/util/print.h"
+#include "commgrad/util/error.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -75,12 +76,12 @@ detail::StorePtr connect_store(const LaunchEnvironment& env, std::chrono::millis
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
   } catch (const std::exception& e) {
     if (env.rank == 0) {
-      detail::throw_dist_error(c10::str(init_prefix(env), "could not host the rendezvous store at ", env.master_addr,
-                                        ":", env.master_port, " (is the port in use?): ", e.what()));
+      COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, init_prefix(env), "could not host the rendezvous store at ", env.master_addr,
+                                        ":", env.master_port, " (is the port in use?): ", e.what());
     }
-    detail::throw_dist_error(c10::str(init_prefix(env), "could not reach the rendezvous store at ",
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, init_prefix(env), "could not reach the rendezvous store at ",
                                       env.master_addr, ":", env.master_port, " within ", seconds(timeout),
-                                      " (did rank 0 start?): ", e.what()));
+                                      " (did rank 0 start?): ", e.what());
   }
 }
 
@@ -125,10 +126,10 @@ Joined join(const detail::StorePtr& store, const LaunchEnvironment& env, std::ch
   const std::string me = host_identity() + "\n" + detail::local_address_towards(env.master_addr);
   auto said = arrive_and_wait(store, "commgrad/world/join", env.rank, env.world_size, me, timeout, missing);
   if (!missing.empty()) {
-    detail::throw_timeout_error(c10::str(init_prefix(env), "rendezvous timed out after ", seconds(timeout), ": ",
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, init_prefix(env), "rendezvous timed out after ", seconds(timeout), ": ",
                                          env.world_size - missing.size(), " of ", env.world_size,
                                          " ranks joined; missing ranks: ", format_ranks(missing), " (store ",
-                                         env.master_addr, ":", env.master_port, ")"));
+                                         env.master_addr, ":", env.master_port, ")");
   }
   Joined joined;
   for (const auto& s : said) {
@@ -182,9 +183,9 @@ void connect_transports(detail::GroupState& state, const std::string& prefix, co
   std::vector<int> missing;
   arrive_and_wait(state.root_store, prefix + "/connected", state.rank, config.size, "", state.timeout, missing);
   if (!missing.empty()) {
-    detail::throw_timeout_error(c10::str("[commgrad] ", op, " ", detail::describe(state),
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, "[commgrad] ", op, " ", detail::describe(state),
                                          ": group ranks ", format_ranks(missing), " did not finish connecting within ",
-                                         seconds(state.timeout)));
+                                         seconds(state.timeout));
   }
 }
 

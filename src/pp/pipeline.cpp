@@ -128,6 +128,20 @@ struct Pipeline::Impl {
   void receive(const Action& a);
   void tell_neighbours(const std::string& what, int except);
   void send_header(const at::Tensor& data, int64_t kind, const Action& a);
+
+  // One step, in order: start it, run every action (timing the
+  // computations), finish its communication, report.
+  using Clock = std::chrono::steady_clock;
+  struct Busy {
+    Clock::duration of[3]{};  // forward, backward, W
+  };
+  void start_step(const at::Tensor& step_inputs, const at::Tensor& step_targets);
+  void check_batch(const at::Tensor& t, const char* what) const;
+  void run_compute(const Action& a, Busy& busy);
+  void run_actions(Busy& busy);
+  void finish_communication();
+  void abandon_step(const std::exception& e);
+  PipelineStepResult report(const Busy& busy, Clock::time_point start);
 };
 
 Pipeline::Pipeline(std::vector<StageFunction> stages, LossFunction loss, PipelineOptions options)
@@ -361,103 +375,133 @@ void Pipeline::Impl::receive(const Action& a) {
   }
 }
 
+void Pipeline::Impl::check_batch(const at::Tensor& t, const char* what) const {
+  const int mbs = schedule.microbatches;
+  COMMGRAD_CHECK(t.defined() && t.dim() >= 1, kOp, group, "step(): the ", what,
+                 " must be a tensor of at least one dim on this rank, got ",
+                 t.defined() ? tensor_name(t) : std::string("an undefined tensor"));
+  COMMGRAD_CHECK(t.size(0) % mbs == 0, kOp, group, "step(): a batch of ", t.size(0), " ", what, " (", tensor_name(t),
+                 ") does not split into ", mbs, " microbatches of equal size");
+}
+
+void Pipeline::Impl::start_step(const at::Tensor& step_inputs, const at::Tensor& step_targets) {
+  inputs = step_inputs;
+  targets = step_targets;
+  losses.assign(schedule.microbatches, 0.0);
+  slots.clear();
+  sends.clear();
+  receives.clear();
+  position = 0;
+  neighbours_told = false;
+  deferring.clear();
+  error_sends.erase(std::remove_if(error_sends.begin(), error_sends.end(),
+                                   [](const auto& s) { return s.first.is_completed(); }),
+                    error_sends.end());
+}
+
+void Pipeline::Impl::run_compute(const Action& a, Busy& busy) {
+  receive_for(a);
+  current = a;
+  const auto begin = Clock::now();
+  int kind = 0;
+  if (a.kind == ActionKind::kForward) {
+    forward(a);
+  } else if (a.kind == ActionKind::kBackward) {
+    backward(a);
+    kind = 1;
+  } else {
+    backward_weight(a);
+    kind = 2;
+  }
+  busy.of[kind] += Clock::now() - begin;
+}
+
+void Pipeline::Impl::run_actions(Busy& busy) {
+  const auto& actions = schedule.actions[rank];
+  for (size_t i = 0; i < actions.size();) {
+    const Action& a = actions[i];
+    current = a;
+    position = i;
+    try {
+      if (a.is_compute()) {
+        run_compute(a, busy);
+        ++i;
+      } else {
+        post(a);  // a batch: sends are posted at once, receives when needed
+        position = ++i;
+      }
+    } catch (const std::exception& e) {  // the stages may throw anything
+      // The pipeline's own errors name their microbatch already; others
+      // (a stage's, a collective's inside it) are named, keeping their kind.
+      const Error* typed = as_commgrad_error(e);
+      if (typed != nullptr && typed->site().op == kOp) throw;
+      const auto* error = dynamic_cast<const c10::Error*>(&e);
+      COMMGRAD_THROW(typed ? typed->kind() : ErrorKind::kInvalidArgument, error_site(kOp, group), where(current),
+                     " failed: ", error ? error->what_without_backtrace() : e.what());
+    }
+  }
+}
+
+void Pipeline::Impl::finish_communication() {
+  while (!receives.empty()) {  // none is left by a valid schedule; taken so no message stays behind
+    receive(receives.front());
+    receives.pop_front();
+  }
+  try {
+    for (auto& s : sends) s.first.wait();
+  } catch (const c10::Error& e) {
+    const Error* typed = as_commgrad_error(e);
+    COMMGRAD_THROW(typed ? typed->kind() : ErrorKind::kPeerFailed, error_site(kOp, group),
+                   "waiting for this step's sends failed: ", e.what_without_backtrace());
+  }
+}
+
+// A failed step: the neighbours hear of it, and nothing of it is kept.
+void Pipeline::Impl::abandon_step(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  tell_neighbours(error ? error->what_without_backtrace() : e.what(), -1);
+  slots.clear();
+  sends.clear();
+  receives.clear();
+}
+
+// Every rank reports the loss: the last stage's rank broadcasts it.
+PipelineStepResult Pipeline::Impl::report(const Busy& busy, Clock::time_point start) {
+  const auto end = Clock::now();
+  const int mbs = schedule.microbatches;
+  auto all = at::from_blob(losses.data(), {mbs}, at::kDouble).clone();
+  if (group.size() > 1) {
+    all = ops::raw::broadcast(all, ops::BroadcastOptions().src(schedule.rank_of(last_stage())), group).wait();
+  }
+  auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  PipelineStepResult result;
+  result.forward_seconds = seconds(busy.of[0]);
+  result.backward_seconds = seconds(busy.of[1]);
+  result.backward_weight_seconds = seconds(busy.of[2]);
+  result.compute_seconds = result.forward_seconds + result.backward_seconds + result.backward_weight_seconds;
+  result.step_seconds = seconds(end - start);
+  result.microbatch_losses.assign(all.data_ptr<double>(), all.data_ptr<double>() + mbs);
+  for (double l : result.microbatch_losses) result.loss += l / mbs;
+  return result;
+}
+
 PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   auto& m = *impl_;
-  const int mbs = m.schedule.microbatches;
-  const bool first = m.rank == m.schedule.rank_of(0);
-  const bool last = m.rank == m.schedule.rank_of(m.last_stage());
-  auto check_batch = [&](const at::Tensor& t, const char* what) {
-    COMMGRAD_CHECK(t.defined() && t.dim() >= 1, kOp, m.group, "step(): the ", what, " must be a tensor of at least one dim on this rank, got ",
-                   t.defined() ? tensor_name(t) : std::string("an undefined tensor"));
-    COMMGRAD_CHECK(t.size(0) % mbs == 0, kOp, m.group, "step(): a batch of ", t.size(0), " ", what, " (", tensor_name(t),
-                   ") does not split into ", mbs, " microbatches of equal size");
-  };
-  m.inputs = inputs;
-  m.targets = targets;
-  m.losses.assign(mbs, 0.0);
-  m.slots.clear();
-  m.sends.clear();
-  m.receives.clear();
-  m.position = 0;
-  m.neighbours_told = false;
-  m.deferring.clear();
-  m.error_sends.erase(std::remove_if(m.error_sends.begin(), m.error_sends.end(),
-                                     [](const auto& s) { return s.first.is_completed(); }),
-                      m.error_sends.end());
-  const auto& actions = m.schedule.actions[m.rank];
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
-  Clock::duration busy[3]{};  // forward, backward, W
+  m.start_step(inputs, targets);
+  const auto start = Impl::Clock::now();
+  Impl::Busy busy;
   try {
-    if (first) check_batch(inputs, "inputs");
-    if (last) check_batch(targets, "targets");
-    for (size_t i = 0; i < actions.size();) {
-      const Action& a = actions[i];
-      m.current = a;
-      m.position = i;
-      try {
-        if (a.is_compute()) {
-          m.receive_for(a);
-          m.current = a;
-          const auto begin = Clock::now();
-          int kind = 0;
-          if (a.kind == ActionKind::kForward) {
-            m.forward(a);
-          } else if (a.kind == ActionKind::kBackward) {
-            m.backward(a);
-            kind = 1;
-          } else {
-            m.backward_weight(a);
-            kind = 2;
-          }
-          busy[kind] += Clock::now() - begin;
-          ++i;
-        } else {
-          // A batch: sends are posted at once, receives when needed.
-          m.post(a);
-          m.position = ++i;
-        }
-      } catch (const std::exception& e) {  // the stages may throw anything
-        const auto* error = dynamic_cast<const c10::Error*>(&e);
-        const std::string what = error ? error->what_without_backtrace() : e.what();
-        if (what.find(" microbatch ") != std::string::npos && what.find("[commgrad] Pipeline") != std::string::npos) throw;
-        COMMGRAD_CHECK(false, kOp, m.group, m.where(m.current), " failed: ", what);
-      }
-    }
-    while (!m.receives.empty()) {  // none is left by a valid schedule; taken so no message stays behind
-      m.receive(m.receives.front());
-      m.receives.pop_front();
-    }
-    try {
-      for (auto& s : m.sends) s.first.wait();
-    } catch (const c10::Error& e) {
-      COMMGRAD_CHECK(false, kOp, m.group, "waiting for this step's sends failed: ", e.what_without_backtrace());
-    }
+    if (m.rank == m.schedule.rank_of(0)) m.check_batch(inputs, "inputs");
+    if (m.rank == m.schedule.rank_of(m.last_stage())) m.check_batch(targets, "targets");
+    m.run_actions(busy);
+    m.finish_communication();
   } catch (const std::exception& e) {
-    const auto* error = dynamic_cast<const c10::Error*>(&e);
-    m.tell_neighbours(error ? error->what_without_backtrace() : e.what(), -1);
-    m.slots.clear();
-    m.sends.clear();
-    m.receives.clear();
+    m.abandon_step(e);
     throw;
   }
   m.sends.clear();
   m.slots.clear();
-  const auto end = Clock::now();
-  // Every rank reports the loss: the last stage's rank broadcasts it.
-  auto losses = at::from_blob(m.losses.data(), {mbs}, at::kDouble).clone();
-  if (m.group.size() > 1) {
-    losses = ops::raw::broadcast(losses, ops::BroadcastOptions().src(m.schedule.rank_of(m.last_stage())), m.group).wait();
-  }
-  PipelineStepResult result;
-  result.forward_seconds = std::chrono::duration<double>(busy[0]).count();
-  result.backward_seconds = std::chrono::duration<double>(busy[1]).count();
-  result.backward_weight_seconds = std::chrono::duration<double>(busy[2]).count();
-  result.compute_seconds = result.forward_seconds + result.backward_seconds + result.backward_weight_seconds;
-  result.step_seconds = std::chrono::duration<double>(end - start).count();
-  result.microbatch_losses.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + mbs);
-  for (double l : result.microbatch_losses) result.loss += l / mbs;
-  return result;
+  return m.report(busy, start);
 }
 
 }  // namespace commgrad::pp
