@@ -140,6 +140,27 @@ Joined join(const detail::StorePtr& store, const LaunchEnvironment& env, std::ch
   return joined;
 }
 
+// The state of a world group: every rank that joined, in rank order, on the
+// transport `requested_backend` resolves to for their hosts.
+std::shared_ptr<detail::GroupState> world_state(std::string name, const LaunchEnvironment& env, const Joined& joined,
+                                                std::chrono::milliseconds timeout, const detail::StorePtr& root,
+                                                const std::string& requested_backend) {
+  auto state = std::make_shared<detail::GroupState>();
+  state->name = std::move(name);
+  state->rank = env.rank;
+  state->global_rank = env.rank;
+  for (int r = 0; r < env.world_size; ++r) state->ranks.push_back(r);
+  state->hosts = joined.hosts;
+  state->addresses = joined.addresses;
+  state->timeout = timeout;
+  state->root_store = root;
+  state->store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world", root);
+  state->launch = env;
+  state->requested_backend = requested_backend;
+  state->backend = resolve_backend(requested_backend, joined.hosts);
+  return state;
+}
+
 bool all_same(const std::vector<std::string>& v) {
   return std::all_of(v.begin(), v.end(), [&](const std::string& s) { return s == v.front(); });
 }
@@ -221,25 +242,12 @@ Group make_world_group(const InitOptions& options) {
   detail::StorePtr root = options.store() ? options.store() : connect_store(env, timeout);
   root->setTimeout(timeout);
   auto joined = join(root, env, timeout);
-  const auto& hosts = joined.hosts;
 
-  auto state = std::make_shared<detail::GroupState>();
-  state->name = "world";
-  state->rank = env.rank;
-  state->global_rank = env.rank;
-  for (int r = 0; r < env.world_size; ++r) state->ranks.push_back(r);
-  state->hosts = hosts;
-  state->addresses = joined.addresses;
-  state->timeout = timeout;
-  state->root_store = root;
-  state->store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world", root);
-  state->launch = env;
   // COMMGRAD_BACKEND lets a launch script pick the transport of an unchanged program.
   std::string backend = options.backend();
   if (backend == "auto") backend = env::get("COMMGRAD_BACKEND").value_or(backend);
-  state->backend = resolve_backend(backend, hosts);
+  auto state = world_state("world", env, joined, timeout, root, backend);
   detail::select_cuda_device(env.local_rank);
-  state->requested_backend = backend;
   if (options.terminate_handler()) install_terminate_handler();
   connect_transports(*state, "commgrad/world", "init_process_group");
   return Group(std::move(state));
@@ -257,19 +265,7 @@ Group connect_group(const detail::StorePtr& store, int rank, int size, const Con
   const auto timeout = resolve_timeout(options.timeout());
   auto joined = join(store, env, timeout);
 
-  auto state = std::make_shared<detail::GroupState>();
-  state->name = options.name();
-  state->rank = rank;
-  state->global_rank = rank;
-  for (int r = 0; r < size; ++r) state->ranks.push_back(r);
-  state->hosts = joined.hosts;
-  state->addresses = joined.addresses;
-  state->timeout = timeout;
-  state->root_store = store;
-  state->store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world", store);
-  state->launch = env;
-  state->requested_backend = options.backend();
-  state->backend = resolve_backend(options.backend(), state->hosts);
+  auto state = world_state(options.name(), env, joined, timeout, store, options.backend());
   connect_transports(*state, "commgrad/world", "connect_group", /*cuda=*/false);
   return Group(std::move(state));
 }

@@ -40,11 +40,6 @@ inline void expect_error(const std::function<void()>& f, const std::vector<std::
   for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
 }
 
-/// expect_error(f, {part}).
-inline void expect_error(const std::function<void()>& f, const std::string& part) {
-  expect_error(f, std::vector<std::string>{part});
-}
-
 }  // namespace commgrad::testing
 
 /// Expects `statement` to throw an error whose message contains every one of

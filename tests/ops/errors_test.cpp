@@ -19,6 +19,7 @@ namespace {
 
 using std::chrono::milliseconds;
 using std::chrono::seconds;
+using testing::expect_error;
 
 // Runs `f`, which must throw an E (a commgrad::Error), and returns a copy of
 // its kind and site.
