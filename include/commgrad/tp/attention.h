@@ -16,7 +16,14 @@
 //   dense RowParallelLinear(h -> h, input_is_parallel): sums the heads'
 //         contributions across the group ("g"; a reduce-scatter along the
 //         sequence under sequence parallelism).
+//
+// With context_parallel() the input holds this context-parallel rank's part
+// of the sequence (cp/sequence.h) and the core attends across the
+// context-parallel group (cp::attention: all-gather K/V, ring or Ulysses);
+// heads are split over TP as before, so TP x CP (+ SP inside each CP part)
+// composes.
 
+#include "commgrad/cp/attention.h"
 #include "commgrad/dist/group.h"
 #include "commgrad/tp/linear.h"
 #include "commgrad/tp/recompute.h"
@@ -60,6 +67,12 @@ struct ParallelSelfAttentionOptions {
   /// default CPU generator, the same on every rank of the group, as
   /// ColumnParallelLinearOptions::seed() describes; options.seed() then holds it.
   TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
+  /// Context parallelism: the input is this rank's part of the sequence
+  /// (options.layout() of cp/sequence.h) and the core attends across
+  /// options.group() by options.mode(); causal is this layer's. Errors with
+  /// attention dropout, and under Ulysses when the heads of a TP rank do not
+  /// divide by the CP size. nullopt (or a group of one): none.
+  TORCH_ARG(std::optional<cp::ContextParallelOptions>, context_parallel) = std::nullopt;
 };
 
 /// Multi-head self-attention with the heads split across the TP group.
@@ -92,12 +105,18 @@ class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttent
   /// context [s, b, nh * d] (no communication).
   at::Tensor core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
+  /// True when the core attends across a context-parallel group of more than one rank.
+  bool context_parallel() const;
+
   /// The options, with the group and the seed resolved.
   ParallelSelfAttentionOptions options;
   /// Fused Q, K, V projection of this rank's heads (h -> 3h/n).
   ColumnParallelLinear qkv{nullptr};
   /// Output projection (h/n -> h), reduced across the group.
   RowParallelLinear dense{nullptr};
+
+ private:
+  void check_context_parallel(const char* op, const Group& g) const;
 };
 TORCH_MODULE(ParallelSelfAttention);
 

@@ -72,6 +72,8 @@ struct ParallelTransformerLayerOptions {
   /// default CPU generator, the same on every rank of the group, as
   /// ColumnParallelLinearOptions::seed() describes; options.seed() then holds it.
   TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
+  /// Context parallelism of the attention (ParallelSelfAttentionOptions::context_parallel).
+  TORCH_ARG(std::optional<cp::ContextParallelOptions>, context_parallel) = std::nullopt;
 };
 
 /// Pre-LayerNorm transformer layer over the TP group: ln1, ParallelSelfAttention,
