@@ -10,9 +10,10 @@
 // kRing: ring.cpp.
 //
 // kUlysses: q, k, v concatenated along the batch and sent through one
-// sequence_to_heads all-to-all, put in position order, ordinary attention
-// over the whole sequence for H/W heads, back to rank order and through
-// heads_to_sequence.
+// sequence_to_heads all-to-all, put in position order, attention over the
+// whole sequence for H/W heads (in 2W query chunks, each over the keys up
+// to its end, so a causal mask skips the blocks above the diagonal), back
+// to rank order and through heads_to_sequence.
 
 #include "commgrad/cp/attention.h"
 
@@ -88,34 +89,50 @@ at::Tensor gathered_positions(int64_t sequence, SequenceLayout layout, int size)
   return at::argsort(gathered_order(sequence, layout, size));
 }
 
+// Attention of the queries of `chunks` (q holds them at their offsets) to
+// keys k, v in position order: without a causal mask each chunk sees every
+// key; with one, chunk c sees the keys [0, c.position + c.length) and only
+// its diagonal block is masked, so the blocks above the diagonal are never
+// computed.
+at::Tensor prefix_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::vector<SequenceChunk>& chunks, bool causal) {
+  std::vector<at::Tensor> outs;
+  for (const auto& qc : chunks) {
+    const at::Tensor qpart = q.narrow(2, qc.offset, qc.length);
+    if (!causal) {
+      outs.push_back(masked_attention(qpart, k, v, at::Tensor()));
+      continue;
+    }
+    const int64_t end = qc.position + qc.length;
+    const at::Tensor allowed = detail::causal_mask(qc, SequenceChunk{0, end, 0});
+    outs.push_back(masked_attention(qpart, k.narrow(2, 0, end), v.narrow(2, 0, end), allowed));
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 2);
+}
+
 at::Tensor allgather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const ContextParallelOptions& o) {
   const Group& g = o.group();
   const int64_t sequence = q.size(2) * g.size();
   at::Tensor kv = ops::all_gather(at::stack({k, v}), ops::AllGatherOptions().dim(3), g);  // [2, b, h, s, d]
   if (o.layout() != SequenceLayout::kContiguous) kv = kv.index_select(3, gathered_order(sequence, o.layout(), g.size()));
-  std::vector<at::Tensor> outs;
-  for (const auto& qc : sequence_chunks(sequence, o.layout(), g.rank(), g.size(), kOp)) {
-    const at::Tensor qpart = q.narrow(2, qc.offset, qc.length);
-    if (!o.causal()) {
-      outs.push_back(masked_attention(qpart, kv[0], kv[1], at::Tensor()));
-      continue;
-    }
-    const int64_t end = qc.position + qc.length;  // the keys this chunk sees: [0, end)
-    const at::Tensor allowed = detail::causal_mask(qc, SequenceChunk{0, end, 0});
-    outs.push_back(masked_attention(qpart, kv[0].narrow(2, 0, end), kv[1].narrow(2, 0, end), allowed));
-  }
-  return outs.size() == 1 ? outs[0] : at::cat(outs, 2);
+  return prefix_attention(q, kv[0], kv[1], sequence_chunks(sequence, o.layout(), g.rank(), g.size(), kOp), o.causal());
 }
 
 at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const ContextParallelOptions& o) {
   const Group& g = o.group();
-  const int64_t b = q.size(0), sequence = q.size(2) * g.size();
+  const int64_t b = q.size(0), local = q.size(2), sequence = local * g.size();
   at::Tensor heads = sequence_to_heads(at::cat({q, k, v}, 0), g);  // [3b, H/W, s, d], rank order
   const bool reorder = o.layout() != SequenceLayout::kContiguous;
   if (reorder) heads = heads.index_select(2, gathered_order(sequence, o.layout(), g.size()));
-  at::Tensor out = full_attention(heads.narrow(0, 0, b), heads.narrow(0, b, b), heads.narrow(0, 2 * b, b), o.causal());
+  // The whole sequence in chunks of s/(2W) tokens (s/W when odd), each
+  // attending to the keys up to its end.
+  const int64_t n = local % 2 == 0 ? 2 * g.size() : g.size();
+  std::vector<SequenceChunk> chunks;
+  for (int64_t i = 0; i < n; ++i) chunks.push_back({i * sequence / n, sequence / n, i * sequence / n});
+  at::Tensor out =
+      prefix_attention(heads.narrow(0, 0, b), heads.narrow(0, b, b), heads.narrow(0, 2 * b, b), chunks, o.causal());
   if (reorder) out = out.index_select(2, gathered_positions(sequence, o.layout(), g.size()));
   return heads_to_sequence(out, g);
 }
@@ -123,10 +140,13 @@ at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at:
 }  // namespace
 
 at::Tensor full_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
-  const int64_t s = q.size(2);
-  at::Tensor allowed;
-  if (causal) allowed = at::ones({s, k.size(2)}, q.options().dtype(at::kBool)).tril();
-  return masked_attention(q, k, v, allowed);
+  // Under a causal mask in 4 query chunks (when the sequence splits so),
+  // each over the keys up to its end: the blocks above the diagonal are not
+  // computed, as on a rank of a context-parallel group of 2.
+  const int64_t s = q.size(2), n = causal && s % 4 == 0 ? 4 : 1;
+  std::vector<SequenceChunk> chunks;
+  for (int64_t i = 0; i < n; ++i) chunks.push_back({i * s / n, s / n, i * s / n});
+  return prefix_attention(q, k, v, chunks, causal);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -91,8 +91,10 @@ struct ContextParallelOptions {
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const ContextParallelOptions& options);
 
-/// The same attention on one rank over the whole sequence (the reference the
-/// modes are checked against): q, k, v [batch, heads, s, head_dim].
+/// The same attention on one rank over the whole sequence (what a group of
+/// one runs): q, k, v [batch, heads, s, head_dim]. Under a causal mask the
+/// queries go in 4 chunks, each over the keys up to its end, so the blocks
+/// above the diagonal are not computed.
 at::Tensor full_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal);
 
 }  // namespace commgrad::cp
