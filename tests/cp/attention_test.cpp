@@ -160,7 +160,7 @@ TEST(CpUlysses, SequenceToHeadsClosedFormRoundTripAndGradients) {
 
 TEST(CpErrors, NameTheLayerTheGroupAndTheSizes) {
   spawn_ranks(2, [](Group& g) {
-    const std::string where = c10::str("rank ", g.rank(), "/2 group 'world' (gloo): ");
+    const std::string where = g.describe() + ": ";
     EXPECT_THAT(error_of([&] { shard_sequence(at::zeros({30, 2}), 0, SequenceLayout::kHeadTail, g); }),
                 HasSubstr("[commgrad] cp::shard_sequence " + where +
                           "a sequence of 30 tokens does not split into 4 equal chunks"));

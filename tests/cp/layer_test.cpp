@@ -90,7 +90,7 @@ TEST(CpSelfAttention, MatchesTheReferenceAtTp1AndTp2) {
 
 TEST(CpSelfAttention, Errors) {
   spawn_ranks(2, [](Group& g) {
-    const std::string where = c10::str("rank ", g.rank(), "/2 group 'world' (gloo): ");
+    const std::string where = g.describe() + ": ";
     auto error_of = [](auto&& f) -> std::string {
       try {
         f();

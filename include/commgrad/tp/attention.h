@@ -60,7 +60,8 @@ struct ParallelSelfAttentionOptions {
   TORCH_ARG(bool, sequence_parallel) = false;
   /// Selective recompute: the core (scores, softmax, dropout, P V) keeps no
   /// activation and runs again in backward (tp::recompute, the dropout mask
-  /// replayed); it issues no collective, so none is re-issued.
+  /// replayed); it issues no collective, so none is re-issued (under
+  /// context_parallel() it does: its K/V exchange runs again in backward).
   TORCH_ARG(bool, recompute_core) = false;
   /// qkv is initialised from `seed`, dense from `seed + 1` (see init_linear()).
   /// Without one (the default) the layer draws one seed from LibTorch's

@@ -61,7 +61,8 @@ struct ParallelTransformerLayerOptions {
   /// LayerNorm epsilon.
   TORCH_ARG(double, layernorm_eps) = 1e-5;
   /// Activation recomputation in training: kSelective recomputes the
-  /// attention core (no collective re-issued); kFull keeps only the layer's
+  /// attention core (no collective re-issued, except the core's own under
+  /// context parallelism); kFull keeps only the layer's
   /// input and reruns the whole layer in backward, collectives included
   /// (2 per layer without sequence parallelism, 4 with it). Dropout masks are
   /// replayed: gradients equal those without recompute.
