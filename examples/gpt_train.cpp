@@ -218,8 +218,8 @@ int main(int argc, char** argv) {
     const int n = commgrad::world_size();
     if (static_cast<int64_t>(c.tp) * c.pp * c.dp * c.cp != n) {
       throw std::invalid_argument("--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) + " x --dp " +
-                                  std::to_string(c.dp) + " x --cp " + std::to_string(c.cp) + " is not the world size " +
-                                  std::to_string(n));
+                                  std::to_string(c.dp) + (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : "") +
+                                  " is not the world size " + std::to_string(n));
     }
     gpt::GptConfig model_config;
     const auto corpus =

@@ -219,6 +219,8 @@ TEST(GptTrainExample, LayoutsThatDoNotFitAreErrors) {
       {{2, {"--dp", "2", "--microbatches", "8"}}, "does not split into 2 replicas x 8 microbatches"},
       {{2, {"--tp", "2", "--pp", "2"}}, "--tp 2 x --pp 2 x --dp 1 is not the world size 2"},
       {{1, {"--save-every", "2"}}, "--save-every needs --save DIR"},
+      {{2, {"--cp", "3"}}, "--cp 3: the sequence of 16 tokens does not split into 2 x 3 chunks (head-tail)"},
+      {{2, {"--cp", "2", "--tp", "2"}}, "--tp 2 x --pp 1 x --dp 1 x --cp 2 is not the world size 2"},
   };
   for (const auto& [run, message] : cases) {
     auto r = gpt_train(run.first, run.second);
@@ -232,7 +234,7 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/gpt_train");
   expect_help_lists(program, {"--tp", "--pp", "--dp", "--sp", "--microbatches", "--steps", "--schedule",
                               "--stages-per-rank", "--save", "--save-every", "--resume", "--text", "--curve",
-                              "--check", "--recompute"});
+                              "--check", "--recompute", "--cp", "--cp-mode"});
   const std::string positive = "expected an integer in [1, 2147483647]";
   expect_bad_options(program, {
       {{"--bogus"}, "unknown option '--bogus'"},
