@@ -207,6 +207,28 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   return losses;
 }
 
+// --check: trains the model alone, puts its losses beside `curve`'s, prints
+// them (rank 0); true when they part by no more than the tolerance.
+bool matches_one_rank(const Config& c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus,
+                      std::vector<gpt::CurvePoint>& curve, int rank) {
+  const auto reference = train_alone(c, model_config, corpus);
+  double worst = 0;
+  for (auto& point : curve) {
+    point.reference = reference[point.step - 1];
+    worst = std::max(worst, std::abs(point.loss - *point.reference) / std::abs(*point.reference));
+    if (rank == 0) {
+      std::printf("check step %d/%d: loss %.6f (one rank %.6f)\n", point.step, c.steps, point.loss, *point.reference);
+    }
+  }
+  const double allowed = tolerance(c.precision);
+  const bool ok = worst <= allowed;
+  if (rank == 0) {
+    std::printf("max relative difference from one rank %.2g (tolerance %.0e): %s\n", worst, allowed,
+                ok ? "ok" : "MISMATCH");
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -273,24 +295,7 @@ int main(int argc, char** argv) {
       }
     }
 
-    bool ok = true;
-    if (c.check) {
-      const auto reference = train_alone(c, model_config, corpus);
-      double worst = 0;
-      for (auto& point : curve) {
-        point.reference = reference[point.step - 1];
-        worst = std::max(worst, std::abs(point.loss - *point.reference) / std::abs(*point.reference));
-        if (rank == 0) {
-          std::printf("check step %d/%d: loss %.6f (one rank %.6f)\n", point.step, c.steps, point.loss, *point.reference);
-        }
-      }
-      const double allowed = tolerance(c.precision);
-      ok = worst <= allowed;
-      if (rank == 0) {
-        std::printf("max relative difference from one rank %.2g (tolerance %.0e): %s\n", worst, allowed,
-                    ok ? "ok" : "MISMATCH");
-      }
-    }
+    const bool ok = !c.check || matches_one_rank(c, model_config, corpus, curve, rank);
     if (rank == 0 && c.curve != "none" && !curve.empty()) {
       gpt::write_csv(c.curve + ".csv", curve);
       gpt::write_svg(c.curve + ".svg", curve, "gpt_train " + c.layout() + ", " + c.schedule);
