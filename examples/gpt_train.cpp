@@ -1,7 +1,8 @@
 // A small GPT trained tensor x pipeline x data parallel (+ sequence
 // parallel), checked against the same model on one rank.
 //
-//   commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2 [--sp] [--microbatches 4] [--steps 10]
+//   commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2 [--cp 1 [--cp-mode ring|allgather|ulysses]]
+//                               [--sp] [--microbatches 4] [--steps 10]
 //                               [--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank 2] [--fsdp]
 //                               [--precision fp32|bf16|fp16]
 //                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
@@ -23,7 +24,10 @@
 // a unit of its own) and stepped by the same AdamW. Each step takes a
 // global batch of 8 sequences of a deterministic corpus (examples/gpt/
 // corpus.h; --text FILE: the file's bytes): every replica its 8/dp rows,
-// split into `microbatches`.
+// split into `microbatches`. With --cp N each sequence is split over N
+// context-parallel ranks (head-tail, positions included; attention across
+// them by --cp-mode), gradients and the logged loss averaged over data x
+// context: the loss printed is the loss of the whole sequence.
 //
 // Rank 0 shows the progress (one updating line on a terminal, plain lines
 // otherwise) and writes the loss curve to PREFIX.csv and PREFIX.svg
@@ -75,7 +79,8 @@ double tolerance(const std::string& precision) {
 }
 
 struct Config {
-  int tp = 1, pp = 1, dp = 1;
+  int tp = 1, pp = 1, dp = 1, cp = 1;
+  std::string cp_mode = "ring";
   bool sp = false;
   bool fsdp = false;
   std::string precision = "fp32";
@@ -91,6 +96,7 @@ struct Config {
 
   std::string layout() const {
     return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp) +
+           (cp > 1 ? " x CP=" + std::to_string(cp) + " (" + cp_mode + ")" : "") +
            (sp ? " (SP)" : "") + (fsdp ? " (FSDP)" : "") + (precision != "fp32" ? " " + precision : "");
   }
 };
@@ -104,6 +110,7 @@ gpt::TrainerOptions trainer_options(const Config& c) {
   o.stages_per_rank = c.stages_per_rank;
   o.fsdp = c.fsdp;
   o.precision = c.precision;
+  o.cp_mode = c.cp_mode;
   return o;
 }
 
@@ -118,6 +125,9 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--tp", c.tp, "tensor-parallel ranks")->check(cli::positive());
   app.add_option("--pp", c.pp, "pipeline stages (ranks)")->check(cli::positive());
   app.add_option("--dp", c.dp, "data-parallel replicas")->check(cli::positive());
+  app.add_option("--cp", c.cp, "context-parallel ranks (each sequence split over them)")->check(cli::positive());
+  app.add_option("--cp-mode", c.cp_mode, "attention across the context-parallel ranks:\nring, allgather or ulysses")
+      ->check(cli::one_of({"ring", "allgather", "ulysses"}));
   app.add_flag("--sp", c.sp, "sequence parallelism (with --tp)");
   app.add_flag("--fsdp", c.fsdp, "shard parameters, gradients and optimizer state over DP\n(commgrad::fsdp, one unit per layer) instead of ZeRO-2");
   app.add_option("--precision", c.precision,
@@ -158,6 +168,11 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       // recomputed layer's forward runs without grad (docs/recompute.md).
       throw cli::usage_error("--recompute full does not combine with --schedule zbh1 yet (selective does)");
     }
+    const int64_t sequence = gpt::GptConfig().sequence;
+    if (c.cp > 1 && sequence % (2 * c.cp) != 0) {
+      throw cli::usage_error("--cp " + std::to_string(c.cp) + ": the sequence of " + std::to_string(sequence) +
+                             " tokens does not split into 2 x " + std::to_string(c.cp) + " chunks (head-tail)");
+    }
     if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
                              std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
@@ -192,6 +207,28 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   return losses;
 }
 
+// --check: trains the model alone, puts its losses beside `curve`'s, prints
+// them (rank 0); true when they part by no more than the tolerance.
+bool matches_one_rank(const Config& c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus,
+                      std::vector<gpt::CurvePoint>& curve, int rank) {
+  const auto reference = train_alone(c, model_config, corpus);
+  double worst = 0;
+  for (auto& point : curve) {
+    point.reference = reference[point.step - 1];
+    worst = std::max(worst, std::abs(point.loss - *point.reference) / std::abs(*point.reference));
+    if (rank == 0) {
+      std::printf("check step %d/%d: loss %.6f (one rank %.6f)\n", point.step, c.steps, point.loss, *point.reference);
+    }
+  }
+  const double allowed = tolerance(c.precision);
+  const bool ok = worst <= allowed;
+  if (rank == 0) {
+    std::printf("max relative difference from one rank %.2g (tolerance %.0e): %s\n", worst, allowed,
+                ok ? "ok" : "MISMATCH");
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -201,9 +238,10 @@ int main(int argc, char** argv) {
     commgrad::init_process_group();
     const int rank = commgrad::rank();
     const int n = commgrad::world_size();
-    if (static_cast<int64_t>(c.tp) * c.pp * c.dp != n) {
+    if (static_cast<int64_t>(c.tp) * c.pp * c.dp * c.cp != n) {
       throw std::invalid_argument("--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) + " x --dp " +
-                                  std::to_string(c.dp) + " is not the world size " + std::to_string(n));
+                                  std::to_string(c.dp) + (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : "") +
+                                  " is not the world size " + std::to_string(n));
     }
     gpt::GptConfig model_config;
     const auto corpus =
@@ -225,10 +263,12 @@ int main(int argc, char** argv) {
       std::printf("; data %s\n", corpus.describe().c_str());
       std::fflush(stdout);
     }
-    const auto state = commgrad::make_model_parallel(c.tp, c.pp, commgrad::world());
+    const auto state = commgrad::make_model_parallel(
+        commgrad::ModelParallelOptions(c.tp, c.pp).context_parallel_size(c.cp), commgrad::world());
     gpt::Trainer trainer(trainer_options(c), model_config,
                          gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
-                                     state.data_parallel_group(), state.embedding_group()});
+                                     state.data_parallel_group(), state.embedding_group(),
+                                     state.context_parallel_group(), state.data_context_parallel_group()});
     int start = 0;  // steps done before this run
     if (!c.resume.empty()) {
       const auto [step, saved_layout] = trainer.load(c.resume);
@@ -255,24 +295,7 @@ int main(int argc, char** argv) {
       }
     }
 
-    bool ok = true;
-    if (c.check) {
-      const auto reference = train_alone(c, model_config, corpus);
-      double worst = 0;
-      for (auto& point : curve) {
-        point.reference = reference[point.step - 1];
-        worst = std::max(worst, std::abs(point.loss - *point.reference) / std::abs(*point.reference));
-        if (rank == 0) {
-          std::printf("check step %d/%d: loss %.6f (one rank %.6f)\n", point.step, c.steps, point.loss, *point.reference);
-        }
-      }
-      const double allowed = tolerance(c.precision);
-      ok = worst <= allowed;
-      if (rank == 0) {
-        std::printf("max relative difference from one rank %.2g (tolerance %.0e): %s\n", worst, allowed,
-                    ok ? "ok" : "MISMATCH");
-      }
-    }
+    const bool ok = !c.check || matches_one_rank(c, model_config, corpus, curve, rank);
     if (rank == 0 && c.curve != "none" && !curve.empty()) {
       gpt::write_csv(c.curve + ".csv", curve);
       gpt::write_svg(c.curve + ".svg", curve, "gpt_train " + c.layout() + ", " + c.schedule);

@@ -10,7 +10,8 @@ namespace checkpoint = commgrad::checkpoint;
 Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, const Layout& layout)
     : options_(options),
       layout_(layout),
-      model_(model_config, layout.pp.rank(), layout.pp.size(), options.stages_per_rank, layout.tp) {
+      model_(model_config, layout.pp.rank(), layout.pp.size(), options.stages_per_rank, layout.tp,
+             commgrad::cp::ContextParallelOptions(layout.cp, commgrad::cp::parse_mode(options.cp_mode))) {
   make_optimizer();
   std::vector<commgrad::pp::StageFunction> stages;
   for (int v = 0; v < options.stages_per_rank; ++v) {
@@ -46,12 +47,12 @@ void Trainer::make_optimizer() {
   if (options_.fsdp) {
     const auto policy = commgrad::dp::MixedPrecisionPolicy().param_dtype(dtype).reduce_dtype(
         dtype ? c10::optional<at::ScalarType>(at::kFloat) : c10::nullopt);
-    sharded_ = model_->fully_shard(commgrad::fsdp::FullyShardOptions(layout_.dp).mixed_precision(policy),
+    sharded_ = model_->fully_shard(commgrad::fsdp::FullyShardOptions(layout_.replicas()).mixed_precision(policy),
                                    layout_.embedding);
     optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), adamw);
     if (options_.precision == "fp16") {
       scaler_ = std::make_unique<commgrad::optim::DynamicLossScaler>(
-          commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups({layout_.dp, layout_.tp, layout_.pp}));
+          commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups({layout_.replicas(), layout_.tp, layout_.pp}));
     }
     return;
   }
@@ -60,7 +61,7 @@ void Trainer::make_optimizer() {
   zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
       model_,
       [adamw](std::vector<torch::Tensor> shards) { return std::make_unique<torch::optim::AdamW>(shards, adamw); },
-      commgrad::optim::ZeroOptimizerOptions(commgrad::dp::DistributedDataParallelOptions(layout_.dp))
+      commgrad::optim::ZeroOptimizerOptions(commgrad::dp::DistributedDataParallelOptions(layout_.replicas()))
           .stage(2)
           .max_grad_norm(1.0)
           .tensor_parallel_group(layout_.tp)
@@ -73,17 +74,25 @@ double Trainer::step(const Corpus& corpus, int k) {
   auto [x, y] = corpus.batch(k, options_.batch, model_->config().sequence);
   const int replicas = layout_.dp.size();
   const int replica = layout_.dp.rank();
+  x = x.chunk(replicas, 0)[replica];
+  y = y.chunk(replicas, 0)[replica];
+  if (layout_.cp.defined() && layout_.cp.size() > 1) {  // this rank's head-tail part of every sequence
+    x = commgrad::cp::shard_sequence(x, 1, commgrad::cp::SequenceLayout::kHeadTail, layout_.cp);
+    y = commgrad::cp::shard_sequence(y, 1, commgrad::cp::SequenceLayout::kHeadTail, layout_.cp);
+  }
   if (options_.fsdp) {
     optimizer_->zero_grad();
-    last_ = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
+    last_ = pipe_->step(x, y);
     step_sharded();
   } else {
     zero_->zero_grad();
-    last_ = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
+    last_ = pipe_->step(x, y);
     zero_->step();
   }
+  // Each rank's loss is the mean over its tokens (the same number on every
+  // rank): their mean over data x context is the mean over every token.
   return commgrad::ops::raw::all_reduce(torch::full({1}, last_.loss, torch::kDouble),
-                                        commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg), layout_.dp)
+                                        commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg), layout_.replicas())
       .wait()
       .item<double>();
 }

@@ -20,6 +20,7 @@
 // The layers built as separate libraries (see CMakeLists.txt), bottom up.
 #include "commgrad/backend.h"
 #include "commgrad/ops.h"
+#include "commgrad/cp.h"
 #include "commgrad/tp.h"
 #include "commgrad/dp.h"
 #include "commgrad/optim.h"

@@ -69,7 +69,8 @@ void ParallelTransformerLayerImpl::reset() {
                                                                      .sequence_parallel(options.sequence_parallel())
                                                                      .recompute_core(options.recompute() ==
                                                                                      RecomputeGranularity::kSelective)
-                                                                     .seed(seed)));
+                                                                     .seed(seed)
+                                                                     .context_parallel(options.context_parallel())));
   ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
   mlp = register_module("mlp", ParallelMLP(ParallelMLPOptions(h, options.ffn_hidden_size(), g)
                                                .sequence_parallel(options.sequence_parallel())

@@ -70,7 +70,7 @@ TEST(LayoutTest, NoSourceIsOverSixHundredLines) {
 // and reach it through ops::raw, never around it.
 TEST(LayoutTest, UpperLayersReachTheWireOnlyThroughOps) {
   std::vector<std::string> offenders;
-  for (const char* layer : {"ops", "dp", "tp", "optim", "fsdp", "pp", "check", "checkpoint"}) {
+  for (const char* layer : {"ops", "cp", "dp", "tp", "optim", "fsdp", "pp", "check", "checkpoint"}) {
     for (const char* ext : {".cpp", ".h"}) {
       auto files = files_under(kRoot / "src" / layer, ext);
       for (const auto& header : files_under(kRoot / "include" / "commgrad" / layer, ext)) files.push_back(header);
@@ -176,10 +176,8 @@ TEST(LayoutTest, NoFunctionIsOverEightyLines) {
   const std::map<std::string, int> known = {
       {"bench/zero_bench.cpp:193", 162},
       {"bench/collectives/main.cpp:258", 92},
-      {"examples/gpt_train.cpp:197", 92},
       {"src/checkpoint/load.cpp:84", 93},
   };
-
   std::vector<std::string> offenders;
   for (const char* dir : {"src", "tools", "examples", "bench"}) {
     for (const char* ext : {".cpp", ".h"}) {
