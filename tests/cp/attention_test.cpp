@@ -11,6 +11,7 @@
 #include "commgrad/cp/sequence.h"
 #include "commgrad/cp/ulysses.h"
 
+#include "harness/expect_error.h"
 #include "harness/spawn_ranks.h"
 
 #include <gmock/gmock.h>
@@ -29,15 +30,7 @@ namespace {
 using commgrad::testing::spawn_ranks;
 using ::testing::HasSubstr;
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
+using commgrad::testing::error_of;
 
 // The reference, written apart from the library: einsum and an additive mask.
 at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {

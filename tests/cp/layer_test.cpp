@@ -12,6 +12,7 @@
 #include "commgrad/tp/attention.h"
 #include "commgrad/tp/reference.h"
 
+#include "harness/expect_error.h"
 #include "harness/spawn_ranks.h"
 
 #include <gmock/gmock.h>
@@ -20,6 +21,8 @@
 
 namespace commgrad::cp {
 namespace {
+
+using commgrad::testing::error_of;
 
 using commgrad::testing::spawn_ranks;
 using ::testing::HasSubstr;
@@ -91,14 +94,6 @@ TEST(CpSelfAttention, MatchesTheReferenceAtTp1AndTp2) {
 TEST(CpSelfAttention, Errors) {
   spawn_ranks(2, [](Group& g) {
     const std::string where = g.describe() + ": ";
-    auto error_of = [](auto&& f) -> std::string {
-      try {
-        f();
-      } catch (const c10::Error& e) {
-        return e.what_without_backtrace();
-      }
-      return "(no error)";
-    };
     const Group alone = self_group();
     EXPECT_THAT(error_of([&] {
                   tp::ParallelSelfAttention(tp::ParallelSelfAttentionOptions(8, 2, alone).attention_dropout(0.1).context_parallel(
