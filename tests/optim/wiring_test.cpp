@@ -5,9 +5,13 @@
 //   tensor-parallel group, for a module of tensor-parallel shards;
 // - a norm's tensor-parallel group that is not the group the shards are
 //   split over.
+// And the norm over a module (optim::clip_grad_norm_(module, ...)), which
+// knows the shards, with DDP follows one rank where the list of parameters
+// cannot.
 // Before these checks each of them trained silently wrong.
 
 #include "harness/spawn_ranks.h"
+#include "tp/reference.h"
 
 #include <commgrad/commgrad.h>
 #include <gmock/gmock.h>
@@ -98,6 +102,42 @@ TEST(WiringChecks, FullyShardNormTakesTheShardsGroup) {
       norms[given] = sharded.clip_grad_norm_(1e9, given ? state.tensor_parallel_group() : Group());
     }
     EXPECT_DOUBLE_EQ(norms[0], norms[1]);
+  });
+}
+
+// DDP at TP=2 x DP=2 with the module's norm, groups from the layout, against
+// plain LibTorch on one rank with the same clipping: step by step.
+TEST(WiringChecks, ClipOverAModuleFollowsOneRankWithDdp) {
+  constexpr int kSteps = 4;
+  const auto x = seeded_randn({kSteps, 8, kModel}, 1), y = seeded_randn({kSteps, 8, kModel}, 2);
+  spawn_ranks(4, [&](Group& world) {
+    ScopedParallelState scope(make_model_parallel(2, 1, world));
+    tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn).seed(42));
+    dp::DistributedDataParallel ddp(mlp.ptr());
+    torch::optim::AdamW opt(mlp->parameters(), torch::optim::AdamWOptions(0.02));
+    ReferenceMLP reference(kModel, kFfn, true, 42);
+    torch::optim::AdamW reference_opt(reference->parameters(), torch::optim::AdamWOptions(0.02));
+    const int dp = data_parallel_rank();
+    const auto result = check::check_trajectory(
+        [&](int k) {
+          opt.zero_grad();
+          auto loss = torch::mse_loss(mlp->forward(x[k].chunk(2, 0)[dp]), y[k].chunk(2, 0)[dp]);
+          loss.backward();
+          optim::clip_grad_norm_(*mlp, 0.05);
+          opt.step();
+          return loss.item<double>();
+        },
+        *mlp,
+        [&](int k) {
+          reference_opt.zero_grad();
+          auto loss = torch::mse_loss(reference->forward(x[k]), y[k]);
+          loss.backward();
+          optim::clip_grad_norm_(reference->parameters(), 0.05);
+          reference_opt.step();
+          return loss.item<double>();
+        },
+        *reference, check::TrajectoryOptions(kSteps));
+    EXPECT_TRUE(result.ok()) << result;
   });
 }
 
