@@ -5,7 +5,8 @@
 //          parses index.json, checks its destination pieces against it
 //          (name present, same dtype, same global shape) and all-gathers
 //          the names it loads; with strict(), every rank then checks that
-//          each required tensor of the checkpoint is loaded by some rank
+//          each required tensor of the checkpoint is loaded by some rank,
+//          in the sections (name up to its first '/') that are loaded at all
 //   read   each rank assembles every destination piece into a temporary
 //          buffer (detail/reshard.h), reading only the saved pieces that
 //          overlap it and checking their checksums
@@ -47,6 +48,12 @@ std::string list_names(const std::vector<std::string>& names, size_t most = 8) {
   for (size_t i = 0; i < names.size() && i < most; ++i) out += c10::str(i ? ", " : "", "'", names[i], "'");
   if (names.size() > most) out += c10::str(", ... (", names.size(), " in all)");
   return out;
+}
+
+// "model/" of "model/fc1.weight": the name up to its first '/' ("" for none).
+std::string section_of(const std::string& name) {
+  const auto slash = name.find('/');
+  return slash == std::string::npos ? std::string() : name.substr(0, slash + 1);
 }
 
 std::string list_steps(const std::string& root) {
@@ -141,9 +148,13 @@ LoadResult load(const std::string& root, const std::vector<TensorPiece>& pieces,
     for (const auto& name : j.at("names")) loaded.insert(name.get<std::string>());
   }
   if (options.strict()) {
+    // Only sections some rank loads count: a weights-only load of a training
+    // checkpoint ("model/" without "optim/" and "rng/") is strict about the model.
+    std::set<std::string> sections;
+    for (const auto& name : loaded) sections.insert(section_of(name));
     std::vector<std::string> extra;
     for (const auto& [name, saved] : index.tensors) {
-      if (saved.required && !loaded.count(name)) extra.push_back(name);
+      if (saved.required && !loaded.count(name) && sections.count(section_of(name))) extra.push_back(name);
     }
     COMMGRAD_CHECK(extra.empty(), kOp, group, "the checkpoint ", result.directory, " holds ", extra.size(),
                    " tensor", extra.size() == 1 ? "" : "s", " that no rank loads: ", list_names(extra),

@@ -9,6 +9,7 @@
 #include "detail/pending.h"
 
 #include "commgrad/dist/check.h"
+#include "commgrad/dist/terminate_handler.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/util/error.h"
 #include "commgrad/util/print.h"
@@ -48,6 +49,10 @@ std::string ranks_behind_addresses(const std::string& message, const Group& grou
 }
 
 }  // namespace
+
+PendingState::~PendingState() {
+  if (!done && !error && group.defined()) commgrad::detail::note_collective_finished(sequence, group.state());
+}
 
 std::string message_of(const std::exception& e) {
   if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) return c10e->what_without_backtrace();
@@ -107,6 +112,7 @@ at::Tensor Pending::wait() {
     throw;
   }
   s.done = true;
+  commgrad::detail::note_collective_finished(s.sequence, s.group.state());
   return s.result;
 }
 

@@ -21,6 +21,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <sstream>
 #include <thread>
 
 namespace commgrad {
@@ -259,6 +260,9 @@ TEST(ProcessGroup, BuildInfoNamesVersionLibTorchAndTransports) {
       << info.torch_version;
   EXPECT_EQ(info.cxx_standard, __cplusplus >= 202002L ? 20 : 17);  // the standard this test is compiled with
   EXPECT_EQ(info.to_string(), COMMGRAD_BUILD_INFO_STRING);
+  std::ostringstream printed;
+  printed << info;
+  EXPECT_EQ(printed.str(), COMMGRAD_BUILD_INFO_STRING);
   EXPECT_EQ(available_backends(), info.transports);
   EXPECT_EQ(std::count(info.transports.begin(), info.transports.end(), "nccl"), COMMGRAD_HAVE_NCCL);
 }

@@ -19,6 +19,9 @@ using Clock = std::chrono::steady_clock;
 /// The transport's work handles of one raw call and the local step that
 /// turns their buffers into the result.
 struct PendingState {
+  /// A call dropped without a wait counts as finished for the terminate
+  /// handler (nobody waits on it any more); a failed one does not.
+  ~PendingState();
   const char* op = "";
   Group group;
   uint64_t sequence = 0;
