@@ -21,7 +21,7 @@ max=64M
 factor=4
 iters=20
 warmup=5
-out=bench/results
+out=bench/results/transports/$(date +%Y-%m-%d)  # a run folder beside the earlier runs
 build=${COMMGRAD_BUILD_DIR:-build}
 while [[ $# -gt 0 ]]; do
   case $1 in

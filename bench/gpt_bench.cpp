@@ -33,6 +33,10 @@
 //   commgrad-run -n 2 gpt_bench [--layout TP,PP,DP[,SCHEDULE[,V]]]... [--hidden 256] [--heads 8]
 //                               [--ffn 1024] [--layers 8] [--sequence 128] [--vocab 256] [--batch 16]
 //                               [--microbatches 4] [--warmup 2] [--steps 5] [--untie]
+//                               [--cp N [--cp-mode ring|allgather|ulysses]]
+//
+// --cp N adds N context-parallel ranks to every layout (each sequence split
+// over them, head-tail; tokens/s counts every token once).
 //
 // --untie gives the output layer a weight of its own (GptConfig::tie), the
 // form torch.distributed.pipelining can express (bench/gpt_bench.py).
@@ -64,10 +68,12 @@ struct LayoutSpec {
   int tp = 1, pp = 1, dp = 1;
   std::string schedule = "1f1b";
   int v = 1;
+  int cp = 1;  // --cp: context-parallel ranks of every layout
 
-  int world() const { return tp * pp * dp; }
+  int world() const { return tp * pp * dp * cp; }
   std::string name() const {
-    return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp);
+    return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp) +
+           (cp > 1 ? " x CP=" + std::to_string(cp) : "");
   }
 };
 
@@ -78,6 +84,8 @@ struct Config {
   int warmup = 2;
   int steps = 5;
   std::vector<LayoutSpec> layouts;
+  int cp = 1;
+  std::string cp_mode = "ring";
 };
 
 // "tp,pp,dp[,schedule[,v]]"; v defaults to 2 for the interleaved schedule.
@@ -145,6 +153,10 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       ->allow_extra_args(false)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
       ->always_capture_default(false);
+  app.add_option("--cp", c.cp, "context-parallel ranks in every layout (each sequence split over them)")
+      ->check(cli::positive());
+  app.add_option("--cp-mode", c.cp_mode, "attention across them: ring, allgather or ulysses")
+      ->check(cli::one_of({"ring", "allgather", "ulysses"}));
   app.add_option("--hidden", c.model.hidden, "model width")->check(cli::positive<int64_t>());
   app.add_option("--heads", c.model.heads, "attention heads")->check(cli::positive<int64_t>());
   app.add_option("--ffn", c.model.ffn, "inner width of the MLP")->check(cli::positive<int64_t>());
@@ -179,15 +191,19 @@ struct Row {
 // Trains `l` for warm-up plus measured steps; the result is the same on every rank.
 Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) {
   const commgrad::Group world = commgrad::world();
-  const auto state = commgrad::make_model_parallel(l.tp, l.pp, world);
+  const auto state =
+      commgrad::make_model_parallel(commgrad::ModelParallelOptions(l.tp, l.pp).context_parallel_size(l.cp), world);
   gpt::TrainerOptions options;
+  options.cp_mode = c.cp_mode;
   options.batch = c.batch;
   options.microbatches = c.microbatches;
   options.schedule = l.schedule;
   options.stages_per_rank = l.v;
   gpt::Trainer trainer(options, c.model,
                        gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
-                                   state.data_parallel_group(), state.embedding_group(), commgrad::Group()});
+                                   state.data_parallel_group(), state.embedding_group(),
+                                   state.context_parallel_group(), state.data_context_parallel_group(),
+                                   state.expert_data_parallel_group()});
   const auto sum = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kSum);
   const auto max = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMax);
   std::vector<double> step_times, bubbles, busiest, forwards, backwards, weights;
@@ -236,7 +252,8 @@ int main(int argc, char** argv) {
     commgrad::init_process_group();
     const int n = commgrad::world_size();
     const bool speaker = commgrad::rank() == 0;
-    if (c.layouts.empty()) c.layouts = default_layouts(n);
+    if (c.layouts.empty()) c.layouts = default_layouts(n % c.cp == 0 ? n / c.cp : n);
+    for (auto& l : c.layouts) l.cp = c.cp;
     const auto corpus = gpt::Corpus::synthetic(c.model.vocab);
     const auto& m = c.model;
     if (speaker) {

@@ -1,7 +1,8 @@
 // A small GPT trained tensor x pipeline x data parallel (+ sequence
 // parallel), checked against the same model on one rank.
 //
-//   commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2 [--sp] [--microbatches 4] [--steps 10]
+//   commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2 [--cp 1 [--cp-mode ring|allgather|ulysses]]
+//                               [--sp] [--microbatches 4] [--steps 10]
 //                               [--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank 2] [--fsdp]
 //                               [--precision fp32|bf16|fp16]
 //                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
@@ -24,7 +25,10 @@
 // a unit of its own) and stepped by the same AdamW. Each step takes a
 // global batch of 8 sequences of a deterministic corpus (examples/gpt/
 // corpus.h; --text FILE: the file's bytes): every replica its 8/dp rows,
-// split into `microbatches`.
+// split into `microbatches`. With --cp N each sequence is split over N
+// context-parallel ranks (head-tail, positions included; attention across
+// them by --cp-mode), gradients and the logged loss averaged over data x
+// context: the loss printed is the loss of the whole sequence.
 //
 // Rank 0 shows the progress (one updating line on a terminal, plain lines
 // otherwise) and writes the loss curve to PREFIX.csv and PREFIX.svg
@@ -82,7 +86,8 @@ double tolerance(const std::string& precision) {
 }
 
 struct Config {
-  int tp = 1, pp = 1, dp = 1;
+  int tp = 1, pp = 1, dp = 1, cp = 1;
+  std::string cp_mode = "ring";
   bool sp = false;
   bool fsdp = false;
   std::string precision = "fp32";
@@ -99,6 +104,7 @@ struct Config {
 
   std::string layout() const {
     return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp) +
+           (cp > 1 ? " x CP=" + std::to_string(cp) + " (" + cp_mode + ")" : "") +
            (ep > 1 ? " (EP=" + std::to_string(ep) + ")" : "") + (sp ? " (SP)" : "") + (fsdp ? " (FSDP)" : "") +
            (precision != "fp32" ? " " + precision : "");
   }
@@ -113,14 +119,27 @@ gpt::TrainerOptions trainer_options(const Config& c) {
   o.stages_per_rank = c.stages_per_rank;
   o.fsdp = c.fsdp;
   o.precision = c.precision;
+  o.cp_mode = c.cp_mode;
   return o;
+}
+
+// --experts, --topk, --moe-every, --ep.
+void add_expert_options(commgrad::cli::App& app, Config& c) {
+  namespace cli = commgrad::cli;
+  app.add_option("--experts", c.experts, "mixture of experts: every layer's FFN a MoE block of\nthis many experts (0: dense)")
+      ->check(cli::non_negative());
+  app.add_option("--topk", c.topk, "experts per token (with --experts)")->check(cli::positive());
+  app.add_option("--moe-every", c.moe_every, "with --experts: every layer (1) or every other (2) MoE")
+      ->check(cli::positive());
+  app.add_option("--ep", c.ep, "expert-parallel ranks (split the experts; divides --dp)")->check(cli::positive());
 }
 
 // The combinations --experts does not support (yet), named.
 void check_experts(const Config& c) {
   namespace cli = commgrad::cli;
-  if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty() || c.schedule == "zbh1")) {
-    throw cli::usage_error("--experts does not combine with --sp, --fsdp, --save, --resume or --schedule zbh1 yet");
+  if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty() || c.schedule == "zbh1" || c.cp > 1)) {
+    throw cli::usage_error(
+        "--experts does not combine with --sp, --fsdp, --save, --resume, --schedule zbh1 or --cp yet");
   }
   if (c.ep > 1 && (c.experts == 0 || c.dp % c.ep != 0 || c.experts % c.ep != 0)) {
     throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +
@@ -143,6 +162,9 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--tp", c.tp, "tensor-parallel ranks")->check(cli::positive());
   app.add_option("--pp", c.pp, "pipeline stages (ranks)")->check(cli::positive());
   app.add_option("--dp", c.dp, "data-parallel replicas")->check(cli::positive());
+  app.add_option("--cp", c.cp, "context-parallel ranks (each sequence split over them)")->check(cli::positive());
+  app.add_option("--cp-mode", c.cp_mode, "attention across the context-parallel ranks:\nring, allgather or ulysses")
+      ->check(cli::one_of({"ring", "allgather", "ulysses"}));
   app.add_flag("--sp", c.sp, "sequence parallelism (with --tp)");
   app.add_flag("--fsdp", c.fsdp, "shard parameters, gradients and optimizer state over DP\n(commgrad::fsdp, one unit per layer) instead of ZeRO-2");
   app.add_option("--precision", c.precision,
@@ -167,12 +189,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--recompute", c.recompute,
                  "activation recomputation of every layer: none, selective\n(the attention core) or full (the whole layer)")
       ->check(cli::one_of({"none", "selective", "full"}));
-  app.add_option("--experts", c.experts, "mixture of experts: every layer's FFN a MoE block of\nthis many experts (0: dense)")
-      ->check(cli::non_negative());
-  app.add_option("--topk", c.topk, "experts per token (with --experts)")->check(cli::positive());
-  app.add_option("--moe-every", c.moe_every, "with --experts: every layer (1) or every other (2) MoE")
-      ->check(cli::positive());
-  app.add_option("--ep", c.ep, "expert-parallel ranks (split the experts; divides --dp)")->check(cli::positive());
+  add_expert_options(app, c);
   app.add_flag("--check", c.check, "also train on one rank and compare the curves\n(exit 1 when they part)");
   return cli::parse(app, argc, argv, [&c] {
     if (c.stages_per_rank == 0) c.stages_per_rank = c.schedule == "interleaved" ? 2 : 1;
@@ -188,6 +205,11 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       // zbh1 defers weight gradients when the forward runs; a fully
       // recomputed layer's forward runs without grad (docs/recompute.md).
       throw cli::usage_error("--recompute full does not combine with --schedule zbh1 yet (selective does)");
+    }
+    const int64_t sequence = gpt::GptConfig().sequence;
+    if (c.cp > 1 && sequence % (2 * c.cp) != 0) {
+      throw cli::usage_error("--cp " + std::to_string(c.cp) + ": the sequence of " + std::to_string(sequence) +
+                             " tokens does not split into 2 x " + std::to_string(c.cp) + " chunks (head-tail)");
     }
     if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
@@ -219,7 +241,7 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   config.ep_group = commgrad::Group();  // every expert on this rank
   config.sequence_parallel = false;
   config.recompute = tp::RecomputeGranularity::kNone;  // the plain curve
-  gpt::Trainer trainer(trainer_options(c), config, gpt::Layout{alone, alone, alone, alone, alone});
+  gpt::Trainer trainer(trainer_options(c), config, gpt::Layout{alone, alone, alone, alone});
   std::vector<double> losses;
   for (int k = 0; k < c.steps; ++k) losses.push_back(trainer.step(corpus, k));
   return losses;
@@ -252,10 +274,10 @@ void print_header(const Config& c, const gpt::GptConfig& model_config, const gpt
   std::fflush(stdout);
 }
 
-// --check: trains alone, fills the curve's reference, and says (rank 0)
-// whether the curves stay within the dtype's tolerance.
-bool check_against_one_rank(const Config& c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus,
-                            std::vector<gpt::CurvePoint>& curve, int rank) {
+// --check: trains the model alone, puts its losses beside `curve`'s, prints
+// them (rank 0); true when they part by no more than the tolerance.
+bool matches_one_rank(const Config& c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus,
+                      std::vector<gpt::CurvePoint>& curve, int rank) {
   const auto reference = train_alone(c, model_config, corpus);
   double worst = 0;
   for (auto& point : curve) {
@@ -283,9 +305,10 @@ int main(int argc, char** argv) {
     commgrad::init_process_group();
     const int rank = commgrad::rank();
     const int n = commgrad::world_size();
-    if (static_cast<int64_t>(c.tp) * c.pp * c.dp != n) {
+    if (static_cast<int64_t>(c.tp) * c.pp * c.dp * c.cp != n) {
       throw std::invalid_argument("--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) + " x --dp " +
-                                  std::to_string(c.dp) + " is not the world size " + std::to_string(n));
+                                  std::to_string(c.dp) + (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : "") +
+                                  " is not the world size " + std::to_string(n));
     }
     gpt::GptConfig model_config;
     const auto corpus =
@@ -293,11 +316,13 @@ int main(int argc, char** argv) {
     configure_model(c, corpus, model_config);
     if (rank == 0) print_header(c, model_config, corpus);
     const auto state = commgrad::make_model_parallel(
-        commgrad::ModelParallelOptions(c.tp, c.pp).expert_parallel_size(c.ep), commgrad::world());
+        commgrad::ModelParallelOptions(c.tp, c.pp).context_parallel_size(c.cp).expert_parallel_size(c.ep),
+        commgrad::world());
     model_config.ep_group = state.expert_parallel_group();
     gpt::Trainer trainer(trainer_options(c), model_config,
                          gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
                                      state.data_parallel_group(), state.embedding_group(),
+                                     state.context_parallel_group(), state.data_context_parallel_group(),
                                      state.expert_data_parallel_group()});
     int start = 0;  // steps done before this run
     if (!c.resume.empty()) {
@@ -325,7 +350,7 @@ int main(int argc, char** argv) {
       }
     }
 
-    const bool ok = !c.check || check_against_one_rank(c, model_config, corpus, curve, rank);
+    const bool ok = !c.check || matches_one_rank(c, model_config, corpus, curve, rank);
     if (rank == 0 && c.curve != "none" && !curve.empty()) {
       gpt::write_csv(c.curve + ".csv", curve);
       gpt::write_svg(c.curve + ".svg", curve, "gpt_train " + c.layout() + ", " + c.schedule);

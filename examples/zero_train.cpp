@@ -125,6 +125,81 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   });
 }
 
+// ZeRO: each rank starts from its own seed; construction broadcasts rank 0's.
+// Returns the optimizer state this rank holds, in bytes.
+int64_t train_with_zero(Mlp& model, const Config& c, const Dataset& data, int rank, int n,
+                        const commgrad::dp::DistributedDataParallelOptions& buckets) {
+  commgrad::optim::ZeroOptimizer zero(
+      model, [&](std::vector<torch::Tensor> shards) { return make_optimizer(c.optimizer, shards); },
+      commgrad::optim::ZeroOptimizerOptions(buckets).stage(c.stage).max_grad_norm(c.max_grad_norm));
+  if (rank == 0) {
+    std::cout << commgrad::build_info().to_string() << "\n";
+    std::cout << "world: " << n << " ranks, backend " << commgrad::world().backend_name() << "; ZeRO-" << c.stage
+              << " with " << c.optimizer << ", " << zero.shards().size() << " buckets" << std::endl;
+  }
+  for (int epoch = 1; epoch <= c.epochs; ++epoch) {
+    const double local = train_epoch(model, data, c, rank, n, [&] { return zero.no_sync(); }, [&] {
+      zero.step();
+      zero.zero_grad();
+    });
+    const auto loss = commgrad::ops::all_reduce(torch::full({1}, local, torch::kDouble));
+    if (rank == 0) {
+      std::printf("epoch %d/%d: loss %.6f\n", epoch, c.epochs, loss.item<double>() / n);
+      std::fflush(stdout);
+    }
+  }
+  return zero.state_bytes();
+}
+
+// The same training with DDP and an unsharded optimizer, from rank 0's
+// start; prints the optimizer state per rank of both.
+void train_with_ddp(Mlp& reference, const Config& c, const Dataset& data, int rank, int n,
+                    const commgrad::dp::DistributedDataParallelOptions& buckets, int64_t zero_state) {
+  commgrad::dp::DistributedDataParallel ddp(reference, buckets);
+  auto opt = make_optimizer(c.optimizer, reference->parameters());
+  for (int epoch = 1; epoch <= c.epochs; ++epoch) {
+    train_epoch(reference, data, c, rank, n, [&] { return ddp.no_sync(); }, [&] {
+      if (c.max_grad_norm > 0) commgrad::optim::clip_grad_norm_(reference->parameters(), c.max_grad_norm);
+      opt->step();
+      opt->zero_grad();
+    });
+  }
+  int64_t params = 0, ddp_state = 0;
+  for (const auto& p : reference->parameters()) params += p.numel();
+  for (const auto& p : reference->parameters()) {
+    if (auto s = commgrad::optim::get_param_state(*opt, p)) {
+      for (const auto& t : s->tensors) ddp_state += t.second.numel() * static_cast<int64_t>(t.second.element_size());
+    }
+  }
+  if (rank == 0) {
+    std::printf("optimizer state per rank: %lld bytes (DDP: %lld, %.1f per parameter / %d ranks: %.0f)\n",
+                static_cast<long long>(zero_state), static_cast<long long>(ddp_state),
+                static_cast<double>(ddp_state) / params, n, static_cast<double>(ddp_state) / n);
+  }
+}
+
+// ZeRO's parameters against DDP's: bit for bit on shm or two ranks (the same
+// sums in the same order), else within kTolerance.
+bool same_parameters(Mlp& model, Mlp& reference, int rank, int n) {
+  double worst = 0;
+  auto want = reference->named_parameters();
+  for (const auto& p : model->named_parameters()) {
+    worst = std::max(worst, (p.value() - want[p.key()]).abs().max().item<double>());
+  }
+  const bool exact = commgrad::world().backend_name() == "shm" || n <= 2;
+  const bool ok = exact ? worst == 0 : worst <= kTolerance;
+  if (rank == 0 || !ok) {
+    if (exact) {
+      std::printf("max |zero - ddp| = %.3g (bit for bit on %s): %s\n", worst, commgrad::world().backend_name().c_str(),
+                  ok ? "ok" : "MISMATCH");
+    } else {
+      std::printf("max |zero - ddp| = %.3g (tolerance %.0e): %s\n", worst, kTolerance, ok ? "ok" : "MISMATCH");
+    }
+    std::fflush(stdout);
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -142,71 +217,13 @@ int main(int argc, char** argv) {
     const auto buckets = commgrad::dp::DistributedDataParallelOptions()
                              .bucket_cap_mb(c.bucket_cap_mb)
                              .first_bucket_cap_mb(std::min(c.bucket_cap_mb, 1.0));
-
-    // ZeRO: each rank starts from its own seed; construction broadcasts rank 0's.
     torch::manual_seed(1234 + rank);
     Mlp model;
-    commgrad::optim::ZeroOptimizer zero(
-        model, [&](std::vector<torch::Tensor> shards) { return make_optimizer(c.optimizer, shards); },
-        commgrad::optim::ZeroOptimizerOptions(buckets).stage(c.stage).max_grad_norm(c.max_grad_norm));
-    if (rank == 0) {
-      std::cout << commgrad::build_info().to_string() << "\n";
-      std::cout << "world: " << n << " ranks, backend " << commgrad::world().backend_name() << "; ZeRO-" << c.stage
-                << " with " << c.optimizer << ", " << zero.shards().size() << " buckets" << std::endl;
-    }
-    for (int epoch = 1; epoch <= c.epochs; ++epoch) {
-      const double local = train_epoch(model, data, c, rank, n, [&] { return zero.no_sync(); }, [&] {
-        zero.step();
-        zero.zero_grad();
-      });
-      const auto loss = commgrad::ops::all_reduce(torch::full({1}, local, torch::kDouble));
-      if (rank == 0) {
-        std::printf("epoch %d/%d: loss %.6f\n", epoch, c.epochs, loss.item<double>() / n);
-        std::fflush(stdout);
-      }
-    }
-
-    // The same training with DDP and an unsharded optimizer, from rank 0's start.
+    const int64_t zero_state = train_with_zero(model, c, data, rank, n, buckets);
     torch::manual_seed(1234);
     Mlp reference;
-    commgrad::dp::DistributedDataParallel ddp(reference, buckets);
-    auto opt = make_optimizer(c.optimizer, reference->parameters());
-    for (int epoch = 1; epoch <= c.epochs; ++epoch) {
-      train_epoch(reference, data, c, rank, n, [&] { return ddp.no_sync(); }, [&] {
-        if (c.max_grad_norm > 0) commgrad::optim::clip_grad_norm_(reference->parameters(), c.max_grad_norm);
-        opt->step();
-        opt->zero_grad();
-      });
-    }
-    int64_t params = 0, ddp_state = 0;
-    for (const auto& p : reference->parameters()) params += p.numel();
-    for (const auto& p : reference->parameters()) {
-      if (auto s = commgrad::optim::get_param_state(*opt, p)) {
-        for (const auto& t : s->tensors) ddp_state += t.second.numel() * static_cast<int64_t>(t.second.element_size());
-      }
-    }
-    if (rank == 0) {
-      std::printf("optimizer state per rank: %lld bytes (DDP: %lld, %.1f per parameter / %d ranks: %.0f)\n",
-                  static_cast<long long>(zero.state_bytes()), static_cast<long long>(ddp_state),
-                  static_cast<double>(ddp_state) / params, n, static_cast<double>(ddp_state) / n);
-    }
-
-    double worst = 0;
-    auto want = reference->named_parameters();
-    for (const auto& p : model->named_parameters()) {
-      worst = std::max(worst, (p.value() - want[p.key()]).abs().max().item<double>());
-    }
-    const bool exact = commgrad::world().backend_name() == "shm" || n <= 2;
-    const bool ok = exact ? worst == 0 : worst <= kTolerance;
-    if (rank == 0 || !ok) {
-      if (exact) {
-        std::printf("max |zero - ddp| = %.3g (bit for bit on %s): %s\n", worst,
-                    commgrad::world().backend_name().c_str(), ok ? "ok" : "MISMATCH");
-      } else {
-        std::printf("max |zero - ddp| = %.3g (tolerance %.0e): %s\n", worst, kTolerance, ok ? "ok" : "MISMATCH");
-      }
-      std::fflush(stdout);
-    }
+    train_with_ddp(reference, c, data, rank, n, buckets, zero_state);
+    const bool ok = same_parameters(model, reference, rank, n);
     commgrad::destroy_process_group();
     return ok ? 0 : 1;
   } catch (const std::exception& e) {

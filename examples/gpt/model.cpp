@@ -24,16 +24,18 @@ std::function<torch::nn::AnyModule(const tp::ParallelTransformerLayerOptions&)> 
 }  // namespace
 
 GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int stages_per_rank,
-                         const commgrad::Group& tp_group)
+                         const commgrad::Group& tp_group, const commgrad::cp::ContextParallelOptions& context_parallel)
     : config_(config), tp_group_(tp_group), pp_size_(pp_size), stage_count_(pp_size * stages_per_rank) {
   const int tp = tp_group.size();
+  const bool cp = context_parallel.group().defined() && context_parallel.group().size() > 1;
+  const int64_t local_sequence = cp ? config.sequence / context_parallel.group().size() : config.sequence;
   if (config.layers % stage_count_ != 0) {
     throw std::invalid_argument(std::to_string(config.layers) + " layers do not split into " +
                                 std::to_string(stage_count_) + " stages");
   }
-  if (config.vocab % tp != 0 || (config.sequence_parallel && config.sequence % tp != 0)) {
+  if (config.vocab % tp != 0 || (config.sequence_parallel && local_sequence % tp != 0)) {
     throw std::invalid_argument("the vocabulary (" + std::to_string(config.vocab) + ") or, with sequence parallelism, "
-                                "the sequence (" + std::to_string(config.sequence) + ") does not split over TP=" +
+                                "the sequence (" + std::to_string(local_sequence) + " on a rank) does not split over TP=" +
                                 std::to_string(tp));
   }
   const int64_t per_stage = config.layers / stage_count_;
@@ -57,6 +59,9 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
   if (first) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
     positions_ = register_parameter("positions", at::randn({config.sequence, 1, config.hidden}, gen) * 0.02);
+    if (cp) {
+      local_positions_ = commgrad::cp::local_positions(config.sequence, context_parallel.layout(), context_parallel.group());
+    }
   }
   layers_.resize(config.layers, tp::ParallelTransformerLayer{nullptr});
   for (const auto& s : stages_) {
@@ -64,7 +69,8 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
       auto options = tp::ParallelTransformerLayerOptions(config.hidden, config.heads, config.ffn, tp_group)
                          .sequence_parallel(config.sequence_parallel)
                          .recompute(config.recompute)
-                         .seed(100 + l);
+                         .seed(100 + l)
+                         .context_parallel(cp ? std::make_optional(context_parallel) : std::nullopt);
       if (config.experts > 0 && l % config.moe_every == config.moe_every - 1) options.feed_forward(moe_block(config));
       layers_[l] = register_module("layer" + std::to_string(l), tp::ParallelTransformerLayer(options));
     }
@@ -98,7 +104,9 @@ torch::Tensor GptRankImpl::forward_stage(int local, const torch::Tensor& input) 
     const auto& s = stages_.at(local);
     torch::Tensor x = input;
     if (s.global == 0) {
-      x = fsdp::call(embedding_, input.t()) + positions_;  // [s, b, h]
+      // [s, b, h]; with context parallelism this rank's tokens and their positions.
+      x = fsdp::call(embedding_, input.t()) +
+          (local_positions_.defined() ? positions_.index_select(0, local_positions_) : positions_);
       if (config_.sequence_parallel) x = tp::scatter_to_sequence_parallel_region(x, tp_group_);
     }
     for (int64_t l = s.first_layer; l < s.end_layer; ++l) x = fsdp::call(layers_[l], x);

@@ -23,6 +23,11 @@
 // whole model names them ("layer3.attention.qkv.weight", "embedding.weight")
 // and every layer is initialised from its own seed, so the model is the same
 // at every layout and checkpoints move between layouts.
+//
+// With context parallelism (a context-parallel group of W > 1) every rank
+// holds its part of each sequence in the head-tail layout (cp/sequence.h):
+// token ids [b, s/W], the learned positions of those tokens, activations
+// [s/W, b, h], and attention across the group (cp::attention).
 
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
@@ -61,7 +66,10 @@ class GptRankImpl : public torch::nn::Module, public commgrad::tp::ShardedModule
   /// Pipeline rank `pp_rank` of `pp_size`, `stages_per_rank` stages on each,
   /// split over `tp_group`. Errors when the layers do not split into the
   /// stages or the vocabulary or sequence not over the TP group.
-  GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int stages_per_rank, const commgrad::Group& tp_group);
+  /// `context_parallel`: the attention's context parallelism (none when
+  /// its group is undefined or of one rank).
+  GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int stages_per_rank, const commgrad::Group& tp_group,
+              const commgrad::cp::ContextParallelOptions& context_parallel = {});
 
   /// This rank's `local`-th stage (global stage local * pp_size + pp_rank):
   /// token ids [b, s] in on the first stage, activations [s, b, h] (or
@@ -99,6 +107,7 @@ class GptRankImpl : public torch::nn::Module, public commgrad::tp::ShardedModule
   commgrad::tp::VocabParallelEmbedding embedding_{nullptr};
   commgrad::tp::VocabParallelEmbedding output_{nullptr};  // untied only: the output layer's weight
   torch::Tensor positions_;
+  torch::Tensor local_positions_;  // with context parallelism: the positions of this rank's tokens
   std::vector<commgrad::tp::ParallelTransformerLayer> layers_;  // by global index; null where another rank has it
   torch::nn::LayerNorm final_norm_{nullptr};
 };

@@ -10,7 +10,8 @@ namespace checkpoint = commgrad::checkpoint;
 Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, const Layout& layout)
     : options_(options),
       layout_(layout),
-      model_(model_config, layout.pp.rank(), layout.pp.size(), options.stages_per_rank, layout.tp) {
+      model_(model_config, layout.pp.rank(), layout.pp.size(), options.stages_per_rank, layout.tp,
+             commgrad::cp::ContextParallelOptions(layout.cp, commgrad::cp::parse_mode(options.cp_mode))) {
   make_optimizer();
   commgrad::moe::set_aux_loss_scale(*model_, 1.0 / options.microbatches);  // the pipeline averages microbatches
   std::vector<commgrad::pp::StageFunction> stages;
@@ -50,12 +51,12 @@ void Trainer::make_optimizer() {
   if (options_.fsdp) {
     const auto policy = commgrad::dp::MixedPrecisionPolicy().param_dtype(dtype).reduce_dtype(
         dtype ? c10::optional<at::ScalarType>(at::kFloat) : c10::nullopt);
-    sharded_ = model_->fully_shard(commgrad::fsdp::FullyShardOptions(layout_.dp).mixed_precision(policy),
+    sharded_ = model_->fully_shard(commgrad::fsdp::FullyShardOptions(layout_.replicas()).mixed_precision(policy),
                                    layout_.embedding);
     optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), adamw);
     if (options_.precision == "fp16") {
       scaler_ = std::make_unique<commgrad::optim::DynamicLossScaler>(
-          commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups({layout_.dp, layout_.tp, layout_.pp}));
+          commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups({layout_.replicas(), layout_.tp, layout_.pp}));
     }
     return;
   }
@@ -65,15 +66,15 @@ void Trainer::make_optimizer() {
     return std::make_unique<torch::optim::AdamW>(shards, adamw);
   };
   const bool experts = model_->config().experts > 0;
-  auto ddp = commgrad::dp::DistributedDataParallelOptions(layout_.dp);
+  auto ddp = commgrad::dp::DistributedDataParallelOptions(layout_.replicas());
   if (experts) {
-    const auto& edp = layout_.expert_dp.defined() ? layout_.expert_dp : layout_.dp;
+    const auto& edp = layout_.expert_dp.defined() ? layout_.expert_dp : layout_.replicas();
     expert_zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
         model_, make_adamw,
-        commgrad::optim::ZeroOptimizerOptions(commgrad::moe::expert_ddp_options(*model_, layout_.dp, edp))
+        commgrad::optim::ZeroOptimizerOptions(commgrad::moe::expert_ddp_options(*model_, layout_.replicas(), edp))
             .stage(2)
             .tensor_parallel_group(layout_.tp));  // experts are TP-replicated: their squares counted once
-    ddp = commgrad::moe::dense_ddp_options(*model_, layout_.dp, ddp);
+    ddp = commgrad::moe::dense_ddp_options(*model_, layout_.replicas(), ddp);
   }
   zero_ = std::make_unique<commgrad::optim::ZeroOptimizer>(
       model_, make_adamw,
@@ -92,19 +93,27 @@ double Trainer::step(const Corpus& corpus, int k) {
   auto [x, y] = corpus.batch(k, options_.batch, model_->config().sequence);
   const int replicas = layout_.dp.size();
   const int replica = layout_.dp.rank();
+  x = x.chunk(replicas, 0)[replica];
+  y = y.chunk(replicas, 0)[replica];
+  if (layout_.cp.defined() && layout_.cp.size() > 1) {  // this rank's head-tail part of every sequence
+    x = commgrad::cp::shard_sequence(x, 1, commgrad::cp::SequenceLayout::kHeadTail, layout_.cp);
+    y = commgrad::cp::shard_sequence(y, 1, commgrad::cp::SequenceLayout::kHeadTail, layout_.cp);
+  }
   if (options_.fsdp) {
     optimizer_->zero_grad();
-    last_ = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
+    last_ = pipe_->step(x, y);
     step_sharded();
   } else {
     zero_->zero_grad();
     if (expert_zero_) expert_zero_->zero_grad();
-    last_ = pipe_->step(x.chunk(replicas, 0)[replica], y.chunk(replicas, 0)[replica]);
+    last_ = pipe_->step(x, y);
     zero_->step();
     if (expert_zero_) expert_zero_->step();
   }
+  // Each rank's loss is the mean over its tokens (the same number on every
+  // rank): their mean over data x context is the mean over every token.
   return commgrad::ops::raw::all_reduce(torch::full({1}, last_.loss, torch::kDouble),
-                                        commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg), layout_.dp)
+                                        commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg), layout_.replicas())
       .wait()
       .item<double>();
 }

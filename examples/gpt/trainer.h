@@ -17,7 +17,9 @@
 // under FSDP with optim::DynamicLossScaler (initial scale 2^16; the inf/NaN
 // check agreed over DP, TP and PP; a skipped step leaves every rank as it was). A step takes
 // batch k of a corpus: every replica its batch/dp rows, split into the
-// microbatches.
+// microbatches; under context parallelism each rank of a CP group its
+// head-tail part of every sequence (the loss is the mean over its tokens,
+// averaged over data x context: the mean over every token).
 
 #include "model.h"
 #include "corpus.h"
@@ -32,10 +34,16 @@
 namespace gpt {
 
 /// The groups of a layout (commgrad::ParallelState's, or one rank's own group for all).
+/// With context parallelism, `cp` splits each sequence (head-tail) and
+/// `dp_cp` (data x context) is the group gradients and the logged loss are
+/// averaged over; undefined: none, and dp.
 struct Layout {
   commgrad::Group tp, pp, dp, embedding;
+  commgrad::Group cp = {}, dp_cp = {};
+  /// The group gradients and the logged loss are averaged over.
+  const commgrad::Group& replicas() const { return dp_cp.defined() ? dp_cp : dp; }
   /// With experts: the expert-data-parallel group (undefined: dp).
-  commgrad::Group expert_dp;
+  commgrad::Group expert_dp = {};
 };
 
 /// How the rank trains: the global batch and the pipeline's schedule.
@@ -50,6 +58,8 @@ struct TrainerOptions {
   /// "fp32", "bf16" (bfloat16 compute, float32 masters and reductions) or
   /// "fp16" (float16 compute with dynamic loss scaling; needs fsdp).
   std::string precision = "fp32";
+  /// With a context-parallel group: allgather, ring or ulysses (cp::AttentionMode).
+  std::string cp_mode = "ring";
 };
 
 class Trainer {

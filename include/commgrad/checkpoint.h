@@ -10,6 +10,7 @@
 //   rng_state.h     rng_pieces() / restore_rng(): the TP RNG tracker's streams
 //   optimizer_state.h  optimizer_pieces() / restore_optimizer(): a ZeroOptimizer's sharded state
 //   loss_scaler_state.h  loss_scaler_pieces() / restore_loss_scaler(): a DynamicLossScaler's state
+//   training_state.h  save_training_state() / load_training_state(): all of the above in one call
 //
 // Example:
 //   auto pieces = checkpoint::module_pieces(*model);
@@ -27,3 +28,4 @@
 #include "commgrad/checkpoint/safetensors_file.h"
 #include "commgrad/checkpoint/save.h"
 #include "commgrad/checkpoint/tensor_piece.h"
+#include "commgrad/checkpoint/training_state.h"

@@ -13,12 +13,14 @@
 #include "commgrad/dist/transport.h"
 #include "commgrad/util/blas.h"
 #include "commgrad/util/buffer_pool.h"
+#include "commgrad/util/error.h"
 #include "commgrad/util/logging.h"
 #include "commgrad/util/print.h"
 
 // The layers built as separate libraries (see CMakeLists.txt), bottom up.
 #include "commgrad/backend.h"
 #include "commgrad/ops.h"
+#include "commgrad/cp.h"
 #include "commgrad/tp.h"
 #include "commgrad/dp.h"
 #include "commgrad/optim.h"

@@ -3,5 +3,6 @@
 
 #include "commgrad/dp/comm_hooks.h"
 #include "commgrad/dp/distributed_data_parallel.h"
+#include "commgrad/dp/distributed_sampler.h"
 #include "commgrad/dp/mixed_precision.h"
 #include "commgrad/dp/replicas.h"

@@ -4,3 +4,4 @@
 
 #include "commgrad/pp/pipeline.h"
 #include "commgrad/pp/schedule.h"
+#include "commgrad/pp/simulator.h"

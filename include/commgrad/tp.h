@@ -11,6 +11,7 @@
 //   embedding.h       VocabParallelEmbedding
 //   cross_entropy.h   vocab_parallel_cross_entropy
 //   sharding.h        ShardSpec per parameter, full state dicts
+//   wiring_checks.h   a module's TP group against a wrapper's groups
 //   random.h          tensor-parallel random streams, tp::dropout
 //   attention.h       ParallelSelfAttention
 //   transformer_layer.h  ParallelTransformerLayer
@@ -30,6 +31,7 @@
 #include "commgrad/tp/mlp.h"
 #include "commgrad/tp/parallel_state.h"
 #include "commgrad/tp/sharding.h"
+#include "commgrad/tp/wiring_checks.h"
 #include "commgrad/tp/random.h"
 #include "commgrad/tp/recompute.h"
 #include "commgrad/tp/attention.h"

@@ -16,6 +16,8 @@
 #include "coalesced_work.h"
 
 #include <commgrad/detail/torch_compat.h>
+#include <commgrad/dist/check.h>
+#include <commgrad/util/error.h>
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -84,10 +86,10 @@ WorkPtr TorchBackend::run(const char* op, bool async_op, Call&& call) {
   ++sequence_;
   try {
     return settled(call(group_.transport()), async_op);
+  } catch (const commgrad::Error&) {
+    throw;  // names its op and group already
   } catch (const c10::Error& e) {
-    const std::string what = e.what_without_backtrace();
-    if (what.find("[commgrad]") != std::string::npos) throw;
-    TORCH_CHECK(false, "[commgrad] ", op, " ", group_.describe(), ": ", what);
+    COMMGRAD_THROW(commgrad::ErrorKind::kInvalidArgument, commgrad::error_site(op, group_), e.what_without_backtrace());
   }
 }
 
@@ -431,18 +433,17 @@ void TorchBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_
   if (getRank() != 0) {
     store_->add(mine + "/arrived", 1);
     if (!counter_exceeds(*store_, mine + "/released", released_, deadline)) {
-      commgrad::detail::throw_dist_error(
-          c10::str(where, "Rank ", getRank(), " successfully reached monitoredBarrier, but received errors while ",
+      COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, where, "Rank ", getRank(), " successfully reached monitoredBarrier, but received errors while ",
                    "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank (not released within ",
-                   timeout.count(), " ms)"));
+                   timeout.count(), " ms)");
     }
     ++released_;
     return;
   }
   const std::vector<int> late = late_ranks(deadline, timeout, wait_all_ranks);
   if (!late.empty()) {
-    commgrad::detail::throw_dist_error(c10::str(where, wait_all_ranks ? "Ranks " : "Rank ", c10::Join(", ", late),
-                                                " failed to pass monitoredBarrier in ", timeout.count(), " ms"));
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, where, wait_all_ranks ? "Ranks " : "Rank ", c10::Join(", ", late),
+                                                " failed to pass monitoredBarrier in ", timeout.count(), " ms");
   }
   for (int r = 1; r < getSize(); ++r) store_->add(c10::str(kMonitoredBarrier, r, "/released"), 1);
 }
@@ -455,9 +456,9 @@ std::vector<int> TorchBackend::late_ranks(std::chrono::steady_clock::time_point 
                                           std::chrono::milliseconds timeout, bool wait_all_ranks) {
   if (arrivals_taken_.empty()) arrivals_taken_.assign(getSize(), 0);
   if (!wait_all_ranks && timeout.count() <= 0 && getSize() > 1) {
-    commgrad::detail::throw_dist_error(c10::str("[commgrad] monitored_barrier ", group_.describe(),
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] monitored_barrier ", group_.describe(),
                                                 ": Rank 0 timed out in monitoredBarrier after ", timeout.count(),
-                                                " ms"));
+                                                " ms");
   }
   std::vector<int> late;
   for (int r = 1; r < getSize(); ++r) {

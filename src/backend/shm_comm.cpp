@@ -26,6 +26,7 @@
 #include "detail/shm_comm.h"
 
 #include "commgrad/detail/torch_compat.h"
+#include "commgrad/util/error.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -248,7 +249,7 @@ void Comm::wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& ca
                          describe_ranks(pending), " (", where, ")")
               : c10::str("Timed out after ", seconds(call.timeout), " waiting for rank ", peer, " (", where, ")");
       if (on == WaitOn::kBarrier) abort(c10::str("rank ", rank_, ": ", what));
-      commgrad::detail::throw_timeout_error(c10::str("[commgrad] ", call.op, " ", context_, ": ", what));
+      COMMGRAD_THROW(::commgrad::ErrorKind::kTimeout, ::commgrad::make_site(call.op, context_), what);
     }
     bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
     if (!ready() && h.abort_state.load(std::memory_order_acquire) == 0) {
@@ -281,7 +282,7 @@ void Comm::check_peers(const Call& call, WaitOn on, int peer) {
     // second, transport-level counter here would only confuse.
     const std::string what = c10::str("rank ", q, " (pid ", pid, ") died; this rank was waiting for it in ", call.op);
     abort(c10::str(what, ", found by rank ", rank_));
-    commgrad::detail::throw_dist_error(c10::str("[commgrad] ", call.op, " ", context_, ": ", what));
+    COMMGRAD_THROW(::commgrad::ErrorKind::kPeerFailed, ::commgrad::make_site(call.op, context_), what);
   }
 }
 
@@ -314,8 +315,7 @@ void Comm::throw_aborted(const char* op) const {
   for (int i = 0; i < 100000 && h.abort_state.load(std::memory_order_acquire) != 2; ++i) cpu_relax();
   std::string reason = "unknown reason";
   if (h.abort_state.load(std::memory_order_acquire) == 2) reason.assign(h.abort_reason);
-  commgrad::detail::throw_dist_error(
-      c10::str("[commgrad] ", op, " ", context_, ": the group was aborted and cannot be used: ", reason));
+  COMMGRAD_THROW(::commgrad::ErrorKind::kPeerFailed, ::commgrad::make_site(op, context_), "the group was aborted and cannot be used: ", reason);
 }
 
 // ~~~ the simplest collectives ~~~
@@ -459,9 +459,9 @@ int Comm::recv_any(const Call& call, int tag, void* data, int64_t bytes, c10::Sc
       return q;
     }
     if (std::chrono::steady_clock::now() >= call.deadline) {
-      commgrad::detail::throw_timeout_error(c10::str("[commgrad] ", call.op, " ", context_, ": Timed out after ",
+      COMMGRAD_THROW(::commgrad::ErrorKind::kTimeout, ::commgrad::make_site(call.op, context_), "Timed out after ",
                                                      seconds(call.timeout), " waiting for a message with tag ",
-                                                     tag, " from any rank"));
+                                                     tag, " from any rank");
     }
     if (pause.count() == 0) {
       sched_yield();

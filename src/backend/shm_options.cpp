@@ -1,7 +1,7 @@
 // Resolving ShmOptions: what each default (0 or -1) becomes, read from the
 // environment through commgrad::env or derived from the group's size.
 
-#include "detail/shm_options.h"
+#include "detail/shm_defaults.h"
 
 #include "commgrad/util/env.h"
 

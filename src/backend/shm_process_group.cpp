@@ -21,7 +21,7 @@
 #include "detail/shm_comm.h"
 #include "detail/shm_checks.h"
 #include "detail/shm_executor.h"
-#include "detail/shm_options.h"
+#include "detail/shm_defaults.h"
 #include "detail/shm_staged.h"
 #include "detail/shm_work.h"
 

@@ -24,6 +24,7 @@
 #include "detail/shm_segment.h"
 
 #include "commgrad/detail/torch_compat.h"
+#include "commgrad/util/error.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -112,9 +113,8 @@ Segment::Segment(const SegmentConfig& config)
     try {
       config.store->wait({key}, config.timeout);
     } catch (const std::exception& e) {
-      commgrad::detail::throw_timeout_error(
-          c10::str("[commgrad] shm ", config.context, ": rank 0 did not publish the shared-memory segment within ",
-                   config.timeout.count() / 1000.0, "s (did rank 0 fail to create it?): ", e.what()));
+      COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, "[commgrad] shm ", config.context, ": rank 0 did not publish the shared-memory segment within ",
+                   config.timeout.count() / 1000.0, "s (did rank 0 fail to create it?): ", e.what());
     }
     const auto bytes = config.store->get(key);
     name_.assign(bytes.begin(), bytes.end());
@@ -137,16 +137,16 @@ void Segment::create(const SegmentConfig& config) {
     if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) {
-    commgrad::detail::throw_dist_error(c10::str("[commgrad] shm ", config.context, ": cannot create segment ",
-                                                name_, " in /dev/shm: ", errno_text(errno)));
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context, ": cannot create segment ",
+                                                name_, " in /dev/shm: ", errno_text(errno));
   }
   auto fail = [&](const std::string& what, int err) {
     close(fd);
     shm_unlink(name_.c_str());
-    commgrad::detail::throw_dist_error(c10::str("[commgrad] shm ", config.context, ": ", what, " ", name_, " (",
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context, ": ", what, " ", name_, " (",
                                                 mib(layout_.total_bytes), "): ", errno_text(err),
                                                 "; /dev/shm has ", shm_free_space(),
-                                                " free. A smaller COMMGRAD_SHM_CHUNK_BYTES needs less."));
+                                                " free. A smaller COMMGRAD_SHM_CHUNK_BYTES needs less.");
   };
   if (ftruncate(fd, static_cast<off_t>(layout_.total_bytes)) != 0) fail("cannot size segment", errno);
   const int rc = posix_fallocate(fd, 0, static_cast<off_t>(layout_.total_bytes));
@@ -176,10 +176,10 @@ void Segment::create(const SegmentConfig& config) {
 void Segment::open(const SegmentConfig& config) {
   const int fd = shm_open(name_.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
-    commgrad::detail::throw_dist_error(c10::str(
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, 
         "[commgrad] shm ", config.context, ": cannot open segment ", name_, " created by rank 0: ", errno_text(errno),
         errno == ENOENT ? " (it was unlinked: another rank gave up waiting, or this rank is not on rank 0's host)"
-                        : ""));
+                        : "");
   }
   struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != layout_.total_bytes) {
@@ -192,8 +192,7 @@ void Segment::open(const SegmentConfig& config) {
   const int err = errno;
   close(fd);
   if (p == MAP_FAILED) {
-    commgrad::detail::throw_dist_error(
-        c10::str("[commgrad] shm ", config.context, ": cannot map segment ", name_, ": ", errno_text(err)));
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context, ": cannot map segment ", name_, ": ", errno_text(err));
   }
   base_ = static_cast<uint8_t*>(p);
   std::atomic_thread_fence(std::memory_order_acquire);
@@ -239,9 +238,9 @@ void Segment::wait_until_mapped(const SegmentConfig& config) {
   shm_unlink(name_.c_str());  // nobody else may join now; ENOENT is fine
   munmap(base_, layout_.total_bytes);
   base_ = nullptr;
-  commgrad::detail::throw_timeout_error(c10::str("[commgrad] shm ", config.context, ": ", describe_ranks(missing),
+  COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, "[commgrad] shm ", config.context, ": ", describe_ranks(missing),
                                                  " did not map the shared-memory segment within ",
-                                                 config.timeout.count() / 1000.0, "s"));
+                                                 config.timeout.count() / 1000.0, "s");
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {

@@ -161,138 +161,184 @@ std::string GradCheckResult::table() const {
 
 std::ostream& operator<<(std::ostream& out, const GradCheckResult& result) { return out << result.table(); }
 
-GradCheckResult check_gradients(const Subject& parallel, const Subject& reference, const std::vector<at::Tensor>& inputs,
-                                const GradCheckOptions& options) {
-  const Group g = tp::resolve_tp_group(options.group(), kOp);
-  COMMGRAD_CHECK(parallel.forward && reference.forward, kOp, g, "both subjects need a forward function");
-  COMMGRAD_CHECK(options.input_layouts().empty() || options.input_layouts().size() == inputs.size(), kOp, g,
-                 options.input_layouts().size(), " input layouts for ", inputs.size(), " inputs");
-  const auto input_layout = [&](size_t i) {
-    return options.input_layouts().empty() ? Layout::replicated() : options.input_layouts()[i];
-  };
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    COMMGRAD_CHECK(inputs[i].defined(), kOp, g, "input ", i, " is undefined");
-    if (input_layout(i).is_partitioned()) layout_dim(g, input_layout(i), inputs[i], c10::str("input ", i));
+namespace {
+
+// One run of the checker: each step of the file comment is one method.
+class GradientCheck {
+ public:
+  GradientCheck(const Subject& parallel, const Subject& reference, const std::vector<at::Tensor>& inputs,
+                const GradCheckOptions& options)
+      : parallel_(parallel),
+        reference_(reference),
+        inputs_(inputs),
+        options_(options),
+        g_(tp::resolve_tp_group(options.group(), kOp)),
+        loss_fn_(options.loss() ? options.loss() : LossFn(default_loss)) {}
+
+  GradCheckResult run() {
+    check_arguments();
+    match_parameters();
+    make_inputs();
+    run_reference();
+    run_parallel();
+    return compare();
   }
 
-  // 1. Parameter names and shapes, locally.
-  const auto par_specs = parallel.module ? tp::shard_specs(*parallel.module)
-                                         : torch::OrderedDict<std::string, tp::ParameterShard>();
-  torch::OrderedDict<std::string, at::Tensor> ref_params;
-  if (reference.module) ref_params = reference.module->named_parameters();
-  torch::OrderedDict<std::string, at::Tensor> par_params;
-  if (parallel.module) par_params = parallel.module->named_parameters();
-  std::vector<std::string> ref_names;
+ private:
+  Layout input_layout(size_t i) const {
+    return options_.input_layouts().empty() ? Layout::replicated() : options_.input_layouts()[i];
+  }
+  void check_arguments() const;
+  void match_parameters();
+  void make_inputs();
+  void run_reference();
+  void run_parallel();
+  std::vector<Pair> pairs();
+  GradCheckResult compare();
+
+  const Subject& parallel_;
+  const Subject& reference_;
+  const std::vector<at::Tensor>& inputs_;
+  const GradCheckOptions& options_;
+  const Group g_;
+  const LossFn loss_fn_;
+  torch::OrderedDict<std::string, tp::ParameterShard> par_specs_;
+  torch::OrderedDict<std::string, at::Tensor> par_params_, ref_params_;
+  std::vector<std::string> ref_names_;  // the reference name of each parallel parameter
+  std::vector<at::Tensor> ref_in_, par_leaves_, par_in_;
+  at::Tensor ref_out_, ref_loss_, par_out_, par_loss_;
+};
+
+void GradientCheck::check_arguments() const {
+  COMMGRAD_CHECK(parallel_.forward && reference_.forward, kOp, g_, "both subjects need a forward function");
+  COMMGRAD_CHECK(options_.input_layouts().empty() || options_.input_layouts().size() == inputs_.size(), kOp, g_,
+                 options_.input_layouts().size(), " input layouts for ", inputs_.size(), " inputs");
+  for (size_t i = 0; i < inputs_.size(); ++i) {
+    COMMGRAD_CHECK(inputs_[i].defined(), kOp, g_, "input ", i, " is undefined");
+    if (input_layout(i).is_partitioned()) layout_dim(g_, input_layout(i), inputs_[i], c10::str("input ", i));
+  }
+}
+
+// 1. Parameter names and shapes, locally; then no gradient is left from an
+// earlier backward (it would be added to this one).
+void GradientCheck::match_parameters() {
+  if (parallel_.module) par_specs_ = tp::shard_specs(*parallel_.module);
+  if (reference_.module) ref_params_ = reference_.module->named_parameters();
+  if (parallel_.module) par_params_ = parallel_.module->named_parameters();
   std::set<std::string> used;
-  for (const auto& p : par_params) {
-    auto it = options.reference_names().find(p.key());
-    const std::string rname = it == options.reference_names().end() ? p.key() : it->second;
-    const at::Tensor* r = ref_params.find(rname);
-    COMMGRAD_CHECK(r != nullptr, kOp, g, "parallel parameter '", p.key(), "' has no reference parameter '", rname,
+  for (const auto& p : par_params_) {
+    auto it = options_.reference_names().find(p.key());
+    const std::string rname = it == options_.reference_names().end() ? p.key() : it->second;
+    const at::Tensor* r = ref_params_.find(rname);
+    COMMGRAD_CHECK(r != nullptr, kOp, g_, "parallel parameter '", p.key(), "' has no reference parameter '", rname,
                    "' (map names with GradCheckOptions::reference_names)");
-    const tp::ParameterShard& s = par_specs[p.key()];
+    const tp::ParameterShard& s = par_specs_[p.key()];
     auto full = p.value().sizes().vec();
     if (s.spec.is_partitioned()) {
       const int64_t d = s.spec.dim < 0 ? s.spec.dim + p.value().dim() : s.spec.dim;
-      full[d] *= s.group.defined() ? s.group.size() : g.size();
+      full[d] *= s.group.defined() ? s.group.size() : g_.size();
     }
-    COMMGRAD_CHECK(at::IntArrayRef(full) == r->sizes(), kOp, g, "parallel parameter '", p.key(), "' ",
+    COMMGRAD_CHECK(at::IntArrayRef(full) == r->sizes(), kOp, g_, "parallel parameter '", p.key(), "' ",
                    shape_name(p.value().sizes()), " (", s.spec.describe(), ") is ", shape_name(full),
                    " in full, but reference '", rname, "' is ", shape_name(r->sizes()));
-    ref_names.push_back(rname);
+    ref_names_.push_back(rname);
     used.insert(rname);
   }
-  for (const auto& r : ref_params) {
-    COMMGRAD_CHECK(used.count(r.key()) == 1, kOp, g, "reference parameter '", r.key(),
-                   "' has no parallel counterpart");
+  for (const auto& r : ref_params_) {
+    COMMGRAD_CHECK(used.count(r.key()) == 1, kOp, g_, "reference parameter '", r.key(), "' has no parallel counterpart");
   }
-
-  // Gradients left from earlier backward passes would be added to this one.
-  for (auto* params : {&par_params, &ref_params}) {
+  for (auto* params : {&par_params_, &ref_params_}) {
     for (auto& p : *params) p.value().mutable_grad() = at::Tensor();
   }
+}
 
-  // 2. Inputs from group rank 0, then one set of leaves per side.
-  std::vector<at::Tensor> ref_in, par_leaves, par_in;
-  for (size_t i = 0; i < inputs.size(); ++i) {
+// 2. Inputs from group rank 0, then one set of leaves per side.
+void GradientCheck::make_inputs() {
+  for (size_t i = 0; i < inputs_.size(); ++i) {
     const at::Tensor x =
-        ops::raw::broadcast(inputs[i].detach(), ops::BroadcastOptions().src(0), g).wait().view(inputs[i].sizes());
+        ops::raw::broadcast(inputs_[i].detach(), ops::BroadcastOptions().src(0), g_).wait().view(inputs_[i].sizes());
     const bool grad = x.is_floating_point();
     // Leaves keep the caller's memory layout: a transposed input reaches
     // both modules transposed.
     auto leaf = [&](const c10::Device& dev) {
-      return inputs[i].detach().clone(at::MemoryFormat::Preserve).copy_(x).to(dev).requires_grad_(grad);
+      return inputs_[i].detach().clone(at::MemoryFormat::Preserve).copy_(x).to(dev).requires_grad_(grad);
     };
-    ref_in.push_back(leaf(inputs[i].device()));
-    par_leaves.push_back(leaf(options.parallel_device()));
+    ref_in_.push_back(leaf(inputs_[i].device()));
+    par_leaves_.push_back(leaf(options_.parallel_device()));
     const Layout layout = input_layout(i);
-    par_in.push_back(layout.is_partitioned() ? tp::detail::split_along(par_leaves.back(), layout.dim, g, kOp)
-                                             : par_leaves.back());
+    par_in_.push_back(layout.is_partitioned() ? tp::detail::split_along(par_leaves_.back(), layout.dim, g_, kOp)
+                                              : par_leaves_.back());
   }
-  const LossFn loss_fn = options.loss() ? options.loss() : LossFn(default_loss);
+}
 
-  // 3. Reference.
-  const at::Tensor ref_out = reference.forward(ref_in);
-  COMMGRAD_CHECK(ref_out.defined(), kOp, g, "the reference returned an undefined tensor");
-  const at::Tensor ref_loss = loss_fn(ref_out);
-  if (ref_loss.requires_grad()) ref_loss.backward();
+// 3. Reference.
+void GradientCheck::run_reference() {
+  ref_out_ = reference_.forward(ref_in_);
+  COMMGRAD_CHECK(ref_out_.defined(), kOp, g_, "the reference returned an undefined tensor");
+  ref_loss_ = loss_fn_(ref_out_);
+  if (ref_loss_.requires_grad()) ref_loss_.backward();
+}
 
-  // 4. Parallel.
-  const at::Tensor par_out_local = parallel.forward(par_in);
-  COMMGRAD_CHECK(par_out_local.defined(), kOp, g, "the parallel module returned an undefined tensor");
-  at::Tensor par_out = par_out_local;
-  if (options.output_layout().is_partitioned()) {
-    const int64_t nd = par_out_local.dim();
-    const int64_t d = options.output_layout().dim;
-    COMMGRAD_CHECK(nd > 0 && d >= -nd && d < nd && options.output_layout().stride == 1, kOp, g, "output layout ",
-                   options.output_layout().describe(), " does not fit the parallel output ",
-                   shape_name(par_out_local.sizes()));
-    par_out = tp::detail::gather_along(par_out_local, options.output_layout().dim, g, kOp);
+// 4. Parallel.
+void GradientCheck::run_parallel() {
+  const at::Tensor out = parallel_.forward(par_in_);
+  COMMGRAD_CHECK(out.defined(), kOp, g_, "the parallel module returned an undefined tensor");
+  par_out_ = out;
+  if (options_.output_layout().is_partitioned()) {
+    const int64_t nd = out.dim();
+    const int64_t d = options_.output_layout().dim;
+    COMMGRAD_CHECK(nd > 0 && d >= -nd && d < nd && options_.output_layout().stride == 1, kOp, g_, "output layout ",
+                   options_.output_layout().describe(), " does not fit the parallel output ", shape_name(out.sizes()));
+    par_out_ = tp::detail::gather_along(out, options_.output_layout().dim, g_, kOp);
   }
-  const at::Tensor par_loss = loss_fn(par_out);
-  if (par_loss.requires_grad()) par_loss.backward();
-  if (options.sync_sequence_parallel_grads() && parallel.module) tp::allreduce_sequence_parallel_grads(*parallel.module);
+  par_loss_ = loss_fn_(par_out_);
+  if (par_loss_.requires_grad()) par_loss_.backward();
+  if (options_.sync_sequence_parallel_grads() && parallel_.module) {
+    tp::allreduce_sequence_parallel_grads(*parallel_.module);
+  }
+}
 
-  // 5. Full tensors, pairwise.
-  GradCheckResult result;
-  result.title = options.title();
-  result.tp_size = g.size();
-  result.dtype = ref_out.scalar_type();
-  std::vector<Pair> pairs;
+// 5a. Full tensors, pairwise: outputs, loss, input gradients, parameters
+// and their gradients (shards gathered; every rank takes part in each
+// gather, with or without a gradient).
+std::vector<Pair> GradientCheck::pairs() {
+  std::vector<Pair> out;
   auto add = [&](const std::string& name, const std::string& layout, const at::Tensor& p, const at::Tensor& r) {
     Pair e;
     e.report.name = name;
     e.report.layout = layout;
     e.parallel = p.defined() ? p.detach().cpu() : p;
     e.reference = r.defined() ? r.detach().cpu() : r;
-    pairs.push_back(std::move(e));
+    out.push_back(std::move(e));
   };
-  add("output", options.output_layout().describe(), par_out, ref_out);
-  add("loss", "replicated", par_loss, ref_loss);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!ref_in[i].is_floating_point()) continue;
-    const std::string name = inputs.size() == 1 ? "input.grad" : c10::str("input[", i, "].grad");
-    add(name, input_layout(i).describe(), par_leaves[i].grad(), ref_in[i].grad());
+  add("output", options_.output_layout().describe(), par_out_, ref_out_);
+  add("loss", "replicated", par_loss_, ref_loss_);
+  for (size_t i = 0; i < inputs_.size(); ++i) {
+    if (!ref_in_[i].is_floating_point()) continue;
+    const std::string name = inputs_.size() == 1 ? "input.grad" : c10::str("input[", i, "].grad");
+    add(name, input_layout(i).describe(), par_leaves_[i].grad(), ref_in_[i].grad());
   }
   size_t k = 0;
-  for (const auto& p : par_params) {
-    const tp::ParameterShard& s = par_specs[p.key()];
-    const Group pg = s.group.defined() ? s.group : g;
-    const at::Tensor& rp = ref_params[ref_names[k++]];
-    const at::Tensor value = tp::gather_shards(p.value(), s.spec, pg);
+  for (const auto& p : par_params_) {
+    const tp::ParameterShard& s = par_specs_[p.key()];
+    const Group pg = s.group.defined() ? s.group : g_;
+    const at::Tensor& rp = ref_params_[ref_names_[k++]];
     at::Tensor grad = p.value().grad();
-    // Every rank takes part in the gather, with or without a gradient.
     const bool has_grad = grad.defined();
     if (!has_grad) grad = at::zeros_like(p.value());
-    grad = tp::gather_shards(grad, s.spec, pg);
-    add(p.key(), s.spec.describe(), value, rp);
-    add(p.key() + ".grad", s.spec.describe(), grad, rp.grad().defined() ? rp.grad() : at::zeros_like(rp));
-    if (!has_grad && rp.grad().defined()) pairs.back().report.note = "no gradient on the parallel side";
+    add(p.key(), s.spec.describe(), tp::gather_shards(p.value(), s.spec, pg), rp);
+    add(p.key() + ".grad", s.spec.describe(), tp::gather_shards(grad, s.spec, pg),
+        rp.grad().defined() ? rp.grad() : at::zeros_like(rp));
+    if (!has_grad && rp.grad().defined()) out.back().report.note = "no gradient on the parallel side";
   }
+  return out;
+}
 
-  // Local numbers, then the maximum over ranks.
+// 5b. Local numbers, then the maximum over ranks.
+GradCheckResult GradientCheck::compare() {
+  std::vector<Pair> all = pairs();
   std::vector<double> local;
-  for (auto& e : pairs) {
+  for (auto& e : all) {
     auto& rep = e.report;
     rep.shape = e.reference.defined() ? e.reference.sizes().vec() : std::vector<int64_t>{};
     double abs_err = std::numeric_limits<double>::infinity();
@@ -311,14 +357,17 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
     local.push_back(ref_max);
   }
   const at::Tensor maxima =
-      ops::raw::all_reduce(at::tensor(local, at::kDouble), ops::AllReduceOptions().op(ReduceOp::kMax), g).wait();
-  double atol = options.atol(), rtol = options.rtol();
+      ops::raw::all_reduce(at::tensor(local, at::kDouble), ops::AllReduceOptions().op(ReduceOp::kMax), g_).wait();
+  GradCheckResult result;
+  result.title = options_.title();
+  result.tp_size = g_.size();
+  result.dtype = ref_out_.scalar_type();
   double def_atol = 0, def_rtol = 0;
   default_tolerance(result.dtype, def_atol, def_rtol);
-  if (atol < 0) atol = def_atol;
-  if (rtol < 0) rtol = def_rtol;
-  for (size_t i = 0; i < pairs.size(); ++i) {
-    auto& rep = pairs[i].report;
+  const double atol = options_.atol() < 0 ? def_atol : options_.atol();
+  const double rtol = options_.rtol() < 0 ? def_rtol : options_.rtol();
+  for (size_t i = 0; i < all.size(); ++i) {
+    auto& rep = all[i].report;
     rep.max_abs_error = maxima[2 * i].item<double>();
     rep.max_abs_ref = maxima[2 * i + 1].item<double>();
     rep.max_rel_error = rep.max_abs_ref > 0 ? rep.max_abs_error / rep.max_abs_ref : (rep.max_abs_error > 0 ? INFINITY : 0);
@@ -328,6 +377,13 @@ GradCheckResult check_gradients(const Subject& parallel, const Subject& referenc
     result.tensors.push_back(rep);
   }
   return result;
+}
+
+}  // namespace
+
+GradCheckResult check_gradients(const Subject& parallel, const Subject& reference, const std::vector<at::Tensor>& inputs,
+                                const GradCheckOptions& options) {
+  return GradientCheck(parallel, reference, inputs, options).run();
 }
 
 GradCheckResult check_gradients(const std::function<Subject(const Group& tp_group)>& factory,

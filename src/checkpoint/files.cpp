@@ -29,23 +29,20 @@ namespace fs = std::filesystem;
 
 std::string errno_message() { return std::strerror(errno); }
 
-namespace {
-
-void write_all(int fd, const char* data, size_t size, const std::string& path) {
+void write_all(int fd, const void* data, size_t size, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
   while (size > 0) {
-    const ssize_t n = ::write(fd, data, size);
+    const ssize_t n = ::write(fd, p, size);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const std::string why = errno_message();
       ::close(fd);
       TORCH_CHECK(false, "cannot write ", path, ": ", why);
     }
-    data += n;
+    p += n;
     size -= static_cast<size_t>(n);
   }
 }
-
-}  // namespace
 
 void write_file_durably(const std::string& path, const std::string& bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

@@ -2,6 +2,8 @@
 
 #include "commgrad/checkpoint/fsdp_state.h"
 
+#include "detail/state_runs.h"
+
 #include "commgrad/checkpoint/module_state.h"
 #include "commgrad/fsdp/fully_shard.h"
 #include "commgrad/optim/param_state.h"
@@ -15,6 +17,8 @@
 
 namespace commgrad::checkpoint {
 namespace {
+
+using detail::state_name;
 
 // One parameter's piece on this rank, where it sits in the parameter's
 // local tensor, and that tensor's blocks in the global one.
@@ -43,10 +47,6 @@ std::vector<Piece> pieces_of(const fsdp::FullyShardedModule& sharded) {
     }
   }
   return out;
-}
-
-std::string state_name(const std::string& prefix, const std::string& state, const std::string& param) {
-  return prefix + state + "/" + param;
 }
 
 void append(std::vector<TensorPiece>& to, std::vector<TensorPiece> more) {
@@ -98,39 +98,18 @@ std::vector<TensorPiece> fsdp_optimizer_load_pieces(const fsdp::FullyShardedModu
 void restore_fsdp_optimizer(const fsdp::FullyShardedModule& sharded, torch::optim::Optimizer& optimizer,
                             const std::vector<TensorPiece>& pieces, const LoadResult& result,
                             const std::string& prefix) {
-  const std::set<std::string> skipped(result.skipped.begin(), result.skipped.end());
-  TORCH_CHECK(!pieces.empty() && pieces.back().name == prefix + "step", "[commgrad] restore_fsdp_optimizer: no '",
-              prefix, "step' piece (use fsdp_optimizer_load_pieces())");
-  TORCH_CHECK(!skipped.count(prefix + "step"), "[commgrad] restore_fsdp_optimizer: the checkpoint in ",
-              result.directory, " holds no optimizer state under '", prefix, "'");
-  const int64_t step = pieces.back().tensor.item<int64_t>();
+  detail::StateRuns runs(pieces, result, "restore_fsdp_optimizer", "fsdp_optimizer_load_pieces()");
+  const int64_t step = runs.step(prefix, pieces.empty() ? 0 : pieces.size() - 1);
   const auto names = optim::param_state_names(optimizer);
-  std::map<std::string, std::pair<int, int>> found;  // state -> (loaded, skipped) parameters
-  size_t next = 0;
   for (const auto& p : pieces_of(sharded)) {
     optim::ParamState state;
     state.step = step;
     for (const auto& name : names) {
-      // In fsdp_optimizer_load_pieces()'s order: the run of this name is this piece's.
-      const auto key = state_name(prefix, name, p.name);
-      TORCH_CHECK(next < pieces.size() && pieces[next].name == key, "[commgrad] restore_fsdp_optimizer: the pieces "
-                  "are not those fsdp_optimizer_load_pieces() made for this optimizer (expected '", key, "')");
-      std::vector<at::Tensor> parts;
-      for (; next < pieces.size() && pieces[next].name == key; ++next) parts.push_back(pieces[next].tensor.reshape({-1}));
-      if (skipped.count(key)) {
-        ++found[name].second;
-        continue;
-      }
-      ++found[name].first;
-      state.tensors.emplace_back(name, parts.size() == 1 ? parts[0] : at::cat(parts));
+      if (auto value = runs.take(prefix, name, p.name)) state.tensors.emplace_back(name, *value);
     }
     optim::set_param_state(optimizer, p.param, state);
   }
-  for (const auto& [name, counts] : found) {
-    TORCH_CHECK(counts.first == 0 || counts.second == 0, "[commgrad] restore_fsdp_optimizer: the checkpoint in ",
-                result.directory, " holds state '", name, "' for only some of the parameters (", counts.second,
-                " of this rank's pieces missing)");
-  }
+  runs.check_complete("pieces");
 }
 
 }  // namespace commgrad::checkpoint

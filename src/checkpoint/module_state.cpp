@@ -56,6 +56,7 @@ std::vector<TensorPiece> module_pieces(const torch::nn::Module& module, const st
     const auto blocks = blocks_of(p.key(), local, specs[p.key()]);
     if (blocks.size() == 1 && blocks[0].shape == blocks[0].global_shape) {
       pieces.push_back(TensorPiece::whole(prefix + p.key(), local));  // not split (also 0-dim tensors)
+      pieces.back().source = p.value();
       continue;
     }
     for (const auto& b : blocks) {
@@ -65,6 +66,7 @@ std::vector<TensorPiece> module_pieces(const torch::nn::Module& module, const st
       piece.box_offset = b.offset;
       piece.box_shape = b.shape;
       piece.tensor = local.narrow(b.dim, b.local_start, b.shape[b.dim]);
+      piece.source = p.value();
       pieces.push_back(std::move(piece));
     }
   }

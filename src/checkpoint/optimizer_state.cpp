@@ -7,6 +7,8 @@
 
 #include "commgrad/checkpoint/optimizer_state.h"
 
+#include "detail/state_runs.h"
+
 #include "commgrad/checkpoint/module_state.h"
 #include "commgrad/optim/zero_optimizer.h"
 
@@ -18,13 +20,7 @@
 #include <set>
 
 namespace commgrad::checkpoint {
-namespace {
-
-std::string state_name(const std::string& prefix, const std::string& state, const std::string& param) {
-  return prefix + state + "/" + param;
-}
-
-}  // namespace
+using detail::state_name;
 
 std::vector<TensorPiece> optimizer_pieces(optim::ZeroOptimizer& zero, const std::string& prefix) {
   const auto& module = *zero.ddp().module();
@@ -58,41 +54,20 @@ std::vector<TensorPiece> optimizer_load_pieces(optim::ZeroOptimizer& zero, const
 
 void restore_optimizer(optim::ZeroOptimizer& zero, const std::vector<TensorPiece>& pieces, const LoadResult& result,
                        const std::string& prefix) {
-  const std::set<std::string> skipped(result.skipped.begin(), result.skipped.end());
-  const auto names = zero.state_names();
+  detail::StateRuns runs(pieces, result, "restore_optimizer", "optimizer_load_pieces()");
   std::vector<optim::ZeroOptimizer::StateShard> shards;
-  std::map<std::string, std::pair<int, int>> found;  // state -> (loaded, skipped) ranges
-  size_t next = 0;
   for (const auto& shard : zero.shards()) {
     for (const auto& seg : shard.segments) {
-      for (const auto& state : names) {
-        // In optimizer_load_pieces()'s order: this range's pieces (one per
-        // TP block it touches) are the next ones of its name; a parameter
-        // has one range per rank, so the run of that name ends there.
-        const auto name = state_name(prefix, state, seg.name);
-        TORCH_CHECK(next < pieces.size() && pieces[next].name == name, "[commgrad] restore_optimizer: the "
-                    "pieces are not those optimizer_load_pieces() made for this optimizer (expected '", name, "')");
-        std::vector<at::Tensor> parts;
-        for (; next < pieces.size() && pieces[next].name == name; ++next) parts.push_back(pieces[next].tensor.reshape({-1}));
-        if (skipped.count(name)) {
-          ++found[state].second;
-          continue;
-        }
-        ++found[state].first;
-        shards.push_back({seg.name, state, seg.param_begin, parts.size() == 1 ? parts[0] : at::cat(parts)});
+      // A range's pieces (one per TP block it touches) are the next run of
+      // each state's name; a parameter has one range per rank.
+      for (const auto& state : zero.state_names()) {
+        if (auto value = runs.take(prefix, state, seg.name)) shards.push_back({seg.name, state, seg.param_begin, *value});
       }
     }
   }
-  TORCH_CHECK(next < pieces.size() && pieces[next].name == prefix + "step", "[commgrad] restore_optimizer: no '",
-              prefix, "step' piece (use optimizer_load_pieces())");
-  TORCH_CHECK(!skipped.count(prefix + "step"), "[commgrad] restore_optimizer: the checkpoint in ", result.directory,
-              " holds no optimizer state under '", prefix, "'");
-  for (const auto& [state, counts] : found) {
-    TORCH_CHECK(counts.first == 0 || counts.second == 0, "[commgrad] restore_optimizer: the checkpoint in ",
-                result.directory, " holds state '", state, "' for only some of the parameters (", counts.second,
-                " of this rank's ranges missing)");
-  }
-  zero.load_state_shards(shards, pieces[next].tensor.item<int64_t>());
+  const int64_t step = runs.step(prefix, runs.position());
+  runs.check_complete("ranges");
+  zero.load_state_shards(shards, step);
 }
 
 }  // namespace commgrad::checkpoint

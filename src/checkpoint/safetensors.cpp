@@ -46,21 +46,6 @@ constexpr DtypeCode kDtypes[] = {
 // Largest header accepted (the reference implementation's limit).
 constexpr int64_t kMaxHeader = 100 << 20;
 
-void write_all(int fd, const void* data, size_t size, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t n = ::write(fd, p, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const std::string why = errno_message();
-      ::close(fd);
-      TORCH_CHECK(false, "cannot write ", path, ": ", why);
-    }
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-}
-
 }  // namespace
 
 const char* safetensors_dtype(at::ScalarType dtype) {

@@ -144,102 +144,124 @@ void notify(const SaveOptions& options, const std::string& path, int64_t bytes) 
   if (options.on_file_written()) options.on_file_written()(path, bytes);
 }
 
+// The four phases of a save (the file comment), each agreed by every rank.
+struct SaveRun {
+  const std::string& root;
+  int64_t step;
+  const std::vector<TensorPiece>& pieces;
+  const SaveOptions& options;
+  Group group;
+  int rank;
+  fs::path final_dir, partial_dir;
+
+  // describe: every rank's pieces, checked locally.
+  std::vector<std::string> describe() const {
+    return detail::run_phase(kOp, group, [&] {
+      COMMGRAD_CHECK(step >= 0, kOp, group, "steps are non-negative, got ", step);
+      COMMGRAD_CHECK(!root.empty(), kOp, group, "the checkpoint root is empty");
+      nlohmann::json list = nlohmann::json::array();
+      for (const auto& piece : pieces) {
+        try {
+          list.push_back(detail::to_json(detail::check_piece(piece)));
+        } catch (const c10::Error& e) {
+          COMMGRAD_CHECK(false, kOp, group, e.what_without_backtrace());
+        }
+      }
+      return nlohmann::json{{"step", step}, {"pieces", list}}.dump();
+    });
+  }
+
+  // prepare: rank 0 makes the root and an empty partial directory.
+  void prepare() const {
+    detail::run_phase(kOp, group, [&] {
+      if (rank != 0) return std::string();
+      std::error_code ec;
+      fs::create_directories(root, ec);
+      COMMGRAD_CHECK(fs::is_directory(root), kOp, group, "cannot create the checkpoint root ", root, ": ",
+                     ec ? ec.message() : "it is not a directory");
+      detail::remove_stale_partials(root);
+      COMMGRAD_CHECK(fs::create_directory(partial_dir, ec), kOp, group, "cannot create ", partial_dir.string(), ": ",
+                     ec.message());
+      return std::string();
+    });
+  }
+
+  // write: each rank its file; returns every rank's bytes and checksums.
+  std::vector<std::string> write(const Plan& plan, int64_t& bytes_written) const {
+    return detail::run_phase(kOp, group, [&] {
+      std::vector<detail::SafetensorsEntry> entries;
+      for (const PlannedPiece& p : plan.by_rank[rank]) {
+        if (!p.writes) continue;
+        const at::Tensor& t = pieces[p.local_index].tensor;
+        entries.push_back({p.key, t.detach().to(at::kCPU).contiguous().reshape({-1})});
+        // A whole box is stored in its shape, a flat range as 1-d, so a
+        // Python reader sees the tensor it expects.
+        if (p.info.whole_box()) entries.back().tensor = entries.back().tensor.view(p.info.box.shape);
+      }
+      if (entries.empty()) return std::string("{}");
+      const std::string path = (partial_dir / rank_file_name(rank)).string();
+      std::vector<detail::WrittenEntry> crcs;
+      const std::map<std::string, std::string> meta = {
+          {"format", "pt"}, {"commgrad.step", std::to_string(step)}, {"commgrad.rank", std::to_string(rank)}};
+      bytes_written = detail::write_safetensors(path, entries, meta, crcs);
+      notify(options, path, bytes_written);
+      nlohmann::json out = {{"bytes", bytes_written}, {"crc32", nlohmann::json::object()}};
+      for (const auto& c : crcs) out["crc32"][c.key] = c.crc32;
+      return out.dump();
+    });
+  }
+
+  // publish: rank 0 completes the index, renames the directory into place,
+  // points "latest" at it and prunes old steps.
+  void publish(Plan& plan, const std::vector<std::string>& written) const {
+    detail::run_phase(kOp, group, [&] {
+      if (rank != 0) return std::string();
+      for (size_t r = 0; r < written.size(); ++r) {
+        const auto j = nlohmann::json::parse(written[r]);
+        if (!j.contains("bytes")) continue;
+        const std::string file = rank_file_name(static_cast<int>(r));
+        plan.index.files[file].bytes = j.at("bytes").get<int64_t>();
+        for (auto& [name, tensor] : plan.index.tensors) {
+          for (auto& p : tensor.pieces) {
+            if (p.file == file) p.crc32 = j.at("crc32").at(p.key).get<uint32_t>();
+          }
+        }
+      }
+      const std::string index_path = (partial_dir / kIndexFileName).string();
+      const std::string text = detail::serialize_index(plan.index);
+      detail::write_file_durably(index_path, text);
+      detail::fsync_directory(partial_dir.string());
+      notify(options, index_path, static_cast<int64_t>(text.size()));
+      detail::rename_directory_into_place(partial_dir.string(), final_dir.string());
+      detail::fsync_directory(root);
+      const std::string latest = (fs::path(root) / kLatestFileName).string();
+      const std::string pointer = step_directory_name(step) + "\n";
+      detail::replace_file_atomically(latest, pointer);
+      notify(options, latest, static_cast<int64_t>(pointer.size()));
+      detail::prune_steps(root, options.keep(), step);
+      return std::string();
+    });
+  }
+};
+
 }  // namespace
 
 SaveResult save(const std::string& root, int64_t step, const std::vector<TensorPiece>& pieces,
                 const nlohmann::json& metadata, const SaveOptions& options, const Group& group_in) {
   const Group group = ops::raw::resolve_group(group_in);
   check_member(kOp, group);
-  const int rank = group.rank();
-
-  // describe
-  const auto described = detail::run_phase(kOp, group, [&] {
-    COMMGRAD_CHECK(step >= 0, kOp, group, "steps are non-negative, got ", step);
-    COMMGRAD_CHECK(!root.empty(), kOp, group, "the checkpoint root is empty");
-    nlohmann::json list = nlohmann::json::array();
-    for (const auto& piece : pieces) {
-      try {
-        list.push_back(detail::to_json(detail::check_piece(piece)));
-      } catch (const c10::Error& e) {
-        COMMGRAD_CHECK(false, kOp, group, e.what_without_backtrace());
-      }
-    }
-    return nlohmann::json{{"step", step}, {"pieces", list}}.dump();
-  });
-  Plan plan = make_plan(described, step, group);
+  SaveRun run{root, step, pieces, options, group, group.rank(), {}, {}};
+  Plan plan = make_plan(run.describe(), step, group);  // checks the step before it names a directory
+  run.final_dir = fs::path(root) / step_directory_name(step);
+  run.partial_dir = fs::path(root) / detail::partial_directory_name(step);
   plan.index.step = step;
   plan.index.world_size = group.size();
   plan.index.metadata = metadata;
-
-  const fs::path final_dir = fs::path(root) / step_directory_name(step);
-  const fs::path partial_dir = fs::path(root) / detail::partial_directory_name(step);
-
-  // prepare
-  detail::run_phase(kOp, group, [&] {
-    if (rank != 0) return std::string();
-    std::error_code ec;
-    fs::create_directories(root, ec);
-    COMMGRAD_CHECK(fs::is_directory(root), kOp, group, "cannot create the checkpoint root ", root, ": ",
-                   ec ? ec.message() : "it is not a directory");
-    detail::remove_stale_partials(root);
-    COMMGRAD_CHECK(fs::create_directory(partial_dir, ec), kOp, group, "cannot create ", partial_dir.string(), ": ",
-                   ec.message());
-    return std::string();
-  });
-
-  // write
+  run.prepare();
   int64_t bytes_written = 0;
-  const auto written = detail::run_phase(kOp, group, [&] {
-    std::vector<detail::SafetensorsEntry> entries;
-    for (const PlannedPiece& p : plan.by_rank[rank]) {
-      if (!p.writes) continue;
-      const at::Tensor& t = pieces[p.local_index].tensor;
-      entries.push_back({p.key, t.detach().to(at::kCPU).contiguous().reshape({-1})});
-      // A whole box is stored in its shape, a flat range as 1-d, so a Python
-      // reader sees the tensor it expects.
-      if (p.info.whole_box()) entries.back().tensor = entries.back().tensor.view(p.info.box.shape);
-    }
-    if (entries.empty()) return std::string("{}");
-    const std::string path = (partial_dir / rank_file_name(rank)).string();
-    std::vector<detail::WrittenEntry> crcs;
-    const std::map<std::string, std::string> meta = {
-        {"format", "pt"}, {"commgrad.step", std::to_string(step)}, {"commgrad.rank", std::to_string(rank)}};
-    bytes_written = detail::write_safetensors(path, entries, meta, crcs);
-    notify(options, path, bytes_written);
-    nlohmann::json out = {{"bytes", bytes_written}, {"crc32", nlohmann::json::object()}};
-    for (const auto& c : crcs) out["crc32"][c.key] = c.crc32;
-    return out.dump();
-  });
-
-  // publish
-  detail::run_phase(kOp, group, [&] {
-    if (rank != 0) return std::string();
-    for (size_t r = 0; r < written.size(); ++r) {
-      const auto j = nlohmann::json::parse(written[r]);
-      if (!j.contains("bytes")) continue;
-      const std::string file = rank_file_name(static_cast<int>(r));
-      plan.index.files[file].bytes = j.at("bytes").get<int64_t>();
-      for (auto& [name, tensor] : plan.index.tensors) {
-        for (auto& p : tensor.pieces) {
-          if (p.file == file) p.crc32 = j.at("crc32").at(p.key).get<uint32_t>();
-        }
-      }
-    }
-    const std::string index_path = (partial_dir / kIndexFileName).string();
-    const std::string text = detail::serialize_index(plan.index);
-    detail::write_file_durably(index_path, text);
-    detail::fsync_directory(partial_dir.string());
-    notify(options, index_path, static_cast<int64_t>(text.size()));
-    detail::rename_directory_into_place(partial_dir.string(), final_dir.string());
-    detail::fsync_directory(root);
-    const std::string latest = (fs::path(root) / kLatestFileName).string();
-    const std::string pointer = step_directory_name(step) + "\n";
-    detail::replace_file_atomically(latest, pointer);
-    notify(options, latest, static_cast<int64_t>(pointer.size()));
-    detail::prune_steps(root, options.keep(), step);
-    return std::string();
-  });
-  return SaveResult{step, final_dir.string(), bytes_written};
+  const auto written = run.write(plan, bytes_written);
+  run.publish(plan, written);
+  return SaveResult{step, run.final_dir.string(), bytes_written};
 }
 
 }  // namespace commgrad::checkpoint

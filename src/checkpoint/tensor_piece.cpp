@@ -74,6 +74,11 @@ PieceInfo check_piece(const TensorPiece& piece) {
   TORCH_CHECK(info.flat_begin >= 0 && info.flat_begin <= info.flat_end && info.flat_end <= n, "piece ",
               describe(piece), ": the element range is not inside the box of ", n, " elements");
   TORCH_CHECK(piece.tensor.defined(), "piece ", describe(piece), " has no tensor");
+  TORCH_CHECK(!piece.source.defined() || piece.tensor.is_alias_of(piece.source), "piece ", describe(piece),
+              " no longer views the parameter it was taken from: the parameter was re-pointed after the pieces were "
+              "taken (ZeroOptimizer's constructor and Module::to() do that), so its values would be ",
+              "saved or loaded stale; take module_pieces() after building the optimizer, or use "
+              "checkpoint::save_training_state() / load_training_state(), which take the pieces when called");
   TORCH_CHECK(piece.tensor.numel() == info.count(), "piece ", describe(piece), ": its tensor ",
               tensor_name(piece.tensor), " has ", piece.tensor.numel(), " elements, the piece holds ", info.count());
   info.dtype = safetensors_dtype(piece.tensor.scalar_type());

@@ -7,6 +7,7 @@
 
 #include <torch/version.h>
 
+#include <ostream>
 #include <sstream>
 
 static_assert(TORCH_VERSION_MAJOR == COMMGRAD_TORCH_VERSION_MAJOR && TORCH_VERSION_MINOR == COMMGRAD_TORCH_VERSION_MINOR,
@@ -21,6 +22,8 @@ std::string BuildInfo::to_string() const {
   out << ')';
   return out.str();
 }
+
+std::ostream& operator<<(std::ostream& out, const BuildInfo& info) { return out << info.to_string(); }
 
 const BuildInfo& build_info() {
   static const BuildInfo info = [] {

@@ -1,4 +1,4 @@
-// Membership checks shared by every layer (dist/check.h).
+// Membership checks and error sites shared by every layer (dist/check.h).
 
 #include "commgrad/dist/check.h"
 
@@ -6,8 +6,21 @@
 
 namespace commgrad {
 
+ErrorSite error_site(const std::string& op, const Group& group, int64_t collective) {
+  ErrorSite site = make_site(op, group.describe());
+  site.collective = collective;
+  if (group.defined()) {
+    site.group = group.name();
+    site.group_size = group.size();
+    if (group.is_member()) site.rank = group.rank();
+  }
+  return site;
+}
+
 void check_member(const char* op, const Group& group) {
-  TORCH_CHECK(group.defined(), "[commgrad] ", op, ": the group handle is empty (was init_process_group() called?)");
+  if (!group.defined()) {
+    COMMGRAD_THROW(ErrorKind::kInvalidArgument, make_site(op), "the group handle is empty (was init_process_group() called?)");
+  }
   COMMGRAD_CHECK(group.is_member(), op, group, "this rank is not a member of the group; only ranks ",
                  format_ranks(group.ranks()), " may call collectives on it");
 }

@@ -23,6 +23,7 @@
 #include "commgrad/util/env.h"
 #include "commgrad/util/logging.h"
 #include "commgrad/util/print.h"
+#include "commgrad/util/error.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -75,12 +76,12 @@ detail::StorePtr connect_store(const LaunchEnvironment& env, std::chrono::millis
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
   } catch (const std::exception& e) {
     if (env.rank == 0) {
-      detail::throw_dist_error(c10::str(init_prefix(env), "could not host the rendezvous store at ", env.master_addr,
-                                        ":", env.master_port, " (is the port in use?): ", e.what()));
+      COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, init_prefix(env), "could not host the rendezvous store at ", env.master_addr,
+                                        ":", env.master_port, " (is the port in use?): ", e.what());
     }
-    detail::throw_dist_error(c10::str(init_prefix(env), "could not reach the rendezvous store at ",
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, init_prefix(env), "could not reach the rendezvous store at ",
                                       env.master_addr, ":", env.master_port, " within ", seconds(timeout),
-                                      " (did rank 0 start?): ", e.what()));
+                                      " (did rank 0 start?): ", e.what());
   }
 }
 
@@ -125,10 +126,10 @@ Joined join(const detail::StorePtr& store, const LaunchEnvironment& env, std::ch
   const std::string me = host_identity() + "\n" + detail::local_address_towards(env.master_addr);
   auto said = arrive_and_wait(store, "commgrad/world/join", env.rank, env.world_size, me, timeout, missing);
   if (!missing.empty()) {
-    detail::throw_timeout_error(c10::str(init_prefix(env), "rendezvous timed out after ", seconds(timeout), ": ",
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, init_prefix(env), "rendezvous timed out after ", seconds(timeout), ": ",
                                          env.world_size - missing.size(), " of ", env.world_size,
                                          " ranks joined; missing ranks: ", format_ranks(missing), " (store ",
-                                         env.master_addr, ":", env.master_port, ")"));
+                                         env.master_addr, ":", env.master_port, ")");
   }
   Joined joined;
   for (const auto& s : said) {
@@ -137,6 +138,27 @@ Joined join(const detail::StorePtr& store, const LaunchEnvironment& env, std::ch
     joined.addresses.push_back(cut == std::string::npos ? "" : s.substr(cut + 1));
   }
   return joined;
+}
+
+// The state of a world group: every rank that joined, in rank order, on the
+// transport `requested_backend` resolves to for their hosts.
+std::shared_ptr<detail::GroupState> world_state(std::string name, const LaunchEnvironment& env, const Joined& joined,
+                                                std::chrono::milliseconds timeout, const detail::StorePtr& root,
+                                                const std::string& requested_backend) {
+  auto state = std::make_shared<detail::GroupState>();
+  state->name = std::move(name);
+  state->rank = env.rank;
+  state->global_rank = env.rank;
+  for (int r = 0; r < env.world_size; ++r) state->ranks.push_back(r);
+  state->hosts = joined.hosts;
+  state->addresses = joined.addresses;
+  state->timeout = timeout;
+  state->root_store = root;
+  state->store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world", root);
+  state->launch = env;
+  state->requested_backend = requested_backend;
+  state->backend = resolve_backend(requested_backend, joined.hosts);
+  return state;
 }
 
 bool all_same(const std::vector<std::string>& v) {
@@ -182,9 +204,9 @@ void connect_transports(detail::GroupState& state, const std::string& prefix, co
   std::vector<int> missing;
   arrive_and_wait(state.root_store, prefix + "/connected", state.rank, config.size, "", state.timeout, missing);
   if (!missing.empty()) {
-    detail::throw_timeout_error(c10::str("[commgrad] ", op, " ", detail::describe(state),
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, "[commgrad] ", op, " ", detail::describe(state),
                                          ": group ranks ", format_ranks(missing), " did not finish connecting within ",
-                                         seconds(state.timeout)));
+                                         seconds(state.timeout));
   }
 }
 
@@ -220,25 +242,12 @@ Group make_world_group(const InitOptions& options) {
   detail::StorePtr root = options.store() ? options.store() : connect_store(env, timeout);
   root->setTimeout(timeout);
   auto joined = join(root, env, timeout);
-  const auto& hosts = joined.hosts;
 
-  auto state = std::make_shared<detail::GroupState>();
-  state->name = "world";
-  state->rank = env.rank;
-  state->global_rank = env.rank;
-  for (int r = 0; r < env.world_size; ++r) state->ranks.push_back(r);
-  state->hosts = hosts;
-  state->addresses = joined.addresses;
-  state->timeout = timeout;
-  state->root_store = root;
-  state->store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world", root);
-  state->launch = env;
   // COMMGRAD_BACKEND lets a launch script pick the transport of an unchanged program.
   std::string backend = options.backend();
   if (backend == "auto") backend = env::get("COMMGRAD_BACKEND").value_or(backend);
-  state->backend = resolve_backend(backend, hosts);
+  auto state = world_state("world", env, joined, timeout, root, backend);
   detail::select_cuda_device(env.local_rank);
-  state->requested_backend = backend;
   if (options.terminate_handler()) install_terminate_handler();
   connect_transports(*state, "commgrad/world", "init_process_group");
   return Group(std::move(state));
@@ -256,19 +265,7 @@ Group connect_group(const detail::StorePtr& store, int rank, int size, const Con
   const auto timeout = resolve_timeout(options.timeout());
   auto joined = join(store, env, timeout);
 
-  auto state = std::make_shared<detail::GroupState>();
-  state->name = options.name();
-  state->rank = rank;
-  state->global_rank = rank;
-  for (int r = 0; r < size; ++r) state->ranks.push_back(r);
-  state->hosts = joined.hosts;
-  state->addresses = joined.addresses;
-  state->timeout = timeout;
-  state->root_store = store;
-  state->store = c10::make_intrusive<c10d::PrefixStore>("commgrad/world", store);
-  state->launch = env;
-  state->requested_backend = options.backend();
-  state->backend = resolve_backend(options.backend(), state->hosts);
+  auto state = world_state(options.name(), env, joined, timeout, store, options.backend());
   connect_transports(*state, "commgrad/world", "connect_group", /*cuda=*/false);
   return Group(std::move(state));
 }

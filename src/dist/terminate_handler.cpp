@@ -1,4 +1,4 @@
-// The terminate handler that names the last collective (see the header).
+// The terminate handler that names the collective in flight (see the header).
 
 #include "commgrad/dist/terminate_handler.h"
 
@@ -14,10 +14,14 @@
 namespace commgrad {
 namespace {
 
-// The last collective this process started.
+// The last collective this process started, until it completes: the
+// handler names it only while it is in flight (or after it failed), never for
+// an error that has nothing to do with communication (a layer's shape error
+// thrown after the last collective finished).
 struct Started {
   const char* op = nullptr;
   uint64_t sequence = 0;
+  const void* group_id = nullptr;           // identity of the group, for note_collective_finished
   std::weak_ptr<detail::GroupState> group;  // not kept alive by this record
 };
 std::mutex g_started_mutex;
@@ -46,8 +50,8 @@ std::atomic<bool> g_installed{false};
   if (last.op != nullptr) {
     const auto state = last.group.lock();
     std::cerr << "[commgrad] " << last.op << " " << (state ? Group(state).describe() : std::string("(group gone)"))
-              << ": the process is terminating (" << what << "); the last collective it started is #"
-              << last.sequence;
+              << ": the process is terminating (" << what << ") while collective #" << last.sequence
+              << " had not completed";
     if (what.find("op.preamble.length <= op.nbytes") != std::string::npos) {
       std::cerr << ". Gloo aborts like this when another rank called a collective with more data than this rank; "
                    "set COMMGRAD_DEBUG=1 on every rank to check each collective across ranks and raise an error on "
@@ -77,7 +81,15 @@ void note_collective_started(const char* op, uint64_t sequence, const std::share
   std::lock_guard<std::mutex> lock(g_started_mutex);
   g_started.op = op;
   g_started.sequence = sequence;
+  g_started.group_id = group.get();
   g_started.group = group;
+}
+
+void note_collective_finished(uint64_t sequence, const std::shared_ptr<GroupState>& group) {
+  std::lock_guard<std::mutex> lock(g_started_mutex);
+  if (g_started.op != nullptr && g_started.sequence == sequence && g_started.group_id == group.get()) {
+    g_started = Started();
+  }
 }
 
 }  // namespace detail

@@ -7,6 +7,7 @@
 #include "commgrad/dist/build_info.h"
 #include "commgrad/backend/hierarchical_transport.h"
 #include "commgrad/util/env.h"
+#include "commgrad/util/error.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -249,11 +250,11 @@ Transport create_transport(const TransportConfig& c) {
     }
 #endif
   } catch (const c10::Error& e) {
-    throw_dist_error(c10::str(connect_prefix(c), "could not connect its ", c.backend, " transport to the other ",
-                              c.size - 1, " ranks within the timeout: ", e.what_without_backtrace()));
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, connect_prefix(c), "could not connect its ", c.backend, " transport to the other ",
+                              c.size - 1, " ranks within the timeout: ", e.what_without_backtrace());
   } catch (const std::exception& e) {
-    throw_dist_error(c10::str(connect_prefix(c), "could not connect its ", c.backend, " transport to the other ",
-                              c.size - 1, " ranks: ", e.what()));
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, connect_prefix(c), "could not connect its ", c.backend, " transport to the other ",
+                              c.size - 1, " ranks: ", e.what());
   }
   TORCH_CHECK(false, connect_prefix(c), "unknown backend '", c.backend, "'");
 }

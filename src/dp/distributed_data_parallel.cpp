@@ -8,6 +8,7 @@
 #include "commgrad/dist/parallel_state.h"
 #include "commgrad/dist/process_group.h"
 #include "commgrad/dp/replicas.h"
+#include "commgrad/tp/wiring_checks.h"
 #include "detail/reducer.h"
 
 #include <ATen/ATen.h>
@@ -31,6 +32,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   options.group(group);
   check_member(kOp, group);
   COMMGRAD_CHECK(module_ != nullptr, kOp, group, "the module is null");
+  tp::check_data_parallel_group(*module_, group, kOp, "DistributedDataParallelOptions(group)");
   COMMGRAD_CHECK(options.bucket_cap_mb() > 0 && options.first_bucket_cap_mb() > 0, kOp, group,
                  "bucket sizes must be positive, got bucket_cap_mb ", options.bucket_cap_mb(),
                  " and first_bucket_cap_mb ", options.first_bucket_cap_mb());

@@ -50,6 +50,7 @@
 #include "commgrad/dist/check.h"
 #include "commgrad/util/names.h"
 #include "commgrad/util/logging.h"
+#include "commgrad/util/error.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
@@ -358,12 +359,12 @@ void DdpReducer::finish_bucket(size_t b, std::exception_ptr& error) {
       try {
         // The cause first (a peer that failed says so there); the hint
         // is for the other common reason, ranks whose backward differs.
-        commgrad::detail::throw_dist_error(c10::str(
+        COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, 
             "[commgrad] ", kOp, " ", group_.describe(), ": reducing ", bucket_context(b), " failed: ",
             dynamic_cast<const c10::Error*>(&e) ? dynamic_cast<const c10::Error&>(e).what_without_backtrace()
                                                  : e.what(),
             " (if the ranks ran different backwards, e.g. one skipped parameters, construct "
-            "DistributedDataParallel with find_unused_parameters(true))"));
+            "DistributedDataParallel with find_unused_parameters(true))");
       } catch (...) {
         error = std::current_exception();
       }

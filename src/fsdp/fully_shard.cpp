@@ -5,9 +5,11 @@
 #include "commgrad/fsdp/fully_shard.h"
 
 #include "commgrad/dist/check.h"
+#include "commgrad/dist/parallel_state.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/optim/clip_grad.h"
 #include "commgrad/tp/sharding.h"
+#include "commgrad/tp/wiring_checks.h"
 #include "detail/unit.h"
 
 #include <ATen/ATen.h>
@@ -88,6 +90,10 @@ FullyShardedModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,
   TORCH_CHECK_VALUE(module != nullptr, "[commgrad] fully_shard: the module is null");
   TORCH_CHECK_VALUE(detail::unit_of(*module) == nullptr, "[commgrad] fully_shard: the module (", module->name(),
                     ") is already a unit");
+  const Group group = options.group().defined() ? options.group() : default_data_parallel_group();
+  tp::check_data_parallel_group(*module, group, "fully_shard", "FullyShardOptions(group)");
+  tp::check_data_parallel_group(*module, options.replicate_group(), "fully_shard",
+                                "FullyShardOptions().replicate_group(group)");
   const auto inner = detail::inner_units(*module);
   auto unit = std::make_shared<detail::Unit>(module, std::move(options), inner);
   detail::join(inner, *unit);
@@ -166,10 +172,18 @@ void FullyShardedModule::finish_gradients() {
   }
 }
 
-double FullyShardedModule::clip_grad_norm_(double max_norm, const Group& tensor_parallel,
-                                           const Group& pipeline_parallel) {
+double FullyShardedModule::clip_grad_norm_(double max_norm, const Group& tensor_parallel_given,
+                                           const Group& pipeline_parallel_given) {
   TORCH_CHECK_VALUE(max_norm > 0, "[commgrad] fully_shard clip_grad_norm_: max_norm must be positive, got ", max_norm);
-  const auto specs = tp::shard_specs(*unit_->tree()->root()->module());
+  const auto root = unit_->tree()->root()->module();
+  const auto specs = tp::shard_specs(*root);
+  // Groups not given come from the layout, and the TP group from the
+  // module's partitioned parameters when the layout has none.
+  const Group tensor_parallel = tp::tensor_parallel_group_for_norm(
+      *root, tensor_parallel_given.defined() ? tensor_parallel_given : default_tensor_parallel_group(),
+      "fully_shard clip_grad_norm_");
+  const Group pipeline_parallel =
+      pipeline_parallel_given.defined() ? pipeline_parallel_given : default_pipeline_parallel_group();
   const bool tp = tensor_parallel.defined() && tensor_parallel.size() > 1;
   double replicated = 0, partitioned = 0;
   for (const auto& [u, prefix] : named_units(*unit_)) {

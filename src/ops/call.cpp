@@ -29,6 +29,7 @@ raw::Pending Call::ready(at::Tensor result) const {
   s->sequence = sequence;
   s->result = std::move(result);
   s->done = true;
+  commgrad::detail::note_collective_finished(sequence, group.state());
   return raw::Pending(std::move(s));
 }
 

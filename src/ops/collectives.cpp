@@ -22,7 +22,7 @@
 
 #include "commgrad/ops/collectives.h"
 
-#include "detail/raw.h"
+#include "detail/tags.h"
 
 #include "commgrad/dist/check.h"
 #include "commgrad/ops/async.h"
@@ -358,35 +358,15 @@ struct RecvFn : torch::autograd::Function<RecvFn> {
 
 // ~~~ finishing each op (shared by the sync and async forms) ~~~
 
-at::Tensor finish_all_gather(const at::Tensor& x, raw::Pending& p, const AllGatherOptions& o, const Group& g) {
-  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return AllGatherFn::apply(r, p, o, s); });
-}
-
-at::Tensor finish_reduce_scatter(const at::Tensor& x, raw::Pending& p, const ReduceScatterOptions& o,
-                                 const Group& g) {
-  return maybe_apply(x, p, g,
-                     [&](const at::Tensor& r, const OpStatePtr& s) { return ReduceScatterFn::apply(r, p, o, s); });
+// The finish of an op whose autograd function takes its options whole.
+template <class Fn, class Options>
+at::Tensor finish_with(const at::Tensor& x, raw::Pending& p, const Options& o, const Group& g) {
+  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return Fn::apply(r, p, o, s); });
 }
 
 at::Tensor finish_broadcast(const at::Tensor& x, raw::Pending& p, const BroadcastOptions& o, const Group& g) {
   return maybe_apply(x, p, g,
                      [&](const at::Tensor& r, const OpStatePtr& s) { return BroadcastFn::apply(r, p, o.src(), s); });
-}
-
-at::Tensor finish_reduce(const at::Tensor& x, raw::Pending& p, const ReduceOptions& o, const Group& g) {
-  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return ReduceFn::apply(r, p, o, s); });
-}
-
-at::Tensor finish_scatter(const at::Tensor& x, raw::Pending& p, const ScatterOptions& o, const Group& g) {
-  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return ScatterFn::apply(r, p, o, s); });
-}
-
-at::Tensor finish_gather(const at::Tensor& x, raw::Pending& p, const GatherOptions& o, const Group& g) {
-  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return GatherFn::apply(r, p, o, s); });
-}
-
-at::Tensor finish_all_to_all(const at::Tensor& x, raw::Pending& p, const AllToAllOptions& o, const Group& g) {
-  return maybe_apply(x, p, g, [&](const at::Tensor& r, const OpStatePtr& s) { return AllToAllFn::apply(r, p, o, s); });
 }
 
 at::Tensor finish_send(const at::Tensor& x, raw::Pending& p, const SendOptions& o, const Group& g) {
@@ -415,105 +395,39 @@ at::Tensor finish_recv(raw::Pending& p, const RecvOptions& o, const Group& g) {
 // it now (sync) or inside AsyncTensor::wait() (async), under the grad mode
 // of the call.
 
-at::Tensor all_reduce(const at::Tensor& x, const AllReduceOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  auto p = raw::all_reduce(x, options, g);
-  return finish_all_reduce(x, p, options, g);
-}
+// The sync and async forms of an op that takes one tensor and its options.
+#define COMMGRAD_SYNC_AND_ASYNC(name, Options, finish)                                                   \
+  at::Tensor name(const at::Tensor& x, const Options& options, const Group& group) {                     \
+    const Group g = raw::resolve_group(group);                                                           \
+    auto p = raw::name(x, options, g);                                                                   \
+    return finish(x, p, options, g);                                                                     \
+  }                                                                                                      \
+  AsyncTensor name##_async(const at::Tensor& x, const Options& options, const Group& group) {            \
+    const Group g = raw::resolve_group(group);                                                           \
+    return make_async(raw::name(x, options, g), [x, options, g](raw::Pending& p) { return finish(x, p, options, g); }); \
+  }
 
-AsyncTensor all_reduce_async(const at::Tensor& x, const AllReduceOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  return make_async(raw::all_reduce(x, options, g), [x, options, g](raw::Pending& p) { return finish_all_reduce(x, p, options, g); });
-}
-
-at::Tensor all_gather(const at::Tensor& x, const AllGatherOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  auto p = raw::all_gather(x, options, g);
-  return finish_all_gather(x, p, options, g);
-}
-
-AsyncTensor all_gather_async(const at::Tensor& x, const AllGatherOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  return make_async(raw::all_gather(x, options, g), [x, options, g](raw::Pending& p) { return finish_all_gather(x, p, options, g); });
-}
-
-at::Tensor reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  auto p = raw::reduce_scatter(x, options, g);
-  return finish_reduce_scatter(x, p, options, g);
-}
-
-AsyncTensor reduce_scatter_async(const at::Tensor& x, const ReduceScatterOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  return make_async(raw::reduce_scatter(x, options, g), [x, options, g](raw::Pending& p) { return finish_reduce_scatter(x, p, options, g); });
-}
-
-at::Tensor broadcast(const at::Tensor& x, const BroadcastOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  auto p = raw::broadcast(x, options, g);
-  return finish_broadcast(x, p, options, g);
-}
-
-AsyncTensor broadcast_async(const at::Tensor& x, const BroadcastOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  return make_async(raw::broadcast(x, options, g), [x, options, g](raw::Pending& p) { return finish_broadcast(x, p, options, g); });
-}
-
-at::Tensor reduce(const at::Tensor& x, const ReduceOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  auto p = raw::reduce(x, options, g);
-  return finish_reduce(x, p, options, g);
-}
-
-AsyncTensor reduce_async(const at::Tensor& x, const ReduceOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  return make_async(raw::reduce(x, options, g), [x, options, g](raw::Pending& p) { return finish_reduce(x, p, options, g); });
-}
-
-at::Tensor scatter(const at::Tensor& x, const ScatterOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  auto p = raw::scatter(x, options, g);
-  return finish_scatter(x, p, options, g);
-}
-
-AsyncTensor scatter_async(const at::Tensor& x, const ScatterOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  return make_async(raw::scatter(x, options, g), [x, options, g](raw::Pending& p) { return finish_scatter(x, p, options, g); });
-}
-
-at::Tensor gather(const at::Tensor& x, const GatherOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  auto p = raw::gather(x, options, g);
-  return finish_gather(x, p, options, g);
-}
-
-AsyncTensor gather_async(const at::Tensor& x, const GatherOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  return make_async(raw::gather(x, options, g), [x, options, g](raw::Pending& p) { return finish_gather(x, p, options, g); });
-}
-
-at::Tensor send(const at::Tensor& x, const SendOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  auto p = raw::send(x, options, g);
-  return finish_send(x, p, options, g);
-}
-
-AsyncTensor send_async(const at::Tensor& x, const SendOptions& options, const Group& group) {
-  const Group g = raw::resolve_group(group);
-  return make_async(raw::send(x, options, g), [x, options, g](raw::Pending& p) { return finish_send(x, p, options, g); });
-}
+COMMGRAD_SYNC_AND_ASYNC(all_reduce, AllReduceOptions, finish_all_reduce)
+COMMGRAD_SYNC_AND_ASYNC(all_gather, AllGatherOptions, finish_with<AllGatherFn>)
+COMMGRAD_SYNC_AND_ASYNC(reduce_scatter, ReduceScatterOptions, finish_with<ReduceScatterFn>)
+COMMGRAD_SYNC_AND_ASYNC(broadcast, BroadcastOptions, finish_broadcast)
+COMMGRAD_SYNC_AND_ASYNC(reduce, ReduceOptions, finish_with<ReduceFn>)
+COMMGRAD_SYNC_AND_ASYNC(scatter, ScatterOptions, finish_with<ScatterFn>)
+COMMGRAD_SYNC_AND_ASYNC(gather, GatherOptions, finish_with<GatherFn>)
+COMMGRAD_SYNC_AND_ASYNC(send, SendOptions, finish_send)
+#undef COMMGRAD_SYNC_AND_ASYNC
 
 at::Tensor all_to_all(const at::Tensor& x, const AllToAllOptions& options, const Group& group) {
   const Group g = raw::resolve_group(group);
   const auto o = complete_splits(options, g);
   auto p = raw::all_to_all(x, o, g);
-  return finish_all_to_all(x, p, o, g);
+  return finish_with<AllToAllFn>(x, p, o, g);
 }
 
 AsyncTensor all_to_all_async(const at::Tensor& x, const AllToAllOptions& options, const Group& group) {
   const Group g = raw::resolve_group(group);
   const auto o = complete_splits(options, g);
-  return make_async(raw::all_to_all(x, o, g), [x, o, g](raw::Pending& p) { return finish_all_to_all(x, p, o, g); });
+  return make_async(raw::all_to_all(x, o, g), [x, o, g](raw::Pending& p) { return finish_with<AllToAllFn>(x, p, o, g); });
 }
 
 at::Tensor recv(at::IntArrayRef sizes, const RecvOptions& options, const Group& group) {

@@ -15,7 +15,7 @@
 #include "detail/fingerprint.h"
 
 #include "detail/pending.h"
-#include "detail/raw.h"
+#include "detail/tags.h"
 
 #include "commgrad/dist/check.h"
 #include "commgrad/ops/debug.h"
@@ -43,8 +43,8 @@ void wait_or_throw(const Call& call, const commgrad::detail::WorkPtr& work, cons
   try {
     commgrad::detail::wait_work(work);
   } catch (const std::exception& e) {
-    commgrad::detail::throw_dist_error(c10::str("[commgrad] ", call.op, " ", call.group.describe(), ": ", what,
-                                                " for collective #", call.sequence, " failed: ", message_of(e)));
+    COMMGRAD_THROW(ErrorKind::kPeerFailed, error_site(call.op, call.group, static_cast<int64_t>(call.sequence)), what, " for collective #",
+                   call.sequence, " failed: ", message_of(e));
   }
 }
 
@@ -93,7 +93,7 @@ void check_fingerprint(const Call& call, const std::string& signature, const std
     const Record& other = records[r];
     const bool same = other.sequence == me.sequence && other.text == me.text &&
                       (cross != CrossCheck::kEqualLists || (other.a == me.a && other.b == me.b));
-    COMMGRAD_CHECK(same, call.op, call.group, "ranks disagree on collective #", me.sequence, kHint,
+    COMMGRAD_CHECK_AS(ErrorKind::kMismatch, same, call.op, call.group, "ranks disagree on collective #", me.sequence, kHint,
                    ": this rank (", call.rank, ") calls ", show(me), "; rank ", r, " calls ", show(other));
   }
   if (cross == CrossCheck::kTransposed) {
@@ -101,7 +101,7 @@ void check_fingerprint(const Call& call, const std::string& signature, const std
       for (int s = 0; s < n; ++s) {
         const int64_t sent = records[r].a.size() == static_cast<size_t>(n) ? records[r].a[s] : -1;
         const int64_t expected = records[s].b.size() == static_cast<size_t>(n) ? records[s].b[r] : -1;
-        COMMGRAD_CHECK(sent == expected, call.op, call.group, "ranks disagree on collective #", me.sequence, kHint,
+        COMMGRAD_CHECK_AS(ErrorKind::kMismatch, sent == expected, call.op, call.group, "ranks disagree on collective #", me.sequence, kHint,
                        ": rank ", r, " sends ", sent, " to rank ", s, " (input_splits ", at::IntArrayRef(records[r].a),
                        "), but rank ", s, " expects ", expected, " from rank ", r, " (output_splits ",
                        at::IntArrayRef(records[s].b),
@@ -142,7 +142,7 @@ void check_p2p_header(const Call& call, int peer, int tag, bool sending, at::Int
   const int64_t* m = mine.data_ptr<int64_t>();
   const int64_t* t = theirs.data_ptr<int64_t>();
   const bool ok = t[0] == m[0] && t[1] != m[1] && std::equal(m + 2, m + kWords, t + 2);
-  COMMGRAD_CHECK(ok, call.op, call.group, "send/recv mismatch with rank ", peer,
+  COMMGRAD_CHECK_AS(ErrorKind::kMismatch, ok, call.op, call.group, "send/recv mismatch with rank ", peer,
                  " (COMMGRAD_DEBUG check; nothing was sent): this rank (", call.rank, ") ", describe(m), "; rank ",
                  peer, " ", describe(t));
 }

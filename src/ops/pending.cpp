@@ -8,7 +8,10 @@
 
 #include "detail/pending.h"
 
+#include "commgrad/dist/check.h"
+#include "commgrad/dist/terminate_handler.h"
 #include "commgrad/ops/raw.h"
+#include "commgrad/util/error.h"
 #include "commgrad/util/print.h"
 
 #include <c10/util/Exception.h>
@@ -20,19 +23,6 @@
 namespace commgrad::ops {
 namespace detail {
 namespace {
-
-bool looks_like_timeout(const std::string& m) {
-  return m.find("imed out") != std::string::npos || m.find("imeout") != std::string::npos;
-}
-
-// The transport's message without a "[commgrad] <op> rank r/n group 'g' (t): "
-// of its own (shm writes one), so that the error has one prefix.
-std::string without_prefix(const std::string& m) {
-  const std::string kPrefix = "[commgrad] ";
-  if (m.rfind(kPrefix, 0) != 0) return m;
-  const auto end = m.find("): ");
-  return end == std::string::npos ? m : m.substr(end + 3);
-}
 
 // " (10.0.0.2 is ranks [2, 3] of this group)" for each "[address]" in a
 // transport's message (Gloo names the peer it lost by address) that belongs
@@ -60,27 +50,32 @@ std::string ranks_behind_addresses(const std::string& message, const Group& grou
 
 }  // namespace
 
+PendingState::~PendingState() {
+  if (!done && !error && group.defined()) commgrad::detail::note_collective_finished(sequence, group.state());
+}
+
 std::string message_of(const std::exception& e) {
   if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) return c10e->what_without_backtrace();
   return e.what();
 }
 
-void wait_step(const char* op, const Group& group, uint64_t sequence, const commgrad::detail::WorkPtr& work) {
+void wait_step(const char* op, const Group& group, uint64_t sequence, const commgrad::detail::WorkPtr& work,
+               Clock::time_point posted) {
   try {
     commgrad::detail::wait_work(work);
   } catch (const std::exception& e) {
-    const std::string transport_message = without_prefix(message_of(e));
-    const std::string what = transport_message + ranks_behind_addresses(transport_message, group);
-    const bool timeout = looks_like_timeout(transport_message);
-    const std::string error = c10::str(
-        "[commgrad] ", op, " ", group.describe(), ": collective #", sequence,
-        timeout ? c10::str(" did not complete within the group timeout (", group.timeout().count() / 1000.0, "s)")
-                : std::string(" failed"),
-        ": ", what,
-        " -- a peer may have failed, be late, or have called a different collective (set COMMGRAD_DEBUG=1 on every "
-        "rank to check each collective across ranks); this group cannot be used any more");
-    if (timeout) commgrad::detail::throw_timeout_error(error);
-    commgrad::detail::throw_dist_error(error);
+    // commgrad's own transport says what kind of failure it was; for another
+    // (Gloo names neither), a wait that lasted the group's timeout is one.
+    const Error* typed = as_commgrad_error(e);
+    const std::string transport_message = typed ? typed->detail() : message_of(e);
+    const bool timeout = typed ? typed->kind() == ErrorKind::kTimeout : Clock::now() - posted >= group.timeout();
+    COMMGRAD_THROW(timeout ? ErrorKind::kTimeout : ErrorKind::kPeerFailed, error_site(op, group, static_cast<int64_t>(sequence)),
+                   "collective #", sequence,
+                   timeout ? c10::str(" did not complete within the group timeout (", group.timeout().count() / 1000.0, "s)")
+                           : std::string(" failed"),
+                   ": ", transport_message, ranks_behind_addresses(transport_message, group),
+                   " -- a peer may have failed, be late, or have called a different collective (set COMMGRAD_DEBUG=1 on "
+                   "every rank to check each collective across ranks); this group cannot be used any more");
   }
 }
 
@@ -100,23 +95,24 @@ bool Pending::is_completed() const {
 at::Tensor Pending::wait() {
   TORCH_CHECK(state_, "[commgrad] wait() on an empty Pending");
   auto& s = *state_;
-  TORCH_CHECK(s.error.empty(), s.error);
+  if (s.error) std::rethrow_exception(s.error);  // a failed wait fails again, with its type
   if (s.done) return s.result;
   try {
-    for (auto& w : s.works) detail::wait_step(s.op, s.group, s.sequence, w);
+    for (auto& w : s.works) detail::wait_step(s.op, s.group, s.sequence, w, s.posted);
     s.works.clear();
     if (s.finish) {
       auto finish = std::move(s.finish);
       s.finish = nullptr;
       s.result = finish();
     }
-  } catch (const std::exception& e) {
-    s.error = detail::message_of(e);
+  } catch (...) {
+    s.error = std::current_exception();
     s.works.clear();
     s.finish = nullptr;
     throw;
   }
   s.done = true;
+  commgrad::detail::note_collective_finished(s.sequence, s.group.state());
   return s.result;
 }
 

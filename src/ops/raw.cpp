@@ -25,7 +25,7 @@
 // Ops along a dim other than 0 move that dim to the front first, so every
 // rank's part is one contiguous block (one copy in, one copy out).
 
-#include "detail/raw.h"
+#include "detail/tags.h"
 
 #include "detail/call.h"
 #include "detail/checks.h"

@@ -39,6 +39,7 @@
 #include "commgrad/ops/raw.h"
 #include "commgrad/optim/clip_grad.h"
 #include "commgrad/tp/sharding.h"
+#include "commgrad/tp/wiring_checks.h"
 #include "commgrad/util/names.h"
 
 #include <ATen/ATen.h>
@@ -130,7 +131,13 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
   m.options = std::move(options);
   // Groups not given come from the current layout (an explicit one wins).
   if (!m.options.ddp().group().defined()) m.options.ddp().group(default_data_parallel_group());
-  if (!m.options.tensor_parallel_group().defined()) m.options.tensor_parallel_group(default_tensor_parallel_group());
+  // The norm's TP group: the given one, else the layout's, else the group the
+  // module's partitioned parameters are split over (an error when it differs
+  // from theirs); a data-parallel group holding two TP peers is an error.
+  const Group given_tp = m.options.tensor_parallel_group().defined() ? m.options.tensor_parallel_group()
+                                                                     : default_tensor_parallel_group();
+  m.options.tensor_parallel_group(tp::tensor_parallel_group_for_norm(*m.module, given_tp, kOp));
+  tp::check_data_parallel_group(*m.module, m.options.ddp().group(), kOp, "ZeroOptimizerOptions(group)");
   if (!m.options.pipeline_parallel_group().defined()) {
     m.options.pipeline_parallel_group(default_pipeline_parallel_group());
   }

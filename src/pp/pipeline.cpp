@@ -7,28 +7,8 @@
 // over the microbatches. Everything of a microbatch on a stage is dropped
 // after its backward: only the microbatches in flight hold activations.
 //
-// Wire. Each message is a header (int64[12]: magic, stage and microbatch it
-// is for, kind, dtype, rank, sizes) followed by the data, on tag 2 s + kind
-// of the receiving stage s (kind 0 activation, 1 gradient), so messages of
-// different stages or directions between the same two ranks never match
-// each other, and within one the order of microbatches is the same on both
-// sides. The receiver checks the header against what its schedule expects.
-// A batch's sends are posted at once (and waited for at the end of the
-// step); its receives are taken when a computation needs them, one message
-// after the other in the schedule's order (a transport may deliver one
-// peer's messages in order whatever their tags, as shm does). So in the
-// interleaved steady state, whose batches carry the receives of a forward
-// and of a backward, the forward does not wait for the backward's gradient.
-// Sends never block, so waiting for less than the whole batch cannot
-// deadlock a schedule that runs with batches.
-//
-// Errors. A rank whose step fails (a bad batch, a stage that throws, a
-// peer that died) tells each neighbour it still had something to send: an
-// error header (kind 2) and the message, on the tag of the next message it
-// would have sent there, which is the next one that neighbour receives from
-// it. The neighbour throws naming the rank that failed and passes the
-// message on to its other neighbours, so every rank of the pipeline ends at
-// once instead of at its timeout.
+// Wire and errors: pipeline_wire.cpp (how stages exchange activations,
+// gradients and the news of a failure).
 //
 // Split backward (zero-bubble schedules). A forward runs under
 // tp::DeferWeightGradients, so the linear layers of the stage leave their
@@ -41,6 +21,8 @@
 
 #include "commgrad/pp/pipeline.h"
 
+#include "detail/pipeline_impl.h"
+
 #include "commgrad/dist/check.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/tp/weight_gradients.h"
@@ -51,84 +33,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
-#include <map>
-#include <optional>
 #include <utility>
 
 namespace commgrad::pp {
-namespace {
 
-constexpr const char* kOp = "Pipeline";
-constexpr int64_t kMagic = 0x636770;  // "cgp"
-constexpr int64_t kMaxDims = 6;
-constexpr int64_t kHeaderSize = 6 + kMaxDims;
-constexpr int64_t kErrorKind = 2;  // header kind of an error message (0 activation, 1 gradient)
-
-using Key = std::pair<int, int>;  // stage, microbatch
-
-bool is_activation(ActionKind kind) { return kind == ActionKind::kSendActivation || kind == ActionKind::kRecvActivation; }
-
-// The stage that receives what `a` sends or receives.
-int receiving_stage(const Action& a) {
-  switch (a.kind) {
-    case ActionKind::kSendActivation: return a.stage + 1;
-    case ActionKind::kSendGradient: return a.stage - 1;
-    default: return a.stage;
-  }
-}
-
-int tag_of(const Action& a) { return 2 * receiving_stage(a) + (is_activation(a.kind) ? 0 : 1); }
-
-}  // namespace
-
-struct Pipeline::Impl {
-  std::vector<StageFunction> stages;
-  LossFunction loss;
-  PipelineOptions options{1};
-  Group group;
-  Schedule schedule;
-  int rank = 0;
-  // The last B and the last W, after which the gradients are reduced over
-  // data parallelism: per stage (stage -> microbatch), and the rank's last.
-  std::map<int, int> last_of[2];
-  Action rank_last[2] = {{ActionKind::kBackward, 0, 0}, {ActionKind::kBackwardWeight, 0, 0}};
-  std::map<int, bool> deferring;  // split backward: stage -> its forwards deferred weight gradients
-  Action current{ActionKind::kForward, 0, 0};  // what runs now (for errors)
-
-  struct Slot {
-    at::Tensor input, output, loss, grad_output, grad_input;
-    tp::WeightGradients weights;  // split backward: deferred by the forward, computed by W
-  };
-  std::map<Key, Slot> slots;
-  std::vector<std::pair<ops::raw::Pending, at::Tensor>> sends;  // kept alive until waited for
-  std::deque<Action> receives;  // posted by a batch, taken when a computation needs them
-  size_t position = 0;          // this rank's first action not yet started (or posted)
-  bool neighbours_told = false;  // this step's failure was passed on
-  // Error messages sent and not yet received: a failed neighbour may never
-  // take them, and the transport may still read their memory.
-  std::vector<std::pair<ops::raw::Pending, at::Tensor>> error_sends;
-  std::vector<double> losses;
-  at::Tensor inputs, targets;
-
-  int last_stage() const { return schedule.stages() - 1; }
-  std::string where(const Action& a) const {
-    return c10::str("stage ", a.stage, " microbatch ", a.microbatch, " (", a.to_string(), ")");
-  }
-  at::Tensor microbatch_of(const at::Tensor& batch, int mb) const {
-    return batch.chunk(schedule.microbatches, 0)[mb];
-  }
-  void forward(const Action& a);
-  void backward(const Action& a);
-  void backward_weight(const Action& a);
-  std::shared_ptr<void> hold_sync(const Action& a) const;
-  void post_send(const Action& a);
-  void post(const Action& a);
-  void receive_for(const Action& compute);
-  void receive(const Action& a);
-  void tell_neighbours(const std::string& what, int except);
-  void send_header(const at::Tensor& data, int64_t kind, const Action& a);
-};
+using namespace detail::pipeline;  // the wire's constants and helpers
 
 Pipeline::Pipeline(std::vector<StageFunction> stages, LossFunction loss, PipelineOptions options)
     : impl_(std::make_unique<Impl>()) {
@@ -254,210 +163,133 @@ void Pipeline::Impl::backward_weight(const Action& a) {
   slots.erase(it);
 }
 
-void Pipeline::Impl::post_send(const Action& a) {
+void Pipeline::Impl::check_batch(const at::Tensor& t, const char* what) const {
+  const int mbs = schedule.microbatches;
+  COMMGRAD_CHECK(t.defined() && t.dim() >= 1, kOp, group, "step(): the ", what,
+                 " must be a tensor of at least one dim on this rank, got ",
+                 t.defined() ? tensor_name(t) : std::string("an undefined tensor"));
+  COMMGRAD_CHECK(t.size(0) % mbs == 0, kOp, group, "step(): a batch of ", t.size(0), " ", what, " (", tensor_name(t),
+                 ") does not split into ", mbs, " microbatches of equal size");
+}
+
+void Pipeline::Impl::start_step(const at::Tensor& step_inputs, const at::Tensor& step_targets) {
+  inputs = step_inputs;
+  targets = step_targets;
+  losses.assign(schedule.microbatches, 0.0);
+  slots.clear();
+  sends.clear();
+  receives.clear();
+  position = 0;
+  neighbours_told = false;
+  deferring.clear();
+  error_sends.erase(std::remove_if(error_sends.begin(), error_sends.end(),
+                                   [](const auto& s) { return s.first.is_completed(); }),
+                    error_sends.end());
+}
+
+void Pipeline::Impl::run_compute(const Action& a, Busy& busy) {
+  receive_for(a);
   current = a;
-  const auto& slot = slots.at({a.stage, a.microbatch});
-  const bool activation = a.kind == ActionKind::kSendActivation;
-  const at::Tensor data = (activation ? slot.output : slot.grad_input).detach().contiguous();
-  COMMGRAD_CHECK(data.dim() <= kMaxDims, kOp, group, where(a), ": ", tensor_name(data), " has more than ", kMaxDims,
-                 " dims");
-  send_header(data, activation ? 0 : 1, a);
-  const auto options = ops::SendOptions(schedule.rank_of(receiving_stage(a))).tag(tag_of(a));
-  sends.emplace_back(ops::raw::send(data, options, group), data);
-  if (!activation) slots.at({a.stage, a.microbatch}).grad_input = at::Tensor();  // sent: no longer needed here
+  const auto begin = Clock::now();
+  int kind = 0;
+  if (a.kind == ActionKind::kForward) {
+    forward(a);
+  } else if (a.kind == ActionKind::kBackward) {
+    backward(a);
+    kind = 1;
+  } else {
+    backward_weight(a);
+    kind = 2;
+  }
+  busy.of[kind] += Clock::now() - begin;
 }
 
-// The header of what send action `a` sends (`data`: its dtype and shape).
-void Pipeline::Impl::send_header(const at::Tensor& data, int64_t kind, const Action& a) {
-  auto header = at::zeros({kHeaderSize}, at::kLong);
-  auto* h = header.data_ptr<int64_t>();
-  h[0] = kMagic;
-  h[1] = receiving_stage(a);
-  h[2] = a.microbatch;
-  h[3] = kind;
-  h[4] = static_cast<int64_t>(data.scalar_type());
-  h[5] = data.dim();
-  for (int64_t d = 0; d < data.dim(); ++d) h[6 + d] = data.size(d);
-  const auto options = ops::SendOptions(schedule.rank_of(receiving_stage(a))).tag(tag_of(a));
-  (kind == kErrorKind ? error_sends : sends).emplace_back(ops::raw::send(header, options, group), header);
-}
-
-void Pipeline::Impl::tell_neighbours(const std::string& what, int except) {
-  if (neighbours_told) return;
-  neighbours_told = true;
+void Pipeline::Impl::run_actions(Busy& busy) {
   const auto& actions = schedule.actions[rank];
-  std::vector<int> told;
-  const auto text = at::from_blob(const_cast<char*>(what.data()), {static_cast<int64_t>(what.size())}, at::kByte).clone();
-  for (size_t i = position; i < actions.size(); ++i) {
+  for (size_t i = 0; i < actions.size();) {
     const Action& a = actions[i];
-    if (a.kind != ActionKind::kSendActivation && a.kind != ActionKind::kSendGradient) continue;
-    const int peer = schedule.rank_of(receiving_stage(a));
-    if (peer == except || std::find(told.begin(), told.end(), peer) != told.end()) continue;
-    told.push_back(peer);
+    current = a;
+    position = i;
     try {
-      send_header(text, kErrorKind, a);
-      error_sends.emplace_back(ops::raw::send(text, ops::SendOptions(peer).tag(tag_of(a)), group), text);
-    } catch (const std::exception&) {
-      // The neighbour's transport is gone too; it learns of the failure by itself.
+      if (a.is_compute()) {
+        run_compute(a, busy);
+        ++i;
+      } else {
+        post(a);  // a batch: sends are posted at once, receives when needed
+        position = ++i;
+      }
+    } catch (const std::exception& e) {  // the stages may throw anything
+      // The pipeline's own errors name their microbatch already; others
+      // (a stage's, a collective's inside it) are named, keeping their kind.
+      const Error* typed = as_commgrad_error(e);
+      if (typed != nullptr && typed->site().op == kOp) throw;
+      const auto* error = dynamic_cast<const c10::Error*>(&e);
+      COMMGRAD_THROW(typed ? typed->kind() : ErrorKind::kInvalidArgument, error_site(kOp, group), where(current),
+                     " failed: ", error ? error->what_without_backtrace() : e.what());
     }
   }
 }
 
-void Pipeline::Impl::post(const Action& a) {
-  if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGradient) {
-    post_send(a);
-  } else {
-    receives.push_back(a);
-  }
-}
-
-void Pipeline::Impl::receive_for(const Action& compute) {
-  // The receive this computation needs, if any: taken with every receive
-  // before it, in the schedule's order.
-  ActionKind kind = ActionKind::kRecvActivation;
-  if (compute.kind == ActionKind::kForward) {
-    if (compute.stage == 0 || schedule.rank_of(compute.stage - 1) == rank) return;
-  } else if (compute.kind == ActionKind::kBackward) {
-    if (compute.stage == last_stage() || schedule.rank_of(compute.stage + 1) == rank) return;
-    kind = ActionKind::kRecvGradient;
-  } else {
-    return;
-  }
-  const Action want{kind, compute.stage, compute.microbatch};
-  while (!receives.empty()) {
-    const Action a = receives.front();
+void Pipeline::Impl::finish_communication() {
+  while (!receives.empty()) {  // none is left by a valid schedule; taken so no message stays behind
+    receive(receives.front());
     receives.pop_front();
-    receive(a);
-    if (a.kind == want.kind && a.stage == want.stage && a.microbatch == want.microbatch) return;
+  }
+  try {
+    for (auto& s : sends) s.first.wait();
+  } catch (const c10::Error& e) {
+    const Error* typed = as_commgrad_error(e);
+    COMMGRAD_THROW(typed ? typed->kind() : ErrorKind::kPeerFailed, error_site(kOp, group),
+                   "waiting for this step's sends failed: ", e.what_without_backtrace());
   }
 }
 
-void Pipeline::Impl::receive(const Action& a) {
-  current = a;
-  const bool activation = is_activation(a.kind);
-  const int peer = schedule.rank_of(activation ? a.stage - 1 : a.stage + 1);
-  const auto options = ops::RecvOptions(peer).tag(tag_of(a));
-  const auto header = ops::raw::recv({kHeaderSize}, ops::RecvOptions(options).dtype(at::kLong), group).wait();
-  const auto* h = header.data_ptr<int64_t>();
-  if (h[0] == kMagic && h[3] == kErrorKind && h[5] == 1 && h[4] == static_cast<int64_t>(at::kByte)) {
-    const auto text = ops::raw::recv({h[6]}, ops::RecvOptions(options).dtype(at::kByte), group).wait();
-    const std::string what(static_cast<const char*>(text.data_ptr()), static_cast<size_t>(text.numel()));
-    tell_neighbours(what, peer);
-    COMMGRAD_CHECK(false, kOp, group, where(a), ": pipeline rank ", peer, " (", activation ? "previous" : "next",
-                   " stage ", activation ? a.stage - 1 : a.stage + 1, ") failed: ", what);
+// A failed step: the neighbours hear of it, and nothing of it is kept.
+void Pipeline::Impl::abandon_step(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  tell_neighbours(error ? error->what_without_backtrace() : e.what(), -1);
+  slots.clear();
+  sends.clear();
+  receives.clear();
+}
+
+// Every rank reports the loss: the last stage's rank broadcasts it.
+PipelineStepResult Pipeline::Impl::report(const Busy& busy, Clock::time_point start) {
+  const auto end = Clock::now();
+  const int mbs = schedule.microbatches;
+  auto all = at::from_blob(losses.data(), {mbs}, at::kDouble).clone();
+  if (group.size() > 1) {
+    all = ops::raw::broadcast(all, ops::BroadcastOptions().src(schedule.rank_of(last_stage())), group).wait();
   }
-  COMMGRAD_CHECK(h[0] == kMagic && h[1] == a.stage && h[2] == a.microbatch && h[3] == (activation ? 0 : 1) &&
-                     h[5] >= 0 && h[5] <= kMaxDims,
-                 kOp, group, where(a), ": expected the ", activation ? "activation" : "gradient", " of stage ",
-                 a.stage, " microbatch ", a.microbatch, ", but the header received says stage ", h[1],
-                 " microbatch ", h[2], " kind ", h[3], " (magic ", h[0], ")");
-  const std::vector<int64_t> sizes(h + 6, h + 6 + h[5]);
-  auto t = ops::raw::recv(sizes, ops::RecvOptions(options).dtype(static_cast<at::ScalarType>(h[4])), group).wait();
-  auto& slot = slots[{a.stage, a.microbatch}];
-  if (activation) {
-    slot.input = t.requires_grad_(t.is_floating_point());
-  } else {
-    slot.grad_output = t;
-  }
+  auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  PipelineStepResult result;
+  result.forward_seconds = seconds(busy.of[0]);
+  result.backward_seconds = seconds(busy.of[1]);
+  result.backward_weight_seconds = seconds(busy.of[2]);
+  result.compute_seconds = result.forward_seconds + result.backward_seconds + result.backward_weight_seconds;
+  result.step_seconds = seconds(end - start);
+  result.microbatch_losses.assign(all.data_ptr<double>(), all.data_ptr<double>() + mbs);
+  for (double l : result.microbatch_losses) result.loss += l / mbs;
+  return result;
 }
 
 PipelineStepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   auto& m = *impl_;
-  const int mbs = m.schedule.microbatches;
-  const bool first = m.rank == m.schedule.rank_of(0);
-  const bool last = m.rank == m.schedule.rank_of(m.last_stage());
-  auto check_batch = [&](const at::Tensor& t, const char* what) {
-    COMMGRAD_CHECK(t.defined() && t.dim() >= 1, kOp, m.group, "step(): the ", what, " must be a tensor of at least one dim on this rank, got ",
-                   t.defined() ? tensor_name(t) : std::string("an undefined tensor"));
-    COMMGRAD_CHECK(t.size(0) % mbs == 0, kOp, m.group, "step(): a batch of ", t.size(0), " ", what, " (", tensor_name(t),
-                   ") does not split into ", mbs, " microbatches of equal size");
-  };
-  m.inputs = inputs;
-  m.targets = targets;
-  m.losses.assign(mbs, 0.0);
-  m.slots.clear();
-  m.sends.clear();
-  m.receives.clear();
-  m.position = 0;
-  m.neighbours_told = false;
-  m.deferring.clear();
-  m.error_sends.erase(std::remove_if(m.error_sends.begin(), m.error_sends.end(),
-                                     [](const auto& s) { return s.first.is_completed(); }),
-                      m.error_sends.end());
-  const auto& actions = m.schedule.actions[m.rank];
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
-  Clock::duration busy[3]{};  // forward, backward, W
+  m.start_step(inputs, targets);
+  const auto start = Impl::Clock::now();
+  Impl::Busy busy;
   try {
-    if (first) check_batch(inputs, "inputs");
-    if (last) check_batch(targets, "targets");
-    for (size_t i = 0; i < actions.size();) {
-      const Action& a = actions[i];
-      m.current = a;
-      m.position = i;
-      try {
-        if (a.is_compute()) {
-          m.receive_for(a);
-          m.current = a;
-          const auto begin = Clock::now();
-          int kind = 0;
-          if (a.kind == ActionKind::kForward) {
-            m.forward(a);
-          } else if (a.kind == ActionKind::kBackward) {
-            m.backward(a);
-            kind = 1;
-          } else {
-            m.backward_weight(a);
-            kind = 2;
-          }
-          busy[kind] += Clock::now() - begin;
-          ++i;
-        } else {
-          // A batch: sends are posted at once, receives when needed.
-          m.post(a);
-          m.position = ++i;
-        }
-      } catch (const std::exception& e) {  // the stages may throw anything
-        const auto* error = dynamic_cast<const c10::Error*>(&e);
-        const std::string what = error ? error->what_without_backtrace() : e.what();
-        if (what.find(" microbatch ") != std::string::npos && what.find("[commgrad] Pipeline") != std::string::npos) throw;
-        COMMGRAD_CHECK(false, kOp, m.group, m.where(m.current), " failed: ", what);
-      }
-    }
-    while (!m.receives.empty()) {  // none is left by a valid schedule; taken so no message stays behind
-      m.receive(m.receives.front());
-      m.receives.pop_front();
-    }
-    try {
-      for (auto& s : m.sends) s.first.wait();
-    } catch (const c10::Error& e) {
-      COMMGRAD_CHECK(false, kOp, m.group, "waiting for this step's sends failed: ", e.what_without_backtrace());
-    }
+    if (m.rank == m.schedule.rank_of(0)) m.check_batch(inputs, "inputs");
+    if (m.rank == m.schedule.rank_of(m.last_stage())) m.check_batch(targets, "targets");
+    m.run_actions(busy);
+    m.finish_communication();
   } catch (const std::exception& e) {
-    const auto* error = dynamic_cast<const c10::Error*>(&e);
-    m.tell_neighbours(error ? error->what_without_backtrace() : e.what(), -1);
-    m.slots.clear();
-    m.sends.clear();
-    m.receives.clear();
+    m.abandon_step(e);
     throw;
   }
   m.sends.clear();
   m.slots.clear();
-  const auto end = Clock::now();
-  // Every rank reports the loss: the last stage's rank broadcasts it.
-  auto losses = at::from_blob(m.losses.data(), {mbs}, at::kDouble).clone();
-  if (m.group.size() > 1) {
-    losses = ops::raw::broadcast(losses, ops::BroadcastOptions().src(m.schedule.rank_of(m.last_stage())), m.group).wait();
-  }
-  PipelineStepResult result;
-  result.forward_seconds = std::chrono::duration<double>(busy[0]).count();
-  result.backward_seconds = std::chrono::duration<double>(busy[1]).count();
-  result.backward_weight_seconds = std::chrono::duration<double>(busy[2]).count();
-  result.compute_seconds = result.forward_seconds + result.backward_seconds + result.backward_weight_seconds;
-  result.step_seconds = std::chrono::duration<double>(end - start).count();
-  result.microbatch_losses.assign(losses.data_ptr<double>(), losses.data_ptr<double>() + mbs);
-  for (double l : result.microbatch_losses) result.loss += l / mbs;
-  return result;
+  return m.report(busy, start);
 }
 
 }  // namespace commgrad::pp

@@ -1,4 +1,4 @@
-// Pipeline schedules and their simulator.
+// Pipeline schedules (the simulator that checks them: simulator.cpp).
 //
 // Generation. Each schedule is first written as every rank's order of
 // computations (F and B of a stage and microbatch); the communication is
@@ -11,16 +11,9 @@
 // send_forward_recv_backward); the simulator checks every generated
 // schedule under exactly that rule.
 //
-// Simulation. Every rank walks its list with its own clock. A computation
-// takes its cost; a batch is posted at the rank's clock and each of its
-// operations completes when the peer has posted the matching one, at the
-// later of the two posting times (no transfer time: the bubble is a
-// property of the order); with buffered sends (the default) a send is done
-// when posted and its receive completes at the later of the two posting
-// times. The rank moves on when its whole batch is done.
-// When no rank can move and some have not finished, the schedule deadlocks.
-
 #include "commgrad/pp/schedule.h"
+
+#include "detail/actions.h"
 
 #include <algorithm>
 #include <limits>
@@ -33,9 +26,8 @@
 namespace commgrad::pp {
 namespace {
 
+using detail::fail;
 using Kind = ActionKind;
-
-[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument("[commgrad] pp: " + message); }
 
 void check_sizes(const char* name, int ranks, int microbatches, int stages_per_rank) {
   if (ranks < 1) fail(std::string(name) + ": ranks must be at least 1, got " + std::to_string(ranks));
@@ -114,21 +106,6 @@ Schedule blank(const std::string& name, int ranks, int microbatches, int stages_
   s.stages_per_rank = stages_per_rank;
   return s;
 }
-
-// The operation a communication action matches on the peer's rank, and that rank.
-std::pair<Action, int> counterpart(const Schedule& s, const Action& a) {
-  switch (a.kind) {
-    case Kind::kSendActivation: return {{Kind::kRecvActivation, a.stage + 1, a.microbatch}, s.rank_of(a.stage + 1)};
-    case Kind::kRecvActivation: return {{Kind::kSendActivation, a.stage - 1, a.microbatch}, s.rank_of(a.stage - 1)};
-    case Kind::kSendGradient: return {{Kind::kRecvGradient, a.stage - 1, a.microbatch}, s.rank_of(a.stage - 1)};
-    case Kind::kRecvGradient: return {{Kind::kSendGradient, a.stage + 1, a.microbatch}, s.rank_of(a.stage + 1)};
-    default: break;
-  }
-  return {a, -1};
-}
-
-using Key = std::tuple<int, int, int>;  // kind, stage, microbatch
-Key key_of(Kind kind, int stage, int microbatch) { return {static_cast<int>(kind), stage, microbatch}; }
 
 }  // namespace
 
@@ -266,226 +243,6 @@ Schedule make_schedule(const std::string& name, int ranks, int microbatches, int
   }
   if (name == "interleaved") return interleaved_one_f_one_b(ranks, microbatches, stages_per_rank);
   fail("unknown schedule \"" + name + "\" (gpipe, 1f1b, interleaved, zbh1)");
-}
-
-SimulationResult simulate(const Schedule& s, const SimulationOptions& options) {
-  if (static_cast<int>(s.actions.size()) != s.ranks) {
-    fail("simulate " + s.name + ": " + std::to_string(s.actions.size()) + " action lists for " +
-         std::to_string(s.ranks) + " ranks");
-  }
-  struct Rank {
-    size_t pc = 0;       // next action
-    double clock = 0;
-    double busy = 0;
-    bool posted = false;  // the batch at pc is posted
-    double posted_at = 0;
-    size_t batch_end = 0;  // one past the batch's last action
-    std::vector<char> done;  // per action of the batch
-    std::set<Key> have;      // computed or received here
-    int in_flight = 0;
-    int awaiting_weight = 0;
-  };
-  std::vector<Rank> ranks(s.ranks);
-  SimulationResult result;
-  const bool split = s.splits_backward();
-  if (split && (options.backward_weight() < 0 || options.backward_weight() > options.backward())) {
-    fail("simulate " + s.name + ": backward_weight (" + std::to_string(options.backward_weight()) +
-         ") must lie between 0 and backward (" + std::to_string(options.backward()) + ")");
-  }
-  const int last = s.stages() - 1;
-  std::map<Key, int> computed;  // F and B per (stage, microbatch)
-  std::map<Key, double> mailbox;  // buffered sends, by the receive they match: posting time
-
-  auto where = [&](int r, size_t i) {
-    return "rank " + std::to_string(r) + " action " + std::to_string(i) + " (" + s.actions[r][i].to_string() + ")";
-  };
-  auto need = [&](int r, size_t i, Kind kind, int stage, int mb, const char* what) {
-    if (!ranks[r].have.count(key_of(kind, stage, mb))) fail("simulate " + s.name + ": " + where(r, i) + " " + what);
-  };
-  // Checks a computation's inputs and runs it.
-  auto compute = [&](int r) {
-    auto& me = ranks[r];
-    const size_t i = me.pc;
-    const auto& a = s.actions[r][i];
-    if (a.stage < 0 || a.stage > last || s.rank_of(a.stage) != r) {
-      fail("simulate " + s.name + ": " + where(r, i) + " is not a stage of this rank");
-    }
-    if (a.microbatch < 0 || a.microbatch >= s.microbatches) fail("simulate " + s.name + ": " + where(r, i) + " has no such microbatch");
-    if (a.kind == Kind::kForward) {
-      if (a.stage > 0) {
-        if (s.rank_of(a.stage - 1) == r) {
-          need(r, i, Kind::kForward, a.stage - 1, a.microbatch, "runs before the forward of the previous stage");
-        } else {
-          need(r, i, Kind::kRecvActivation, a.stage, a.microbatch, "runs before its activation was received");
-        }
-      }
-      me.busy += options.forward();
-      me.clock += options.forward();
-      result.peak_in_flight = std::max(result.peak_in_flight, ++me.in_flight);
-    } else if (a.kind == Kind::kBackward) {
-      need(r, i, Kind::kForward, a.stage, a.microbatch, "runs before the forward of the same microbatch");
-      if (a.stage < last) {
-        if (s.rank_of(a.stage + 1) == r) {
-          need(r, i, Kind::kBackward, a.stage + 1, a.microbatch, "runs before the backward of the next stage");
-        } else {
-          need(r, i, Kind::kRecvGradient, a.stage, a.microbatch, "runs before its output gradient was received");
-        }
-      }
-      const double cost = split ? options.backward() - options.backward_weight() : options.backward();
-      me.busy += cost;
-      me.clock += cost;
-      --me.in_flight;
-      if (split) result.peak_awaiting_weight = std::max(result.peak_awaiting_weight, ++me.awaiting_weight);
-    } else {
-      need(r, i, Kind::kBackward, a.stage, a.microbatch, "runs before the backward of the same microbatch");
-      me.busy += options.backward_weight();
-      me.clock += options.backward_weight();
-      --me.awaiting_weight;
-    }
-    if (++computed[key_of(a.kind, a.stage, a.microbatch)] > 1) fail("simulate " + s.name + ": " + where(r, i) + " runs twice");
-    me.have.insert(key_of(a.kind, a.stage, a.microbatch));
-    ++me.pc;
-  };
-  // Posts the batch at pc (once) and checks what a send sends.
-  auto post = [&](int r) {
-    auto& me = ranks[r];
-    if (me.posted) return;
-    me.posted = true;
-    me.posted_at = me.clock;
-    me.batch_end = me.pc;
-    while (me.batch_end < s.actions[r].size() && s.actions[r][me.batch_end].batched_with_next) ++me.batch_end;
-    if (me.batch_end == s.actions[r].size()) fail("simulate " + s.name + ": rank " + std::to_string(r) + " ends inside a batch");
-    ++me.batch_end;
-    me.done.assign(me.batch_end - me.pc, 0);
-    for (size_t i = me.pc; i < me.batch_end; ++i) {
-      const auto& a = s.actions[r][i];
-      if (a.is_compute()) fail("simulate " + s.name + ": " + where(r, i) + " is a computation inside a batch");
-      const int peer_stage = counterpart(s, a).first.stage;
-      if (a.stage < 0 || a.stage > last || s.rank_of(a.stage) != r || peer_stage < 0 || peer_stage > last ||
-          s.rank_of(peer_stage) == r) {
-        fail("simulate " + s.name + ": " + where(r, i) + " has no peer stage on another rank");
-      }
-      if (a.microbatch < 0 || a.microbatch >= s.microbatches) {
-        fail("simulate " + s.name + ": " + where(r, i) + " has no such microbatch");
-      }
-      if (a.kind == Kind::kSendActivation) need(r, i, Kind::kForward, a.stage, a.microbatch, "sends an activation not computed yet");
-      if (a.kind == Kind::kSendGradient) need(r, i, Kind::kBackward, a.stage, a.microbatch, "sends a gradient not computed yet");
-      const bool send = a.kind == Kind::kSendActivation || a.kind == Kind::kSendGradient;
-      if (send && !options.rendezvous_sends()) {
-        const auto want = counterpart(s, a).first;
-        if (!mailbox.emplace(key_of(want.kind, want.stage, want.microbatch), me.posted_at).second) {
-          fail("simulate " + s.name + ": " + where(r, i) + " is sent twice");
-        }
-        me.done[i - me.pc] = 1;
-      }
-    }
-  };
-  auto finish_batch = [&](int r) {
-    auto& me = ranks[r];
-    if (std::find(me.done.begin(), me.done.end(), 0) != me.done.end()) return false;
-    for (size_t i = me.pc; i < me.batch_end; ++i) {
-      const auto& a = s.actions[r][i];
-      me.have.insert(key_of(a.kind, a.stage, a.microbatch));
-    }
-    me.pc = me.batch_end;
-    me.posted = false;
-    return true;
-  };
-
-  for (bool moved = true; moved;) {
-    moved = false;
-    for (int r = 0; r < s.ranks; ++r) {
-      auto& me = ranks[r];
-      while (me.pc < s.actions[r].size() && s.actions[r][me.pc].is_compute()) {
-        compute(r);
-        moved = true;
-      }
-      if (me.pc == s.actions[r].size()) continue;
-      post(r);
-      // Match this batch's operations with the peers' posted batches.
-      for (size_t i = me.pc; i < me.batch_end; ++i) {
-        if (me.done[i - me.pc]) continue;
-        const auto& a = s.actions[r][i];
-        if (!options.rendezvous_sends()) {  // a receive takes a buffered send
-          const auto it = mailbox.find(key_of(a.kind, a.stage, a.microbatch));
-          if (it == mailbox.end()) continue;
-          me.done[i - me.pc] = 1;
-          me.clock = std::max(me.clock, std::max(me.posted_at, it->second));
-          mailbox.erase(it);
-          moved = true;
-          continue;
-        }
-        const auto [want, peer] = counterpart(s, a);
-        auto& other = ranks[peer];
-        if (!other.posted) continue;
-        for (size_t j = other.pc; j < other.batch_end; ++j) {
-          const auto& b = s.actions[peer][j];
-          if (other.done[j - other.pc] || b.kind != want.kind || b.stage != want.stage || b.microbatch != want.microbatch) continue;
-          const double at = std::max(me.posted_at, other.posted_at);
-          me.done[i - me.pc] = 1;
-          other.done[j - other.pc] = 1;
-          me.clock = std::max(me.clock, at);
-          other.clock = std::max(other.clock, at);
-          moved = true;
-          break;
-        }
-      }
-      if (finish_batch(r)) moved = true;
-    }
-    for (int r = 0; r < s.ranks; ++r) {
-      if (ranks[r].posted && finish_batch(r)) moved = true;
-    }
-  }
-
-  std::ostringstream stuck;
-  for (int r = 0; r < s.ranks; ++r) {
-    if (ranks[r].pc < s.actions[r].size()) stuck << "\n  " << where(r, ranks[r].pc) << " waits";
-  }
-  if (!stuck.str().empty()) {
-    fail("simulate " + s.name + ": the schedule deadlocks" +
-         (options.rendezvous_sends() ? " when sends complete only once received:" : ":") + stuck.str());
-  }
-  if (!mailbox.empty()) {
-    const auto& [kind, stage, mb] = mailbox.begin()->first;
-    fail("simulate " + s.name + ": nobody receives " + Action{static_cast<Kind>(kind), stage, mb}.to_string() +
-         " (" + std::to_string(mailbox.size()) + " sends not received)");
-  }
-  for (int stage = 0; stage <= last; ++stage) {
-    for (int mb = 0; mb < s.microbatches; ++mb) {
-      for (Kind kind : {Kind::kForward, Kind::kBackward, Kind::kBackwardWeight}) {
-        if (kind == Kind::kBackwardWeight && !split) continue;
-        if (!computed.count(key_of(kind, stage, mb))) {
-          fail("simulate " + s.name + ": no rank runs " + Action{kind, stage, mb}.to_string());
-        }
-      }
-    }
-  }
-  for (const auto& r : ranks) result.makespan = std::max(result.makespan, r.clock);
-  double idle = 0;
-  for (const auto& r : ranks) {
-    result.busy.push_back(r.busy);
-    result.idle.push_back(result.makespan - r.busy);
-    idle += result.makespan - r.busy;
-  }
-  result.bubble_fraction = result.makespan > 0 ? idle / (s.ranks * result.makespan) : 0;
-  return result;
-}
-
-double bubble_fraction_closed_form(int ranks, int microbatches, int stages_per_rank) {
-  return static_cast<double>(ranks - 1) / (static_cast<double>(stages_per_rank) * microbatches + ranks - 1);
-}
-
-double bubble_fraction_closed_form(const std::string& schedule, int ranks, int microbatches, int stages_per_rank,
-                                   const SimulationOptions& costs) {
-  if (schedule == "zbh1") {
-    const double f = costs.forward(), w = costs.backward_weight(), b = costs.backward() - w;
-    const double idle = (ranks - 1) * (f + b - w);
-    return idle / (microbatches * (f + b + w) + idle);
-  }
-  if (schedule != "gpipe" && schedule != "1f1b" && schedule != "interleaved") {
-    fail("bubble_fraction_closed_form: unknown schedule \"" + schedule + "\" (gpipe, 1f1b, interleaved, zbh1)");
-  }
-  return bubble_fraction_closed_form(ranks, microbatches, schedule == "interleaved" ? stages_per_rank : 1);
 }
 
 }  // namespace commgrad::pp

@@ -28,6 +28,10 @@
 // sequence instead of all-reducing. The core always sees the full sequence,
 // so the causal mask is over global positions.
 //
+// Context parallelism changes only the core: q, k, v hold this rank's part
+// of the sequence and cp::attention attends them across the
+// context-parallel group (the projections are per token).
+//
 // Its reference, SelfAttentionReference (reference.h), is written
 // independently, with einsum and an additive mask.
 
@@ -80,6 +84,7 @@ void ParallelSelfAttentionImpl::reset() {
                  g.size(), "): the heads are split across the ranks");
   COMMGRAD_CHECK(options.attention_dropout() >= 0.0 && options.attention_dropout() <= 1.0, op, g,
                  "attention_dropout must be in [0, 1], got ", options.attention_dropout());
+  check_context_parallel(op, g);
   options.seed(resolve_seed(options.seed(), g));
   const uint64_t seed = *options.seed();
   qkv = register_module("qkv", ColumnParallelLinear(ColumnParallelLinearOptions(h, 3 * h, g)
@@ -102,7 +107,29 @@ void ParallelSelfAttentionImpl::pretty_print(std::ostream& stream) const {
   if (options.sequence_parallel()) stream << ", sequence_parallel=true";
   if (options.recompute_core()) stream << ", recompute_core=true";
   if (!options.bias()) stream << ", bias=false";
+  if (context_parallel()) {
+    stream << ", cp=" << options.context_parallel()->group().size() << " ("
+           << cp::mode_name(options.context_parallel()->mode()) << ")";
+  }
   stream << ")";
+}
+
+bool ParallelSelfAttentionImpl::context_parallel() const {
+  return options.context_parallel() && options.context_parallel()->group().size() > 1;
+}
+
+void ParallelSelfAttentionImpl::check_context_parallel(const char* op, const Group& g) const {
+  if (!options.context_parallel()) return;
+  const auto& o = *options.context_parallel();
+  COMMGRAD_CHECK(o.group().defined(), op, g, "context_parallel() needs a defined context-parallel group");
+  COMMGRAD_CHECK(options.attention_dropout() == 0.0, op, g, "attention_dropout (", options.attention_dropout(),
+                 ") is not supported under context parallelism (cp=", o.group().size(), ", ", cp::mode_name(o.mode()),
+                 "): the probabilities are never formed whole");
+  const int64_t local_heads = options.num_heads() / g.size();
+  COMMGRAD_CHECK(o.mode() != cp::AttentionMode::kUlysses || local_heads % o.group().size() == 0, op, g,
+                 "context-parallel mode ulysses splits the ", local_heads, " heads of each tensor-parallel rank (",
+                 options.num_heads(), " heads over TP=", g.size(), ") over CP=", o.group().size(),
+                 ", which does not divide them; use allgather or ring");
 }
 
 int64_t ParallelSelfAttentionImpl::num_local_heads() const { return options.num_heads() / options.group().size(); }
@@ -126,6 +153,10 @@ at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& input) {
 
 at::Tensor ParallelSelfAttentionImpl::core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const int64_t b = q.size(0), nh = q.size(1), s = q.size(2), d = q.size(3);
+  if (context_parallel()) {
+    const auto o = cp::ContextParallelOptions(*options.context_parallel()).causal(options.causal());
+    return cp::attention(q, k, v, o).permute({2, 0, 1, 3}).reshape({s, b, nh * d});
+  }
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).mul(1.0 / std::sqrt(static_cast<double>(d)));
   if (options.causal()) {
     const at::Tensor future = at::ones({s, s}, q.options().dtype(at::kBool)).triu(1);

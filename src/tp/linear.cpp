@@ -43,6 +43,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <string>
 
 namespace commgrad::tp {
 
@@ -162,12 +163,28 @@ struct DeferredMatmul : torch::autograd::Function<DeferredMatmul> {
 };
 
 void check_input(const char* op, const Group& g, const at::Tensor& input, int64_t features, const at::Tensor& weight,
-                 const char* what) {
+                 const char* what, const std::string& hint = "") {
   COMMGRAD_CHECK(input.defined(), op, g, "got an undefined input");
   COMMGRAD_CHECK(input.dim() >= 1 && input.size(-1) == features, op, g, "expected an input of shape [..., ",
-                 features, "] (", what, "), got ", describe(input));
+                 features, "] (", what, "), got ", describe(input), hint);
   COMMGRAD_CHECK(input.scalar_type() == weight.scalar_type(), op, g, "input ", describe(input),
                  " does not have the dtype of the weight ", describe(weight));
+}
+
+// What to change when a row layer's input has the other layout's width:
+// the whole in_features while input_is_parallel, or this rank's part without it.
+std::string row_input_hint(const at::Tensor& input, const RowParallelLinearOptions& options, int64_t n) {
+  if (!input.defined() || input.dim() < 1 || n == 1) return "";
+  const int64_t last = input.size(-1);
+  if (options.input_is_parallel() && last == options.in_features()) {
+    return "; the input holds all in_features: pass input_is_parallel(false) to have the layer split it, or feed it "
+           "this rank's part (a ColumnParallelLinear's output with gather_output(false))";
+  }
+  if (!options.input_is_parallel() && last == options.in_features() / n) {
+    return "; the input holds this rank's part of in_features (a ColumnParallelLinear's output with "
+           "gather_output(false)?): pass input_is_parallel(true)";
+  }
+  return "";
 }
 
 void check_sequence(const char* op, const Group& g, const at::Tensor& x, const char* what) {
@@ -316,7 +333,8 @@ LinearOutput RowParallelLinearImpl::forward_with_bias(const at::Tensor& input) {
   const Group& g = options.group();
   const int64_t n = g.size();
   detail::check_input(op, g, input, options.input_is_parallel() ? options.in_features() / n : options.in_features(),
-                      weight, options.input_is_parallel() ? "in_features / tp: input_is_parallel" : "in_features");
+                      weight, options.input_is_parallel() ? "in_features / tp: input_is_parallel" : "in_features",
+                      detail::row_input_hint(input, options, n));
   if (options.sequence_parallel()) {
     detail::check_sequence(op, g, input, "input");
     COMMGRAD_CHECK(input.size(0) % n == 0, op, g, "with sequence_parallel the sequence length (dim 0 of ",

@@ -69,7 +69,8 @@ void ParallelTransformerLayerImpl::reset() {
                                                                      .sequence_parallel(options.sequence_parallel())
                                                                      .recompute_core(options.recompute() ==
                                                                                      RecomputeGranularity::kSelective)
-                                                                     .seed(seed)));
+                                                                     .seed(seed)
+                                                                     .context_parallel(options.context_parallel())));
   ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
   if (options.feed_forward()) {
     feed_forward = options.feed_forward()(options);

@@ -4,6 +4,7 @@
 // results) over one shared in-memory store; deterministic per-rank inputs;
 // reference reductions computed locally in the backend's fixed rank order.
 
+#include "harness/expect_error.h"
 #include "commgrad/backend/shm_process_group.h"
 
 #include <ATen/ATen.h>
@@ -192,15 +193,6 @@ inline const char* op_name(RedOpType op) {
   }
 }
 
-/// Runs `call`, expects it (or its wait) to throw, and returns the message.
-template <class F>
-std::string error_of(F&& call) {
-  try {
-    call();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using commgrad::testing::error_of;
 
 }  // namespace shm_test

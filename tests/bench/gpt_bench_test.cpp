@@ -122,7 +122,7 @@ TEST(GptBench, BadOptionsEndEveryRankWithAMessage) {
 TEST(GptBench, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/gpt_bench");
   expect_help_lists(program, {"--layout", "--hidden", "--heads", "--ffn", "--layers", "--sequence", "--vocab",
-                              "--batch", "--microbatches", "--warmup", "--steps", "--untie"});
+                              "--batch", "--microbatches", "--warmup", "--steps", "--untie", "--cp", "--cp-mode"});
   expect_bad_options(program, {
       {{"--bogus"}, "unknown option '--bogus'"},
       {{"--microbatches", "0"}, "--microbatches: expected an integer in [1, 2147483647], got '0'"},
@@ -201,6 +201,12 @@ TEST(BenchPrograms, BadOptionsAreNamedBeforeAnyRankStarts) {
       {{"--steps", "99999999999"}, "--steps: expected an integer in [1, 2147483647], got '99999999999'"},
       {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
       {{"--threads", "-2"}, "--threads: expected an integer in [0, 2147483647], got '-2'"},
+  });
+  const std::string cp_bench = build_path("bin/cp_attention_bench");
+  expect_help_lists(cp_bench, {"--seq", "--heads", "--head-dim", "--batch", "--mode", "--steps", "--warmup", "--causal"});
+  expect_bad_options(cp_bench, {
+      {{"--seq", "0"}, "--seq: expected an integer in [1, 9223372036854775807], got '0'"},
+      {{"--mode", "p2p"}, "--mode"},
   });
 }
 

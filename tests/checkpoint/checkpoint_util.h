@@ -2,6 +2,7 @@
 // Helpers of the checkpoint tests: a temporary root, test tensors of every
 // dtype, splits, and the error check.
 
+#include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 
 #include <commgrad/checkpoint.h>
@@ -48,16 +49,5 @@ inline checkpoint::TensorPiece row_piece(const std::string& name, const at::Tens
   return p;
 }
 
-/// Runs f, which must throw a c10::Error whose message contains every part.
-inline void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    const std::string m = e.what_without_backtrace();
-    for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
-    return;
-  }
-  ADD_FAILURE() << "no error was raised";
-}
 
 }  // namespace commgrad::testing

@@ -1,6 +1,7 @@
 // Process groups: the world and sub-groups over real Gloo transports, one
 // thread per rank (spawn_ranks), and the errors of misuse.
 
+#include "harness/expect_error.h"
 #include "commgrad/config.h"
 #include "commgrad/dist/build_info.h"
 #include "commgrad/dist/check.h"
@@ -20,6 +21,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <sstream>
 #include <thread>
 
 namespace commgrad {
@@ -27,17 +29,8 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::spawn_ranks;
+using testing::error_of;
 
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 class WorldSizes : public ::testing::TestWithParam<int> {};
 
@@ -80,9 +73,9 @@ TEST_P(WorldSizes, SubGroupsOfEvenAndOddRanks) {
     if (other.defined()) {
       EXPECT_FALSE(other.is_member());
       EXPECT_EQ(other.rank(), -1);
-      EXPECT_THAT(message_of([&] { check_member("all_reduce", other); }),
+      EXPECT_THAT(error_of([&] { check_member("all_reduce", other); }),
                   HasSubstr("this rank is not a member of the group"));
-      EXPECT_THAT(message_of([&] { check_member("all_reduce", other); }),
+      EXPECT_THAT(error_of([&] { check_member("all_reduce", other); }),
                   HasSubstr(c10::str("[commgrad] all_reduce rank ", g.rank(), " (not a member) group '",
                                      other.name(), "'")));
     }
@@ -93,9 +86,9 @@ INSTANTIATE_TEST_SUITE_P(ProcessGroup, WorldSizes, ::testing::Values(1, 2, 3, 4)
 
 TEST(ProcessGroup, NewGroupRejectsBadRankLists) {
   spawn_ranks(2, [](Group& g) {
-    EXPECT_THAT(message_of([] { new_group({0, 2}); }), HasSubstr("rank 2 is outside the world (0..1)"));
-    EXPECT_THAT(message_of([] { new_group({1, 1}); }), HasSubstr("rank 1 appears twice"));
-    EXPECT_THAT(message_of([] { new_group({}); }), HasSubstr("the rank list is empty"));
+    EXPECT_THAT(error_of([] { new_group({0, 2}); }), HasSubstr("rank 2 is outside the world (0..1)"));
+    EXPECT_THAT(error_of([] { new_group({1, 1}); }), HasSubstr("rank 1 appears twice"));
+    EXPECT_THAT(error_of([] { new_group({}); }), HasSubstr("the rank list is empty"));
     // A valid group still works after the rejected calls (they did not desynchronise the ranks).
     Group both = new_group({1, 0});
     EXPECT_EQ(both.rank(), 1 - g.rank());
@@ -120,13 +113,13 @@ TEST(ProcessGroup, GroupsWithTheSameNameDoNotCollide) {
 
 TEST(ProcessGroup, WorldBeforeInitIsAClearError) {
   std::string msg;
-  std::thread([&] { msg = message_of([] { world(); }); }).join();
+  std::thread([&] { msg = error_of([] { world(); }); }).join();
   EXPECT_THAT(msg, HasSubstr("call commgrad::init_process_group() first"));
 }
 
 TEST(ProcessGroup, EmptyGroupHandleIsAClearError) {
-  EXPECT_THAT(message_of([] { Group().rank(); }), HasSubstr("use of an empty Group handle"));
-  EXPECT_THAT(message_of([] { check_member("broadcast", Group()); }), HasSubstr("broadcast: the group handle is empty"));
+  EXPECT_THAT(error_of([] { Group().rank(); }), HasSubstr("use of an empty Group handle"));
+  EXPECT_THAT(error_of([] { check_member("broadcast", Group()); }), HasSubstr("broadcast: the group handle is empty"));
 }
 
 // The handler is process-wide: ctest runs each case in a process of its own.
@@ -162,9 +155,9 @@ TEST(ProcessGroup, TransportsSayWhatTheyOfferBeyondC10d) {
 
 TEST(ProcessGroup, ExplicitStoreNeedsValidRankAndSize) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  EXPECT_THAT(message_of([&] { make_world_group(InitOptions().store(store).rank(2).world_size(2)); }),
+  EXPECT_THAT(error_of([&] { make_world_group(InitOptions().store(store).rank(2).world_size(2)); }),
               HasSubstr("needs rank in [0, world_size)"));
-  EXPECT_THAT(message_of([&] { make_world_group(InitOptions().rank(0).world_size(2)); }),
+  EXPECT_THAT(error_of([&] { make_world_group(InitOptions().rank(0).world_size(2)); }),
               HasSubstr("rank and world_size options need an explicit store"));
 }
 
@@ -199,10 +192,10 @@ TEST(ProcessGroup, ConnectGroupPicksShmOnOneHostAndLeavesTheProcessAlone) {
 
 TEST(ProcessGroup, ConnectGroupRejectsBadRanksAndBackends) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  EXPECT_THAT(message_of([&] { connect_group(store, 2, 2, ConnectOptions().name("pg3")); }),
+  EXPECT_THAT(error_of([&] { connect_group(store, 2, 2, ConnectOptions().name("pg3")); }),
               HasSubstr("connect_group 'pg3': needs rank in [0, size)"));
-  EXPECT_THAT(message_of([&] { connect_group(detail::StorePtr(), 0, 1); }), HasSubstr("the store is null"));
-  EXPECT_THAT(message_of([&] { connect_group(store, 0, 1, ConnectOptions().backend("mpi2")); }),
+  EXPECT_THAT(error_of([&] { connect_group(detail::StorePtr(), 0, 1); }), HasSubstr("the store is null"));
+  EXPECT_THAT(error_of([&] { connect_group(store, 0, 1, ConnectOptions().backend("mpi2")); }),
               HasSubstr("backend 'mpi2' is not available"));
 }
 
@@ -219,7 +212,7 @@ TEST(ProcessGroup, IntraOpThreadsAlsoLimitOpenBlasOwnPool) {
 
 TEST(ProcessGroup, UnknownBackendIsAClearError) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  EXPECT_THAT(message_of([&] { make_world_group(InitOptions().store(store).rank(0).world_size(1).backend("mpi2")); }),
+  EXPECT_THAT(error_of([&] { make_world_group(InitOptions().store(store).rank(0).world_size(1).backend("mpi2")); }),
               HasSubstr("backend 'mpi2' is not available in this build; available: auto, gloo"));
 }
 
@@ -231,10 +224,10 @@ TEST(ProcessGroup, CudaTensorsGetNcclOnlyWhenEveryLocalRankHasAGpu) {
   EXPECT_EQ(resolve_cuda_backend("auto", 4, 8), COMMGRAD_HAVE_NCCL ? "nccl" : "gloo");
   EXPECT_EQ(resolve_cuda_backend("gloo", 1, 8), "gloo");
   EXPECT_EQ(resolve_cuda_backend("shm", 1, 8), "gloo");  // shm carries CPU tensors only
-  EXPECT_THAT(message_of([] { resolve_cuda_backend("nccl", 1, 0); }),
+  EXPECT_THAT(error_of([] { resolve_cuda_backend("nccl", 1, 0); }),
               HasSubstr("backend 'nccl' needs a CUDA device, and this process sees none"));
   if (COMMGRAD_HAVE_NCCL) {
-    EXPECT_THAT(message_of([] { resolve_cuda_backend("nccl", 2, 1); }),
+    EXPECT_THAT(error_of([] { resolve_cuda_backend("nccl", 2, 1); }),
                 HasSubstr("backend 'nccl' needs a GPU for each of the 2 ranks on this host, but this process sees 1"));
   }
 }
@@ -246,7 +239,7 @@ TEST(ProcessGroup, CpuTensorsOfANcclJobTravelOnShmOrGloo) {
     EXPECT_EQ(resolve_backend("nccl", {"a", "a"}), "shm");  // c10d's "cpu:gloo,cuda:nccl", with shm on one host
     EXPECT_EQ(resolve_backend("nccl", {"a", "b"}), "gloo");
   } else {
-    EXPECT_THAT(message_of([] { resolve_backend("nccl", {"a"}); }), HasSubstr("backend 'nccl' is not available"));
+    EXPECT_THAT(error_of([] { resolve_backend("nccl", {"a"}); }), HasSubstr("backend 'nccl' is not available"));
   }
 }
 
@@ -255,7 +248,7 @@ TEST(ProcessGroup, ACudaTensorWithoutACudaDeviceIsAClearError) {
   spawn_ranks(2, [](Group& g) {
     EXPECT_EQ(g.cuda_backend_name(), "");
     EXPECT_EQ(&g.transport(c10::DeviceType::CPU), &g.transport());
-    EXPECT_THAT(message_of([&] { g.transport(c10::DeviceType::CUDA); }),
+    EXPECT_THAT(error_of([&] { g.transport(c10::DeviceType::CUDA); }),
                 HasSubstr("group 'world' (gloo): got a CUDA tensor, but this process saw no CUDA device"));
   });
 }
@@ -267,6 +260,9 @@ TEST(ProcessGroup, BuildInfoNamesVersionLibTorchAndTransports) {
       << info.torch_version;
   EXPECT_EQ(info.cxx_standard, __cplusplus >= 202002L ? 20 : 17);  // the standard this test is compiled with
   EXPECT_EQ(info.to_string(), COMMGRAD_BUILD_INFO_STRING);
+  std::ostringstream printed;
+  printed << info;
+  EXPECT_EQ(printed.str(), COMMGRAD_BUILD_INFO_STRING);
   EXPECT_EQ(available_backends(), info.transports);
   EXPECT_EQ(std::count(info.transports.begin(), info.transports.end(), "nccl"), COMMGRAD_HAVE_NCCL);
 }
@@ -283,7 +279,7 @@ TEST(ProcessGroup, NcclHeaderMatchesTheLibraryLibTorchLoads) {
 TEST(ProcessGroup, CheckMacroNamesOpRankGroupAndShapes) {
   spawn_ranks(2, [](Group& g) {
     auto x = at::zeros({3, 5});
-    const auto msg = message_of([&] {
+    const auto msg = error_of([&] {
       COMMGRAD_CHECK(x.size(0) % 2 == 0, "all_gather", g, "expected dim 0 divisible by 2, got ", x.sizes());
     });
     EXPECT_THAT(msg, HasSubstr(c10::str("[commgrad] all_gather rank ", g.rank(),

@@ -5,6 +5,7 @@
 // error cases and the communication hooks. Models run in float64 so that
 // the only differences from the reference are rounding (tolerance 1e-9).
 
+#include "harness/expect_error.h"
 #include "harness/spawn_ranks.h"
 
 #include <commgrad/commgrad.h>
@@ -127,14 +128,6 @@ void expect_same_state(const torch::nn::Module& got, const torch::nn::Module& wa
   }
 }
 
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no exception)";
-}
 
 // ---------------------------------------------------------------------------
 // K steps of DDP == K steps of one process on the full batch.
@@ -223,7 +216,7 @@ TEST(DdpTest, DifferentShapesAreAnErrorNamingTheParameterOnEachRank) {
   std::vector<std::shared_ptr<Net>> nets{std::make_shared<Mlp>(8), std::make_shared<Mlp>(8),
                                          std::make_shared<Mlp>(9)};
   spawn_ranks(3, [&](Group& group) {
-    const auto message = message_of([&] { DistributedDataParallel ddp(nets[group.rank()], group); });
+    const auto message = error_of([&] { DistributedDataParallel ddp(nets[group.rank()], group); });
     EXPECT_THAT(message, HasSubstr("DistributedDataParallel rank " + std::to_string(group.rank()) + "/3"));
     EXPECT_THAT(message, HasSubstr("the replicas differ"));
     EXPECT_THAT(message, HasSubstr("rank 0 has parameter 'fc1.weight' float32[8, 4], rank 2 has parameter "
@@ -241,7 +234,7 @@ TEST(DdpTest, MissingParameterIsAnErrorNamingIt) {
   torch::manual_seed(0);
   std::vector<std::shared_ptr<Net>> nets{std::make_shared<TwoHeads>(), std::make_shared<Mlp>()};
   spawn_ranks(2, [&](Group& group) {
-    const auto message = message_of([&] { DistributedDataParallel ddp(nets[group.rank()], group); });
+    const auto message = error_of([&] { DistributedDataParallel ddp(nets[group.rank()], group); });
     EXPECT_THAT(message, HasSubstr("rank 0 has parameter 'head2.weight' float32[2, 8], rank 1 has nothing"));
   });
 }
@@ -249,12 +242,12 @@ TEST(DdpTest, MissingParameterIsAnErrorNamingIt) {
 TEST(DdpTest, BadOptionsAreErrors) {
   spawn_ranks(1, [&](Group& group) {
     auto net = std::make_shared<Mlp>();
-    EXPECT_THAT(message_of([&] { DistributedDataParallel(net, DistributedDataParallelOptions(group).bucket_cap_mb(0)); }),
+    EXPECT_THAT(error_of([&] { DistributedDataParallel(net, DistributedDataParallelOptions(group).bucket_cap_mb(0)); }),
                 HasSubstr("bucket sizes must be positive"));
     DistributedDataParallel ddp(net, group);
-    EXPECT_THAT(message_of([&] { ddp.register_comm_hook(CommHook()); }), HasSubstr("the hook is empty"));
+    EXPECT_THAT(error_of([&] { ddp.register_comm_hook(CommHook()); }), HasSubstr("the hook is empty"));
     DistributedDataParallel moved(std::move(ddp));
-    EXPECT_THAT(message_of([&] { ddp.buckets(); }), HasSubstr("used after it was moved from"));
+    EXPECT_THAT(error_of([&] { ddp.buckets(); }), HasSubstr("used after it was moved from"));
     EXPECT_EQ(moved.buckets().size(), 1u);
   });
 }
@@ -297,7 +290,7 @@ TEST(DdpTest, OwnBucketParametersSitAlone) {
     EXPECT_EQ(buckets[0].names, (std::vector<std::string>{"fc3.bias", "fc3.weight", "fc2.bias"}));
     EXPECT_EQ(buckets[1].names, std::vector<std::string>{"fc2.weight"});
     EXPECT_EQ(buckets[2].names, (std::vector<std::string>{"fc1.bias", "fc1.weight"}));
-    EXPECT_THAT(message_of([&] { DistributedDataParallel(net, DistributedDataParallelOptions(group).own_bucket({"fc9"})); }),
+    EXPECT_THAT(error_of([&] { DistributedDataParallel(net, DistributedDataParallelOptions(group).own_bucket({"fc9"})); }),
                 HasSubstr("own_bucket names 'fc9', which is not a trainable parameter of the module"));
   });
 }
@@ -359,7 +352,7 @@ TEST(DdpTest, PaddedBucketsAndReleasedGradientsLiveOnlyInTheHook) {
         EXPECT_EQ(sums[b].narrow(0, buckets[b].numel, buckets[b].padded_numel - buckets[b].numel).abs().sum().item<float>(), 0);
       }
     }
-    EXPECT_THAT(message_of([&] { DistributedDataParallel(plain_net, DistributedDataParallelOptions(group).bucket_multiple(0)); }),
+    EXPECT_THAT(error_of([&] { DistributedDataParallel(plain_net, DistributedDataParallelOptions(group).bucket_multiple(0)); }),
                 HasSubstr("bucket_multiple must be at least 1"));
   });
 }
@@ -485,7 +478,7 @@ TEST(DdpTest, UnusedParameterIsAnErrorNamingItAndRanksStayInStep) {
     torch::manual_seed(3);
     auto net = std::make_shared<TwoHeads>();
     DistributedDataParallel ddp(net, group);
-    const auto message = message_of([&] { net->forward_heads(torch::ones({2, 4}), false).sum().backward(); });
+    const auto message = error_of([&] { net->forward_heads(torch::ones({2, 4}), false).sum().backward(); });
     EXPECT_THAT(message, HasSubstr("DistributedDataParallel rank " + std::to_string(group.rank()) + "/2"));
     EXPECT_THAT(message, HasSubstr("parameter 'head2.bias' received no gradient in this backward"));
     EXPECT_THAT(message, HasSubstr("'head2.weight'"));
@@ -503,7 +496,7 @@ TEST(DdpTest, ParameterUnusedOnOneRankIsAnErrorThereAndNoHangAnywhere) {
     auto net = std::make_shared<TwoHeads>();
     DistributedDataParallel ddp(net, group);
     const bool use_head2 = group.rank() == 1;
-    const auto message = message_of([&] { net->forward_heads(torch::ones({2, 4}), use_head2).sum().backward(); });
+    const auto message = error_of([&] { net->forward_heads(torch::ones({2, 4}), use_head2).sum().backward(); });
     if (use_head2) {
       EXPECT_EQ(message, "(no exception)");
     } else {
@@ -663,7 +656,7 @@ TEST(DdpTest, DebugCheckCatchesHooksThatDisagreeAcrossRanks) {
       auto part = b.buffer().narrow(0, 0, group.rank() == 0 ? 6 : 3);  // rank 1's hook is wrong
       return CommWork{ops::raw::all_reduce_(part, {}, b.group()), nullptr};
     });
-    const auto message = message_of([&] { (w * 2).sum().backward(); });
+    const auto message = error_of([&] { (w * 2).sum().backward(); });
     EXPECT_THAT(message, HasSubstr("ranks disagree on collective #"));
     EXPECT_THAT(message, HasSubstr("all_reduce(float32[6], op=sum)"));
     EXPECT_THAT(message, HasSubstr("all_reduce(float32[3], op=sum)"));

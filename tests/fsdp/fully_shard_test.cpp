@@ -4,6 +4,7 @@
 // closed-form count of collectives), gradient accumulation, clipping,
 // mixed precision, the bytes held, state dicts, and the errors.
 
+#include "harness/expect_error.h"
 #include "harness/spawn_ranks.h"
 #include "tp/reference.h"
 
@@ -21,8 +22,6 @@ namespace {
 using ::testing::HasSubstr;
 namespace fsdp = commgrad::fsdp;
 
-#define EXPECT_ERROR(statement, text) \
-  EXPECT_THAT([&] { statement; }, ::testing::ThrowsMessage<c10::Error>(HasSubstr(text)))
 
 // ~~~ PyTorch's test_train_parity_single_group ~~~
 
@@ -342,13 +341,13 @@ TEST(FullyShardErrors, WrongUse) {
     {  // Twice.
       Mlp net(4, 6, 2, 1);
       fsdp::fully_shard(net, world);
-      EXPECT_ERROR(fsdp::fully_shard(net, world), "already a unit");
+      EXPECT_THROW_WITH(fsdp::fully_shard(net, world), "already a unit");
     }
     {  // Parameters replaced after sharding (to() gives them new data).
       Mlp net(4, 6, 2, 1);
       fsdp::fully_shard(net, world);
       net->to(at::kDouble);
-      EXPECT_ERROR(fsdp::call(net, torch::ones({1, 4})), "was replaced after fully_shard");
+      EXPECT_THROW_WITH(fsdp::call(net, torch::ones({1, 4})), "was replaced after fully_shard");
     }
     {  // A unit called twice in one forward.
       struct TwiceImpl : torch::nn::Module {
@@ -359,7 +358,7 @@ TEST(FullyShardErrors, WrongUse) {
       auto twice = std::make_shared<TwiceImpl>();
       fsdp::fully_shard(twice->fc, world);
       fsdp::fully_shard(twice, world);
-      EXPECT_ERROR(fsdp::call(twice, torch::ones({1, 3})), "called twice in one forward");
+      EXPECT_THROW_WITH(fsdp::call(twice, torch::ones({1, 3})), "called twice in one forward");
     }
     {  // A sharded module run without call().
       Mlp net(4, 6, 2, 1);
@@ -373,7 +372,7 @@ TEST(FullyShardErrors, WrongUse) {
 TEST(FullyShardErrors, RanksWithDifferentUnitsGetAnErrorNotAHang) {
   spawn_ranks(2, [&](Group& world) {
     Mlp net(4, 6 + world.rank(), 2, 1);
-    EXPECT_ERROR(fsdp::fully_shard(net, world), "the replicas differ");
+    EXPECT_THROW_WITH(fsdp::fully_shard(net, world), "the replicas differ");
   });
 }
 

@@ -2,9 +2,11 @@
 // (always on), the cross-rank debug check (COMMGRAD_DEBUG / set_debug_checks),
 // timeouts without it, and dtypes the transport lacks.
 
+#include "harness/expect_error.h"
 #include "harness/spawn_ranks.h"
 
 #include <commgrad/ops.h>
+#include <commgrad/util/error.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -17,17 +19,23 @@ namespace {
 
 using std::chrono::milliseconds;
 using std::chrono::seconds;
+using testing::expect_error;
 
-// Runs f, which must throw an error whose message contains every part.
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
+// Runs `f`, which must throw an E (a commgrad::Error), and returns a copy of
+// its kind and site.
+template <class E, class F>
+std::pair<ErrorKind, ErrorSite> typed_error_of(F&& f) {
   try {
     f();
-  } catch (const c10::Error& e) {
-    const std::string m = e.what_without_backtrace();
-    for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
-    return;
+  } catch (const E& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    EXPECT_NE(c10_error, nullptr) << "every commgrad error is a c10::Error";
+    return {e.kind(), e.site()};
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "another type of error: " << e.what();
   }
   ADD_FAILURE() << "no error was raised";
+  return {};
 }
 
 // After a local error the group still works: every rank all-reduces ones.
@@ -175,6 +183,27 @@ TEST(OpsDtypes, HalfAndBFloat16) {
   });
 }
 
+TEST(OpsErrors, ErrorsAreTypesThatCarryTheirSite) {
+  testing::spawn_ranks(2, [](Group& g) {
+    auto [kind, site] = typed_error_of<InvalidArgumentError>([&] { reduce_scatter(at::ones({5}), {}, g); });
+    EXPECT_EQ(kind, ErrorKind::kInvalidArgument);
+    EXPECT_EQ(site.op, "reduce_scatter");
+    EXPECT_EQ(site.rank, g.rank());
+    EXPECT_EQ(site.group, "world");
+    EXPECT_EQ(site.group_size, 2);
+    EXPECT_EQ(site.where, g.describe());
+    try {
+      all_gather(at::ones({}), {}, g);
+    } catch (const commgrad::Error& e) {
+      EXPECT_TRUE(e.group_usable());
+      EXPECT_NE(e.detail().find("the tensor is a scalar"), std::string::npos) << e.detail();
+      EXPECT_EQ(e.message(), "[commgrad] all_gather " + g.describe() + ": " + e.detail());
+    }
+    expect_group_usable(g);
+  });
+  EXPECT_STREQ(to_string(ErrorKind::kTimeout), "timeout");
+}
+
 // ~~~ debug mode: cross-rank fingerprints ~~~
 
 class OpsDebug : public ::testing::Test {
@@ -191,6 +220,7 @@ TEST_F(OpsDebug, ShapeMismatchRaisesOnEveryRankWithBothSides) {
     expect_error([&] { all_reduce(x, {}, g); },
                  {"ranks disagree on collective #0", "this rank (" + std::to_string(g.rank()) + ") calls",
                   "all_reduce(float32[4], op=sum)", "all_reduce(float32[5], op=sum)", other});
+    EXPECT_EQ(typed_error_of<MismatchError>([&] { all_reduce(x, {}, g); }).first, ErrorKind::kMismatch);
     expect_group_usable(g);  // nothing mismatched reached the transport
   });
 }
@@ -277,7 +307,7 @@ TEST(OpsTimeouts, MissingPeerEndsWithinTheTimeout) {
           const auto start = std::chrono::steady_clock::now();
           expect_error([&] { all_reduce(at::ones({4}), {}, g); },
                        {"[commgrad] all_reduce rank 0/2 group 'world' (gloo): collective #0",
-                        "COMMGRAD_DEBUG=1"});
+                        "did not complete within the group timeout (2s)", "COMMGRAD_DEBUG=1"});
           const auto elapsed = std::chrono::steady_clock::now() - start;
           EXPECT_LT(elapsed, timeout + seconds(3));
         } else {
@@ -296,7 +326,13 @@ TEST(OpsTimeouts, AsyncHandleReportsTheFailure) {
         if (g.rank() == 0) {
           auto pending = all_gather_async(at::ones({2}), {}, g);
           expect_error([&] { pending.wait(); }, {"all_gather", "collective #0"});
-          expect_error([&] { pending.wait(); }, {"all_gather", "collective #0"});  // and again, same error
+          // And again, the same error of the same type: Gloo says nothing of
+          // a timeout, but the wait lasted the group's timeout.
+          auto [kind, site] = typed_error_of<TimeoutError>([&] { pending.wait(); });
+          EXPECT_EQ(kind, ErrorKind::kTimeout);
+          EXPECT_EQ(site.op, "all_gather");
+          EXPECT_EQ(site.collective, 0);
+          EXPECT_EQ(site.group, "world");
         } else {
           std::this_thread::sleep_for(seconds(3));
         }

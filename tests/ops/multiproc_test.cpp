@@ -48,9 +48,22 @@ TEST(OpsMultiProcess, GlooAbortOnASizeMismatchNamesTheCollective) {
   EXPECT_NE(result.err.find("[0] [commgrad] all_reduce rank 0/2 group 'world' (gloo): the process is terminating ("),
             std::string::npos)
       << result.err;
-  EXPECT_NE(result.err.find("the last collective it started is #0"), std::string::npos)
-      << result.err;
+  EXPECT_NE(result.err.find("while collective #0 had not completed"), std::string::npos) << result.err;
   EXPECT_NE(result.err.find("set COMMGRAD_DEBUG=1 on every rank"), std::string::npos) << result.err;
+}
+
+// An uncaught error that has nothing to do with communication, thrown after
+// the last collective completed: the terminate handler blames no collective
+// (it used to name the finished all_reduce) and the error itself is printed.
+TEST(OpsMultiProcess, UncaughtErrorAfterACollectiveBlamesNoCollective) {
+  auto result = testing::run_process({testing::launcher_path(), "-n", "2", "--timeout", "60",
+                                      testing::build_path("tests/ops/ops_check"), "--uncaught-error"},
+                                     testing::clean_env({{"COMMGRAD_BACKEND", "gloo"}, {"COMMGRAD_DEBUG", ""}}),
+                                     seconds(90));
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_NE(result.err.find("cannot be multiplied"), std::string::npos) << result.err;
+  EXPECT_EQ(result.err.find("the process is terminating"), std::string::npos) << result.err;
+  EXPECT_EQ(result.err.find("[commgrad] all_reduce"), std::string::npos) << result.err;
 }
 
 }  // namespace

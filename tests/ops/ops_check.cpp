@@ -3,6 +3,8 @@
 // inputs, checks values and gradients in closed form, and exits non-zero on
 // a mismatch. With --mismatch [N0 N1], rank 0 all-reduces N0 elements and
 // the others N1 (default 3 and 4), to show how a mismatch ends the job.
+// With --uncaught-error every rank all-reduces, then throws a shape error
+// that nothing catches (the terminate handler must not blame the collective).
 
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
@@ -26,6 +28,13 @@ void check(bool ok, const char* what) {
 
 int main(int argc, char** argv) {
   namespace ops = commgrad::ops;
+  if (argc > 1 && std::strcmp(argv[1], "--uncaught-error") == 0) {
+    commgrad::init_process_group();
+    ops::all_reduce(torch::ones({3}));
+    // An error that has nothing to do with communication, thrown out of main.
+    torch::matmul(torch::ones({2, 3}), torch::ones({2, 3}));
+    return 0;
+  }
   try {
     commgrad::init_process_group();
     const int n = commgrad::world_size();

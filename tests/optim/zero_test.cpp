@@ -338,12 +338,22 @@ TEST(ZeroOptimizer, LearningRateSchedulesDriveTheShardOptimizer) {
 // ZeroOptimizer sums it over the TP group itself.
 class ZeroTensorParallel : public ::testing::TestWithParam<bool> {};
 
+// How the optimizer gets its groups.
+enum class Groups {
+  kExplicit,     // the DP and TP groups given
+  kFromLayout,   // none given, the layout current
+  kTpFromModule  // the DP group given, no TP group and no layout
+};
+
 // TP=2 x DP=2, 4 steps of ZeRO-2 with clipping, against the unsplit model.
-// `groups_from_layout`: the layout is the current one and the optimizer is
-// given no group at all (the natural code); its DP and TP groups must come
-// from the layout (not the world, which would average TP rank 0's shards
-// with TP rank 1's and clip each TP rank by its own norm).
-void train_two_by_two(bool sp, bool groups_from_layout) {
+// kFromLayout: the layout is the current one and the optimizer is given no
+// group at all (the natural code); its DP and TP groups must come from the
+// layout (not the world, which would average TP rank 0's shards with TP rank
+// 1's and clip each TP rank by its own norm). kTpFromModule: without a layout
+// and a TP group, the norm's TP group is the one the module's shards are
+// split over (it used to be none: each TP rank clipped by its own norm).
+void train_two_by_two(bool sp, Groups groups) {
+  const bool groups_from_layout = groups == Groups::kFromLayout;
   constexpr int64_t kModel = 6, kFfn = 10;
   const int steps = 4;
   const auto x = seeded_randn({steps, 8, kModel}, 1);
@@ -365,7 +375,7 @@ void train_two_by_two(bool sp, bool groups_from_layout) {
     auto options = optim::ZeroOptimizerOptions(small_buckets(groups_from_layout ? Group() : state.data_parallel_group()))
                        .stage(2)
                        .max_grad_norm(0.1);
-    if (!groups_from_layout) options.tensor_parallel_group(state.tensor_parallel_group());
+    if (groups == Groups::kExplicit) options.tensor_parallel_group(state.tensor_parallel_group());
     optim::ZeroOptimizer zero(mlp, [](auto shards) { return make(Kind::kAdamW, shards); }, options);
     EXPECT_EQ(zero.group(), state.data_parallel_group());
     const int dp = state.data_parallel_rank();
@@ -391,8 +401,11 @@ void train_two_by_two(bool sp, bool groups_from_layout) {
   });
 }
 
-TEST_P(ZeroTensorParallel, TwoByTwoMatchesTheUnsplitModel) { train_two_by_two(GetParam(), false); }
-TEST_P(ZeroTensorParallel, GroupsComeFromTheCurrentLayout) { train_two_by_two(GetParam(), true); }
+TEST_P(ZeroTensorParallel, TwoByTwoMatchesTheUnsplitModel) { train_two_by_two(GetParam(), Groups::kExplicit); }
+TEST_P(ZeroTensorParallel, GroupsComeFromTheCurrentLayout) { train_two_by_two(GetParam(), Groups::kFromLayout); }
+TEST_P(ZeroTensorParallel, NormGroupComesFromTheModulesShards) {
+  train_two_by_two(GetParam(), Groups::kTpFromModule);
+}
 
 INSTANTIATE_TEST_SUITE_P(SequenceParallel, ZeroTensorParallel, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "sp" : "no_sp"; });

@@ -1,5 +1,5 @@
 // examples/gpt_train under commgrad-run: the GPT (tied embeddings) trained
-// TP x PP x DP (+SP, the interleaved and zero-bubble schedules) follows the one-rank loss
+// TP x PP x DP (+SP, the interleaved and zero-bubble schedules; CP) follows the one-rank loss
 // curve (the program checks itself with --check, relative 1e-5), and the
 // golden curve of the first steps is pinned here. Save and resume under
 // another layout continue the curve (bit for bit under the same layout);
@@ -84,7 +84,11 @@ INSTANTIATE_TEST_SUITE_P(
                            "tp2_pp2_sp_interleaved_recompute_full"},
                       Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1", "--recompute", "selective"},
                            "tp2_pp2_sp_zero_bubble_recompute_selective"},
-                      Case{4, {"--tp", "2", "--dp", "2", "--fsdp", "--recompute", "full"}, "tp2_dp2_fsdp_recompute_full"}),
+                      Case{4, {"--tp", "2", "--dp", "2", "--fsdp", "--recompute", "full"}, "tp2_dp2_fsdp_recompute_full"},
+                      // Context parallelism: the logged loss is the one-rank loss (not 1/CP of it).
+                      Case{2, {"--cp", "2"}, "cp2_ring"},
+                      Case{4, {"--cp", "2", "--tp", "2", "--sp", "--cp-mode", "allgather"}, "cp2_tp2_sp_allgather"},
+                      Case{4, {"--cp", "2", "--dp", "2", "--cp-mode", "ulysses"}, "cp2_dp2_ulysses"}),
     [](const auto& info) { return info.param.name; });
 
 // 16-bit compute against one rank computing in the same dtype (tolerance
@@ -240,6 +244,8 @@ TEST(GptTrainExample, LayoutsThatDoNotFitAreErrors) {
       {{2, {"--dp", "2", "--microbatches", "8"}}, "does not split into 2 replicas x 8 microbatches"},
       {{2, {"--tp", "2", "--pp", "2"}}, "--tp 2 x --pp 2 x --dp 1 is not the world size 2"},
       {{1, {"--save-every", "2"}}, "--save-every needs --save DIR"},
+      {{2, {"--cp", "3"}}, "--cp 3: the sequence of 16 tokens does not split into 2 x 3 chunks (head-tail)"},
+      {{2, {"--cp", "2", "--tp", "2"}}, "--tp 2 x --pp 1 x --dp 1 x --cp 2 is not the world size 2"},
   };
   for (const auto& [run, message] : cases) {
     auto r = gpt_train(run.first, run.second);
@@ -253,7 +259,7 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/gpt_train");
   expect_help_lists(program, {"--tp", "--pp", "--dp", "--sp", "--microbatches", "--steps", "--schedule",
                               "--stages-per-rank", "--save", "--save-every", "--resume", "--text", "--curve",
-                              "--check", "--recompute"});
+                              "--check", "--recompute", "--cp", "--cp-mode"});
   const std::string positive = "expected an integer in [1, 2147483647]";
   expect_bad_options(program, {
       {{"--bogus"}, "unknown option '--bogus'"},

@@ -5,7 +5,10 @@
 // zero-bubble ZB-H1, whose backward is split into B and W). Plus the
 // simulator's own errors: deadlocks, missing inputs, missing work.
 
+#include "harness/expect_error.h"
+
 #include <commgrad/pp/schedule.h>
+#include <commgrad/pp/simulator.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -14,15 +17,8 @@ namespace commgrad::pp {
 namespace {
 
 using ::testing::HasSubstr;
+using commgrad::testing::error_of;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 TEST(ScheduleTest, GpipeAndOneFOneBHaveTheClosedFormBubble) {
   for (int p = 1; p <= 8; ++p) {
@@ -162,6 +158,29 @@ TEST(ScheduleTest, TheSimulatorFindsDeadlocks) {
   EXPECT_NO_THROW(simulate(s, SimulationOptions().rendezvous_sends(true)));
   s.actions[1] = {{ActionKind::kForward, 1, 0}};
   EXPECT_THAT(error_of([&] { simulate(s); }), HasSubstr("(F1.0) runs before its activation was received"));
+}
+
+TEST(ScheduleTest, TheSimulatorFindsDeadlocksOfSendsThatWaitForTheirReceive) {
+  // Each rank sends before it receives, in batches of their own: rank 0
+  // sends microbatch 1's activation while rank 1 sends microbatch 0's
+  // gradient. Buffered, both sends complete and the schedule runs; when a
+  // send completes only once received, each waits for the other.
+  using K = ActionKind;
+  auto s = gpipe(2, 2);
+  s.actions[0] = {{K::kForward, 0, 0},     {K::kSendActivation, 0, 0}, {K::kForward, 0, 1}, {K::kSendActivation, 0, 1},
+                  {K::kRecvGradient, 0, 0}, {K::kBackward, 0, 0},       {K::kRecvGradient, 0, 1}, {K::kBackward, 0, 1}};
+  s.actions[1] = {{K::kRecvActivation, 1, 0}, {K::kForward, 1, 0},       {K::kBackward, 1, 0}, {K::kSendGradient, 1, 0},
+                  {K::kRecvActivation, 1, 1}, {K::kForward, 1, 1},       {K::kBackward, 1, 1}, {K::kSendGradient, 1, 1}};
+  const auto buffered = simulate(s);
+  EXPECT_GT(buffered.makespan, 0);
+  EXPECT_THAT(error_of([&] { simulate(s, SimulationOptions().rendezvous_sends(true)); }),
+              HasSubstr("the schedule deadlocks when sends complete only once received:\n  rank 0 action 3 (sendA0.1) "
+                        "waits\n  rank 1 action 3 (sendG1.0) waits"));
+  // Posted together with the receive that follows (as the generated
+  // schedules post them), the same order runs under both rules.
+  s.actions[0][3].batched_with_next = true;
+  s.actions[1][3].batched_with_next = true;
+  EXPECT_NO_THROW(simulate(s, SimulationOptions().rendezvous_sends(true)));
 }
 
 TEST(ScheduleTest, TheSimulatorFindsMissingInputsAndWork) {

@@ -317,7 +317,12 @@ TEST(TpLayerErrors, IndivisibleSizesAndWrongShapes) {
     tp::RowParallelLinear row(tp::RowParallelLinearOptions(8, 3, g).input_is_parallel(true));
     EXPECT_THAT(error_of([&] { row(torch::ones({5, 8})); }),
                 HasSubstr("expected an input of shape [..., 2] (in_features / tp: input_is_parallel), got "
-                          "float32[5, 8]"));
+                          "float32[5, 8]; the input holds all in_features: pass input_is_parallel(false)"));
+    tp::RowParallelLinear row_full(tp::RowParallelLinearOptions(8, 3, g));
+    EXPECT_THAT(error_of([&] { row_full(torch::ones({5, 2})); }),
+                HasSubstr("expected an input of shape [..., 8] (in_features), got float32[5, 2]; the input holds "
+                          "this rank's part of in_features (a ColumnParallelLinear's output with "
+                          "gather_output(false)?): pass input_is_parallel(true)"));
     tp::RowParallelLinear row_sp(tp::RowParallelLinearOptions(8, 3, g).input_is_parallel(true).sequence_parallel(true));
     EXPECT_THAT(error_of([&] { row_sp(torch::ones({6, 1, 2})); }),
                 HasSubstr("the sequence length (dim 0 of float32[6, 1, 2]) must be divisible by the tensor-parallel "

@@ -9,6 +9,7 @@
 // full, with and without sequence parallelism, collectives counted), and
 // the errors.
 
+#include "harness/expect_error.h"
 #include "commgrad/dp/distributed_data_parallel.h"
 #include "commgrad/fsdp/fully_shard.h"
 #include "commgrad/tp/random.h"
@@ -29,19 +30,11 @@ namespace commgrad::tp {
 namespace {
 
 using commgrad::testing::spawn_ranks;
+using commgrad::testing::error_of;
 using ::testing::HasSubstr;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-template <class F>
-std::string error_of(F&& call) {
-  try {
-    call();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
 
 // A tracker with both streams, installed as this thread's.
 RngTracker seeded_tracker(uint64_t seed) {

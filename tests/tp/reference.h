@@ -5,6 +5,7 @@
 
 #include <commgrad/tp.h>
 #include <torch/torch.h>
+#include "harness/expect_error.h"
 
 namespace commgrad::testing {
 
@@ -45,17 +46,5 @@ inline torch::Tensor seeded_randn(at::IntArrayRef sizes, uint64_t seed, torch::S
 
 namespace commgrad::testing {
 
-/// The message of the error `f` throws ("(no error)" when it throws none).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 }  // namespace commgrad::testing

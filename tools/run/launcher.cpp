@@ -170,7 +170,61 @@ void Launcher::restore_signal_handlers() {
   g_wake_read = g_wake_write = -1;
 }
 
-bool Launcher::spawn(Rank& rank, const std::string& path) {
+namespace {
+
+// Everything a rank's child process needs, built before fork: after it, the
+// child only makes async-signal-safe calls.
+struct ExecPlan {
+  std::string path;
+  std::vector<std::string> env, args;
+  std::vector<char*> envp, argv, sh_argv;
+  std::string sh = "/bin/sh", script, error;
+
+  ExecPlan(const std::string& program_path, const std::vector<std::string>& program_args,
+           std::vector<std::string> environment, int rank)
+      : path(program_path), env(std::move(environment)), args(program_args), script(program_path) {
+    for (std::string& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    // execvp's fallback for a script without "#!": run it with /bin/sh.
+    sh_argv = {sh.data(), script.data()};
+    sh_argv.insert(sh_argv.end(), argv.begin() + 1, argv.end());
+    error = "commgrad-run: rank " + std::to_string(rank) + ": cannot execute '" + path + "': ";
+  }
+  ExecPlan(const ExecPlan&) = delete;  // argv and envp point into it
+  ExecPlan& operator=(const ExecPlan&) = delete;
+};
+
+// The child: its own process group, dies with the launcher, the signal
+// handlers and mask it had before the launcher's, stdin from /dev/null and
+// stdout/stderr into the pipes; then the program.
+[[noreturn]] void run_child(const ExecPlan& plan, pid_t launcher_pid, const sigset_t& old_mask, int devnull, int out,
+                            int err) {
+  setpgid(0, 0);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != launcher_pid) _exit(kExitLaunchFailed);  // launcher died before prctl
+  for (int i = 0; i < kNumHandled; ++i) {
+    if (g_installed[i]) sigaction(kHandledSignals[i], &g_old_actions[i], nullptr);
+  }
+  if (g_sigpipe_installed) sigaction(SIGPIPE, &g_old_sigpipe, nullptr);
+  sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+  dup2(devnull, STDIN_FILENO);
+  dup2(out, STDOUT_FILENO);
+  dup2(err, STDERR_FILENO);
+  execve(plan.path.c_str(), plan.argv.data(), plan.envp.data());
+  if (errno == ENOEXEC) execve(plan.sh.c_str(), plan.sh_argv.data(), plan.envp.data());
+  const char* reason = std::strerror(errno);
+  ssize_t ignored = write(STDERR_FILENO, plan.error.data(), plan.error.size());
+  ignored = write(STDERR_FILENO, reason, std::strlen(reason));
+  ignored = write(STDERR_FILENO, "\n", 1);
+  (void)ignored;
+  _exit(kExitNotFound);
+}
+
+}  // namespace
+
+std::vector<std::string> Launcher::rank_variables(const Rank& rank) const {
   const int n = options_.nproc_per_node;
   const std::vector<std::pair<std::string, std::string>> vars = {
       {"RANK", std::to_string(rank.rank)},
@@ -183,25 +237,13 @@ bool Launcher::spawn(Rank& rank, const std::string& path) {
       // commgrad line-buffers the rank's stdout (see src/dist/environment.cpp).
       {"COMMGRAD_LINE_BUFFERED", "1"},
   };
-  // Everything the child needs is built before fork: after it, the child only
-  // makes async-signal-safe calls.
-  std::vector<std::string> env = rank_environment(environ, vars);
-  std::vector<char*> envp;
-  for (std::string& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> args_storage = {options_.program};
-  args_storage.insert(args_storage.end(), options_.args.begin(), options_.args.end());
-  std::vector<char*> argv;
-  for (std::string& a : args_storage) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  // execvp's fallback for a script without "#!": run it with /bin/sh.
-  std::string sh = "/bin/sh";
-  std::string script = path;
-  std::vector<char*> sh_argv = {sh.data(), script.data()};
-  sh_argv.insert(sh_argv.end(), argv.begin() + 1, argv.end());
-  const std::string exec_error =
-      "commgrad-run: rank " + std::to_string(rank.rank) + ": cannot execute '" + path + "': ";
+  return rank_environment(environ, vars);
+}
 
+bool Launcher::spawn(Rank& rank, const std::string& path) {
+  std::vector<std::string> args = {options_.program};
+  args.insert(args.end(), options_.args.begin(), options_.args.end());
+  const ExecPlan plan(path, args, rank_variables(rank), rank.rank);
   int out[2];
   int err[2];
   if (pipe2(out, O_CLOEXEC) != 0) {
@@ -214,7 +256,6 @@ bool Launcher::spawn(Rank& rank, const std::string& path) {
     close(out[1]);
     return false;
   }
-
   // Signals stay blocked across fork so that our handlers (and their writes
   // to the self-pipe) never run in the child.
   sigset_t all;
@@ -223,27 +264,7 @@ bool Launcher::spawn(Rank& rank, const std::string& path) {
   sigprocmask(SIG_BLOCK, &all, &old_mask);
   const pid_t launcher_pid = getpid();
   const pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != launcher_pid) _exit(kExitLaunchFailed);  // launcher died before prctl
-    for (int i = 0; i < kNumHandled; ++i) {
-      if (g_installed[i]) sigaction(kHandledSignals[i], &g_old_actions[i], nullptr);
-    }
-    if (g_sigpipe_installed) sigaction(SIGPIPE, &g_old_sigpipe, nullptr);
-    sigprocmask(SIG_SETMASK, &old_mask, nullptr);
-    dup2(devnull_, STDIN_FILENO);
-    dup2(out[1], STDOUT_FILENO);
-    dup2(err[1], STDERR_FILENO);
-    execve(path.c_str(), argv.data(), envp.data());
-    if (errno == ENOEXEC) execve(sh.c_str(), sh_argv.data(), envp.data());
-    const char* reason = std::strerror(errno);
-    ssize_t ignored = write(STDERR_FILENO, exec_error.data(), exec_error.size());
-    ignored = write(STDERR_FILENO, reason, std::strlen(reason));
-    ignored = write(STDERR_FILENO, "\n", 1);
-    (void)ignored;
-    _exit(kExitNotFound);
-  }
+  if (pid == 0) run_child(plan, launcher_pid, old_mask, devnull_, out[1], err[1]);
   const int fork_errno = errno;
   if (pid > 0) setpgid(pid, pid);  // both sides, so the group exists before either goes on
   sigprocmask(SIG_SETMASK, &old_mask, nullptr);
@@ -255,17 +276,23 @@ bool Launcher::spawn(Rank& rank, const std::string& path) {
     report(std::string("fork: ") + std::strerror(fork_errno));
     return false;
   }
-  fcntl(out[0], F_SETFL, fcntl(out[0], F_GETFL) | O_NONBLOCK);
-  fcntl(err[0], F_SETFL, fcntl(err[0], F_GETFL) | O_NONBLOCK);
+  adopt(rank, pid, out[0], err[0]);
+  return true;
+}
+
+// The parent's side of a started rank: its pipes read without blocking,
+// their lines forwarded (prefixed with the rank when asked), the watchdog told.
+void Launcher::adopt(Rank& rank, pid_t pid, int out, int err) {
+  fcntl(out, F_SETFL, fcntl(out, F_GETFL) | O_NONBLOCK);
+  fcntl(err, F_SETFL, fcntl(err, F_GETFL) | O_NONBLOCK);
   rank.pid = pid;
   rank.running = true;
-  rank.out_fd = out[0];
-  rank.err_fd = err[0];
+  rank.out_fd = out;
+  rank.err_fd = err;
   const std::string prefix = options_.prefix ? "[" + std::to_string(rank.rank) + "] " : "";
   rank.out = std::make_unique<LineForwarder>(STDOUT_FILENO, prefix);
   rank.err = std::make_unique<LineForwarder>(STDERR_FILENO, prefix);
   watchdog_.watch(pid);
-  return true;
 }
 
 void Launcher::supervise() {

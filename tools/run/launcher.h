@@ -60,6 +60,8 @@ class Launcher {
   bool install_signal_handlers();
   void restore_signal_handlers();
   bool spawn(Rank& rank, const std::string& path);
+  std::vector<std::string> rank_variables(const Rank& rank) const;  // the environment of a rank
+  void adopt(Rank& rank, pid_t pid, int out, int err);
   void supervise();
   int poll_timeout_ms() const;
   void drain_signals();

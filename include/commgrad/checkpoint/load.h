@@ -37,7 +37,10 @@ struct LoadOptions {
   /// The step to load; nullopt: the one root/latest names.
   TORCH_ARG(std::optional<int64_t>, step) = std::nullopt;
   /// Also fail when the checkpoint holds a required tensor that no rank
-  /// loads (an index from another model; the error lists them). Destination
+  /// loads (an index from another model; the error lists them), in the
+  /// sections that are loaded: the part of a name up to its first '/'
+  /// ("model/"), so loading only "model/" pieces of a training checkpoint
+  /// (weights for evaluation) ignores "optim/" and "rng/". Destination
   /// pieces the checkpoint lacks fail either way, unless marked
   /// required = false.
   TORCH_ARG(bool, strict) = true;

@@ -62,6 +62,12 @@ struct TensorPiece {
   /// the piece is then left as it is and named in LoadResult::skipped.
   bool required = true;
 
+  /// The tensor `tensor` views (module_pieces(): the parameter), or
+  /// undefined. save() and load() check that `tensor` still shares its
+  /// storage: a parameter re-pointed after its pieces were taken
+  /// (ZeroOptimizer's constructor does, as Module::to() does) would
+  /// otherwise be saved or loaded stale, silently.
+  at::Tensor source;
   /// A piece that is the whole of a global tensor shaped like `tensor`.
   static TensorPiece whole(std::string name, at::Tensor tensor);
 };

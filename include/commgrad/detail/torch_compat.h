@@ -21,6 +21,7 @@
 #include <torch/version.h>
 
 #include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -57,12 +58,17 @@ using TransportPtr = c10::intrusive_ptr<TransportBase>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
 
-/// Throws the most specific distributed error type this LibTorch has
-/// (c10::DistBackendError in 2.1+, c10::Error otherwise).
-[[noreturn]] void throw_dist_error(const std::string& message);
-
-/// Throws a timeout error (c10::DistNetworkError-like in 2.1+, c10::Error otherwise).
-[[noreturn]] void throw_timeout_error(const std::string& message);
+/// The c10 classes commgrad's errors derive from (util/error.h): a failed
+/// transport is a c10::DistBackendError and a timeout a c10::DistNetworkError
+/// from 2.1 on (LibTorch translates both to torch.distributed's classes in
+/// Python); 1.13 has neither, and both are c10::Error there.
+#if COMMGRAD_TORCH_AT_LEAST(2, 1)
+using DistErrorBase = c10::DistBackendError;
+using TimeoutErrorBase = c10::DistNetworkError;
+#else
+using DistErrorBase = c10::Error;
+using TimeoutErrorBase = c10::Error;
+#endif
 
 /// Waits for a work handle; the transport's own timeout applies.
 void wait_work(const WorkPtr& work);

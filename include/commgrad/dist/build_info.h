@@ -3,6 +3,7 @@
 // against, the C++ standard and the transports compiled in. The same line
 // is printed by `commgrad-run --version` and at the start of the examples.
 
+#include <iosfwd>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,12 @@ struct BuildInfo {
   /// "commgrad 0.2.0 (LibTorch 2.15.0, C++20; transports: gloo shm nccl)".
   std::string to_string() const;
 };
+
+/// Writes info.to_string().
+///
+/// Example:
+///   std::cout << commgrad::build_info() << std::endl;
+std::ostream& operator<<(std::ostream& out, const BuildInfo& info);
 
 /// This build's facts (from the generated commgrad/config.h).
 const BuildInfo& build_info();

@@ -47,7 +47,8 @@ struct DistributedDataParallelOptions {
   /// The data-parallel group. Undefined: the current parallel layout's DP
   /// group (each rank then reduces its own shards with the ranks that hold
   /// the same shards in the other replicas), or the world when no layout is
-  /// current.
+  /// current. A group holding two ranks of the tensor-parallel group the
+  /// module's parameters are split over is an error (tp/wiring_checks.h).
   TORCH_ARG(Group, group);
   /// Bucket size in MiB (PyTorch's default, 25). Gradients are packed into
   /// buckets of about this size, in reverse registration order.

@@ -73,7 +73,8 @@ struct FullyShardOptions {
   /* implicit */ FullyShardOptions(Group group = Group()) : group_(std::move(group)) {}
   /// The group the unit is sharded over. Undefined: the current layout's
   /// data-parallel group (commgrad::default_data_parallel_group()), or the
-  /// world without one.
+  /// world without one. A group holding two ranks of the tensor-parallel
+  /// group the module's parameters are split over is an error.
   TORCH_ARG(Group, group);
   /// HSDP (FSDP2's 2-D mesh): shard over `group`, replicate over this group
   /// (the ranks holding the same shard in the other replicas); gradients are
@@ -161,7 +162,11 @@ class FullyShardedModule {
   /// `max_norm`; returns the norm before clipping. The norm counts every
   /// shard (summed over the group) and, with `tensor_parallel` and
   /// `pipeline_parallel` groups, every TP rank and stage, TP-replicated
-  /// parameters once (optim::clip_grad_norm_'s factor). Collective.
+  /// parameters once (optim::clip_grad_norm_'s factor). Collective. Groups
+  /// not given are the current layout's (commgrad::default_tensor_parallel_
+  /// group() and its pipeline sibling); without a layout the TP group is the
+  /// one the module's partitioned parameters are split over. A given TP
+  /// group other than theirs is an error.
   double clip_grad_norm_(double max_norm, const Group& tensor_parallel = Group(),
                          const Group& pipeline_parallel = Group());
 

@@ -5,9 +5,15 @@
 // the total only far below float32 resolution), then the norm and the factor
 // are rounded to float32 as torch::nn::utils::clip_grad_norm_ rounds them.
 
+#include "commgrad/dist/group.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <vector>
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
 
 namespace commgrad::optim {
 
@@ -28,5 +34,24 @@ float clip_coefficient(double total_norm, double max_norm);
 ///   double norm = commgrad::optim::clip_grad_norm_(model->parameters(), 1.0);
 ///   opt.step();
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm);
+
+/// The same over every parameter of a tensor-parallel `module` (with
+/// DistributedDataParallel: after backward, when every data-parallel rank
+/// holds the averaged gradients): the norm sums the partitioned parameters'
+/// shards over `tensor_parallel` and counts TP-replicated parameters once,
+/// then sums over `pipeline_parallel` (a pipeline stage). Groups not given
+/// are the current layout's (when above one rank); without a layout the TP
+/// group is the one the module's parameters are split over, and a given one
+/// other than theirs is an error. Call tp::allreduce_sequence_parallel_grads()
+/// first under sequence parallelism. Collective over those groups. (A list of
+/// parameters cannot say which are shards: the overload above clips a TP
+/// rank by the norm of its own shards.)
+///
+/// Example:
+///   loss.backward();                                           // DDP averages over DP
+///   commgrad::optim::clip_grad_norm_(*model, 1.0);             // groups from the layout
+///   opt.step();
+double clip_grad_norm_(const torch::nn::Module& module, double max_norm, const Group& tensor_parallel = Group(),
+                       const Group& pipeline_parallel = Group());
 
 }  // namespace commgrad::optim

@@ -70,7 +70,9 @@ struct ZeroOptimizerOptions {
   /// parameters' own dtype.
   TORCH_ARG(bool, float32_master) = true;
   /// The tensor-parallel group, when the module holds TP shards (undefined:
-  /// the current layout's when its TP size is above 1): clipping counts
+  /// the current layout's when its TP size is above 1, else the group the
+  /// module's partitioned parameters are split over; a group other than
+  /// theirs is an error at construction): clipping counts
   /// TP-replicated parameters once over it. Parameters marked partial_grad
   /// (sequence parallelism) are summed over it in step(), so do not call
   /// tp::allreduce_sequence_parallel_grads() with a ZeroOptimizer.

@@ -16,7 +16,14 @@
 //   dense RowParallelLinear(h -> h, input_is_parallel): sums the heads'
 //         contributions across the group ("g"; a reduce-scatter along the
 //         sequence under sequence parallelism).
+//
+// With context_parallel() the input holds this context-parallel rank's part
+// of the sequence (cp/sequence.h) and the core attends across the
+// context-parallel group (cp::attention: all-gather K/V, ring or Ulysses);
+// heads are split over TP as before, so TP x CP (+ SP inside each CP part)
+// composes.
 
+#include "commgrad/cp/attention.h"
 #include "commgrad/dist/group.h"
 #include "commgrad/tp/linear.h"
 #include "commgrad/tp/recompute.h"
@@ -53,13 +60,20 @@ struct ParallelSelfAttentionOptions {
   TORCH_ARG(bool, sequence_parallel) = false;
   /// Selective recompute: the core (scores, softmax, dropout, P V) keeps no
   /// activation and runs again in backward (tp::recompute, the dropout mask
-  /// replayed); it issues no collective, so none is re-issued.
+  /// replayed); it issues no collective, so none is re-issued (under
+  /// context_parallel() it does: its K/V exchange runs again in backward).
   TORCH_ARG(bool, recompute_core) = false;
   /// qkv is initialised from `seed`, dense from `seed + 1` (see init_linear()).
   /// Without one (the default) the layer draws one seed from LibTorch's
   /// default CPU generator, the same on every rank of the group, as
   /// ColumnParallelLinearOptions::seed() describes; options.seed() then holds it.
   TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
+  /// Context parallelism: the input is this rank's part of the sequence
+  /// (options.layout() of cp/sequence.h) and the core attends across
+  /// options.group() by options.mode(); causal is this layer's. Errors with
+  /// attention dropout, and under Ulysses when the heads of a TP rank do not
+  /// divide by the CP size. nullopt (or a group of one): none.
+  TORCH_ARG(std::optional<cp::ContextParallelOptions>, context_parallel) = std::nullopt;
 };
 
 /// Multi-head self-attention with the heads split across the TP group.
@@ -92,12 +106,18 @@ class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttent
   /// context [s, b, nh * d] (no communication).
   at::Tensor core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
+  /// True when the core attends across a context-parallel group of more than one rank.
+  bool context_parallel() const;
+
   /// The options, with the group and the seed resolved.
   ParallelSelfAttentionOptions options;
   /// Fused Q, K, V projection of this rank's heads (h -> 3h/n).
   ColumnParallelLinear qkv{nullptr};
   /// Output projection (h/n -> h), reduced across the group.
   RowParallelLinear dense{nullptr};
+
+ private:
+  void check_context_parallel(const char* op, const Group& g) const;
 };
 TORCH_MODULE(ParallelSelfAttention);
 

@@ -63,7 +63,8 @@ struct ParallelTransformerLayerOptions {
   /// LayerNorm epsilon.
   TORCH_ARG(double, layernorm_eps) = 1e-5;
   /// Activation recomputation in training: kSelective recomputes the
-  /// attention core (no collective re-issued); kFull keeps only the layer's
+  /// attention core (no collective re-issued, except the core's own under
+  /// context parallelism); kFull keeps only the layer's
   /// input and reruns the whole layer in backward, collectives included
   /// (2 per layer without sequence parallelism, 4 with it). Dropout masks are
   /// replayed: gradients equal those without recompute.
@@ -74,6 +75,8 @@ struct ParallelTransformerLayerOptions {
   /// default CPU generator, the same on every rank of the group, as
   /// ColumnParallelLinearOptions::seed() describes; options.seed() then holds it.
   TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
+  /// Context parallelism of the attention (ParallelSelfAttentionOptions::context_parallel).
+  TORCH_ARG(std::optional<cp::ContextParallelOptions>, context_parallel) = std::nullopt;
   /// Builds the feed-forward block in place of ParallelMLP (e.g. a
   /// moe::MoELayer), from these options with the group and seed resolved:
   /// [s, b, h] in and out, registered as "mlp". Null (the default): ParallelMLP.

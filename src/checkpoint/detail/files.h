@@ -31,4 +31,8 @@ std::string read_whole_file(const std::string& path);
 /// errno's message for the last failed call ("No such file or directory").
 std::string errno_message();
 
+/// Writes all of `data` to `fd`, retrying after signals; on failure closes
+/// `fd` and throws naming `path`.
+void write_all(int fd, const void* data, size_t size, const std::string& path);
+
 }  // namespace commgrad::checkpoint::detail

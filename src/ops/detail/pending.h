@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <exception>
 #include <functional>
 #include <string>
@@ -13,9 +14,14 @@
 
 namespace commgrad::ops::detail {
 
+using Clock = std::chrono::steady_clock;
+
 /// The transport's work handles of one raw call and the local step that
 /// turns their buffers into the result.
 struct PendingState {
+  /// A call dropped without a wait counts as finished for the terminate
+  /// handler (nobody waits on it any more); a failed one does not.
+  ~PendingState();
   const char* op = "";
   Group group;
   uint64_t sequence = 0;
@@ -23,7 +29,8 @@ struct PendingState {
   std::function<at::Tensor()> finish;  // runs once, after every work finished (may wait on more)
   at::Tensor result;                   // set by finish (or directly)
   bool done = false;
-  std::string error;                   // set when a work failed
+  std::exception_ptr error;            // set when a work failed
+  Clock::time_point posted = Clock::now();
 };
 
 /// An exception's message without LibTorch's C++ backtrace.
@@ -31,6 +38,9 @@ std::string message_of(const std::exception& e);
 
 /// Waits for `work`, one step of collective #`sequence` (`op` on `group`);
 /// a failure throws the same error as raw::Pending::wait().
-void wait_step(const char* op, const Group& group, uint64_t sequence, const commgrad::detail::WorkPtr& work);
+/// `posted` is when the work was started (a transport that does not say a
+/// failure was a timeout timed out when the wait lasted the group's timeout).
+void wait_step(const char* op, const Group& group, uint64_t sequence, const commgrad::detail::WorkPtr& work,
+               Clock::time_point posted);
 
 }  // namespace commgrad::ops::detail

@@ -1,6 +1,6 @@
 #pragma once
-// What raw.cpp offers the other ops sources beyond ops/raw.h: the backward
-// halves of the differentiable send/recv pair and the tag spaces.
+// What raw.cpp offers the other ops sources beyond ops/raw.h: the tag spaces
+// of point-to-point messages and the backward halves of send/recv.
 
 #include "commgrad/ops/raw.h"
 

@@ -28,6 +28,7 @@
 #include "bench.h"
 
 #include "commgrad/dist/process_group.h"
+#include "commgrad/util/names.h"
 
 #include "cli/cli.h"
 
@@ -101,20 +102,6 @@ std::optional<ReduceOp> parse_redop(const std::string& s) {
   if (s == "min") return ReduceOp::kMin;
   if (s == "prod" || s == "product") return ReduceOp::kProduct;
   return std::nullopt;
-}
-
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "float";
-    case at::kDouble: return "double";
-    case at::kHalf: return "half";
-    case at::kBFloat16: return "bfloat16";
-    case at::kInt: return "int32";
-    case at::kLong: return "int64";
-    case at::kChar: return "int8";
-    case at::kByte: return "uint8";
-    default: return "?";
-  }
 }
 
 // A validator that accepts what `parse` turns into a value.

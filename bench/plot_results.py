@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""Draws the plots of docs/benchmarks.md from the raw results in bench/results.
+
+    python3 bench/plot_results.py [--results bench/results] [--out docs/images] [--tables]
+
+Writes (plain SVG, Python's standard library only):
+  OUT/busbw_allreduce.svg  all_reduce float32 bus bandwidth against size, one
+      panel per rank count, for shm, Gloo and OpenMPI (commgrad-bench's raw
+      transport call and bench/mpi_allreduce.c), plus commgrad's
+      differentiable ops::all_reduce over shm. Read from the newest session
+      of bench/compare_transports.sh outputs, RESULTS/transports/runN*/ (the
+      highest N; every folder of that N is one run of the session): the line
+      is the median over the session's runs, the band their min-max.
+  OUT/vs_python.svg  commgrad's throughput over Python PyTorch's, per round
+      and as the ratio of the medians: the tensor-parallel MLP
+      (RESULTS/tp_mlp/*.csv, the newest file by name) and the GPT
+      (RESULTS/gpt/*/summary.md, the newest folder by name, as
+      bench/compare_gpt.sh writes it).
+With --tables, prints the markdown tables of docs/benchmarks.md's collectives
+section computed from the same files.
+"""
+
+import argparse
+import csv
+import glob
+import math
+import os
+import re
+import statistics
+
+COLORS = {"shm": "#1f77b4", "Gloo": "#d62728", "OpenMPI": "#2ca02c", "ops::all_reduce on shm": "#9467bd"}
+
+
+# ~~~ reading ~~~
+
+def read_bench(path):
+    """size -> (raw time us, raw busbw, differentiable-forward busbw or None, ovh % or None)."""
+    rows = {}
+    if not os.path.exists(path):
+        return rows
+    for line in open(path):
+        if line.startswith("#") or "|" not in line:
+            continue
+        parts = line.split("|")
+        size = int(parts[0].split()[0])
+        raw = parts[1].split()
+        fwd = parts[2].split() if len(parts) > 2 else []
+        ovh = parts[-1].strip() if len(parts) > 3 else ""
+        rows[size] = (float(raw[0]), float(raw[2]), float(fwd[2]) if len(fwd) > 2 else None,
+                      float(ovh) if re.fullmatch(r"[+-]?[0-9.]+", ovh) else None)
+    return rows
+
+
+def newest_session(results):
+    """The folders of the highest runN under RESULTS/transports, sorted by name."""
+    runs = {}
+    for d in glob.glob(os.path.join(results, "transports", "run*")):
+        m = re.match(r"run(\d+)", os.path.basename(d))
+        if m and os.path.isdir(d):
+            runs.setdefault(int(m.group(1)), []).append(d)
+    if not runs:
+        raise SystemExit(f"plot_results: no {results}/transports/run*/ folders")
+    return sorted(runs[max(runs)])
+
+
+def machine(run_dir):
+    path = os.path.join(run_dir, "machine.txt")
+    return open(path).readline().lstrip("# ").strip() if os.path.exists(path) else "?"
+
+
+def session_machine(runs):
+    """'2026-12-01 09:37-09:40 UTC, 2 cores (CPU)' from the runs' machine.txt."""
+    lines = sorted(machine(d) for d in runs)
+    m = [re.match(r"(\S+) (\S+) UTC, (.*)", x) for x in lines]
+    if not all(m) or len({x.group(3) for x in m}) != 1:
+        return "; ".join(lines)
+    first, last = m[0], m[-1]
+    span = first.group(2) if first.group(2) == last.group(2) else f"{first.group(2)}-{last.group(2)}"
+    day = first.group(1) if first.group(1) == last.group(1) else f"{first.group(1)} to {last.group(1)}"
+    return f"{day} {span} UTC, {first.group(3)}"
+
+
+def session_data(runs, n):
+    """{series label: [per-run {size: row}]} for one rank count."""
+    data = {}
+    for label, key in (("shm", "shm"), ("Gloo", "gloo"), ("OpenMPI", "mpi")):
+        data[label] = [r for r in (read_bench(os.path.join(d, f"allreduce_n{n}_{key}.txt")) for d in runs) if r]
+    return data
+
+
+def newest(pattern):
+    found = sorted(glob.glob(pattern))
+    return found[-1] if found else None
+
+
+# ~~~ a minimal SVG line plot ~~~
+
+def human(b):
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if b >= scale:
+            return f"{b // scale}{unit}"
+    return str(b)
+
+
+def log_ticks(lo, hi):
+    return [10.0 ** e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)]
+
+
+def panel(o, x, y, w, h, title, series, xs, ylo, yhi):
+    """Log-log panel at (x, y): series = [(label, [(size, mid, lo, hi)], dashed)]."""
+    lx0, lx1 = math.log2(xs[0]), math.log2(xs[-1])
+    ly0, ly1 = math.log10(ylo), math.log10(yhi)
+    X = lambda s: x + (math.log2(s) - lx0) / (lx1 - lx0) * w
+    Y = lambda v: y + h - (math.log10(v) - ly0) / (ly1 - ly0) * h
+    o.append(f'<text x="{x + w / 2}" y="{y - 8}" text-anchor="middle" font-size="13">{title}</text>')
+    for t in log_ticks(ylo, yhi):
+        if ylo <= t <= yhi:
+            o.append(f'<line x1="{x}" y1="{Y(t):.1f}" x2="{x + w}" y2="{Y(t):.1f}" stroke="#ddd"/>')
+            o.append(f'<text x="{x - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+    for s in xs:
+        o.append(f'<text x="{X(s):.1f}" y="{y + h + 16}" text-anchor="middle">{human(s)}</text>')
+    o.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="none" stroke="black"/>')
+    for label, pts, dashed in series:
+        if not pts:
+            continue
+        c = COLORS.get(label, "black")
+        band = [(X(s), Y(hi)) for s, _, _, hi in pts] + [(X(s), Y(lo)) for s, _, lo, _ in reversed(pts)]
+        o.append('<polygon points="' + " ".join(f"{a:.1f},{b:.1f}" for a, b in band) +
+                 f'" fill="{c}" fill-opacity="0.15" stroke="none"/>')
+        line = " ".join(f"{X(s):.1f},{Y(m):.1f}" for s, m, _, _ in pts)
+        dash = ' stroke-dasharray="6,4"' if dashed else ""
+        o.append(f'<polyline points="{line}" fill="none" stroke="{c}" stroke-width="2"{dash}/>')
+        for s, m, _, _ in pts:
+            o.append(f'<circle cx="{X(s):.1f}" cy="{Y(m):.1f}" r="2.5" fill="{c}"/>')
+
+
+def legend(o, x, y, entries):
+    for i, (label, dashed) in enumerate(entries):
+        c = COLORS.get(label, "black")
+        dash = ' stroke-dasharray="6,4"' if dashed else ""
+        o.append(f'<line x1="{x}" y1="{y + 18 * i}" x2="{x + 28}" y2="{y + 18 * i}" stroke="{c}" stroke-width="2"{dash}/>')
+        o.append(f'<text x="{x + 34}" y="{y + 18 * i + 4}">{label}</text>')
+
+
+def svg_open(w, h):
+    return [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+            f'font-family="sans-serif" font-size="11">', f'<rect width="{w}" height="{h}" fill="white"/>']
+
+
+def write(path, o):
+    o.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(o) + "\n")
+    print(f"plot_results: wrote {path}")
+
+
+# ~~~ the plots ~~~
+
+def busbw_plot(runs, out):
+    ranks = [n for n in (2, 4) if any(session_data(runs, n).values())]
+    W, PW, PH, L, T = 480 * len(ranks) + 40, 400, 300, 60, 60
+    o = svg_open(W, PH + T + 135)
+    names = ", ".join(os.path.basename(d) for d in runs)
+    o.append(f'<text x="{L}" y="20" font-size="14">all_reduce float32: bus bandwidth (GB/s, log) against '
+             f'message size (bytes, log)</text>')
+    o.append(f'<text x="{L}" y="38">line: median over the runs {names}; band: their min-max</text>')
+    for i, n in enumerate(ranks):
+        data = session_data(runs, n)
+        series = []
+        for label, per_run in data.items():
+            sizes = sorted(set.intersection(*(set(r) for r in per_run))) if per_run else []
+            series.append((label, [(s, statistics.median(r[s][1] for r in per_run),
+                                    min(r[s][1] for r in per_run), max(r[s][1] for r in per_run)) for s in sizes],
+                           False))
+        shm = data["shm"]
+        sizes = sorted(set.intersection(*(set(r) for r in shm))) if shm else []
+        if sizes and all(r[s][2] is not None for r in shm for s in sizes):
+            series.append(("ops::all_reduce on shm", [(s, statistics.median(r[s][2] for r in shm),
+                                                       min(r[s][2] for r in shm), max(r[s][2] for r in shm))
+                                                      for s in sizes], True))
+        values = [v for _, pts, _ in series for p in pts for v in p[1:]]
+        xs = sorted({p[0] for _, pts, _ in series for p in pts})
+        if not xs:
+            continue
+        ylo = 10 ** math.floor(math.log10(min(values)))
+        yhi = 10 ** math.ceil(math.log10(max(values)))
+        cores = " on 2 cores" if n > 2 else ""
+        panel(o, L + i * 480, T + 20, PW, PH, f"{n} ranks{cores}", series, xs, ylo, yhi)
+    legend(o, L, T + PH + 80, [("shm", False), ("Gloo", False), ("OpenMPI", False)])
+    legend(o, L + 200, T + PH + 80, [("ops::all_reduce on shm", True)])
+    o.append(f'<text x="{L + 200}" y="{T + PH + 102}">(commgrad-bench\'s differentiable forward over the shm transport)</text>')
+    o.append(f'<text x="{L + 200}" y="{T + PH + 120}">measured {session_machine(runs)}</text>')
+    o.append(f'<text x="{L}" y="{T + PH + 56}">message size (bytes)</text>')
+    write(os.path.join(out, "busbw_allreduce.svg"), o)
+
+
+def tp_rows(path):
+    """[(label, [per-rep ratio], ratio of the medians)] from a tp_mlp csv (p50 ms per rep)."""
+    by = {}
+    for r in csv.DictReader(open(path)):
+        by.setdefault(r["configuration"], []).append((float(r["commgrad_ms"]), float(r["python_ms"])))
+    return [(f"TP MLP, {k}", [p / c for c, p in v],
+             statistics.median(p for _, p in v) / statistics.median(c for c, _ in v)) for k, v in by.items()]
+
+
+def gpt_rows(path):
+    """[(label, [per-round ratio], ratio of the medians)] from bench/compare_gpt.sh's summary.md."""
+    rows, n = [], None
+    for line in open(path):
+        m = re.match(r"(\d+) ranks, ", line)
+        if m:
+            n = int(m.group(1))
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 6 or not cells[0].startswith("TP="):
+            continue
+        layout = cells[0].replace(" x ", " ").replace("TP=1 ", "").replace(" PP=1", "").replace(" DP=1", "")
+        layout = layout.replace("PP=1 ", "")
+        sched = f", {cells[1]}" if cells[1] != "-" else ""
+        sched += f" v={cells[2]}" if cells[2] not in ("1", "-") else ""
+        m = re.match(r"\*\*([0-9.]+)\*\* \(([^)]*)\)", cells[5])
+        rounds = [float(v) for v in m.group(2).split(",")]
+        rows.append((f"GPT {layout}{sched}" + (f" ({n} ranks)" if n and n != 2 else ""), rounds, float(m.group(1))))
+    return rows
+
+
+def vs_python_plot(results, out):
+    tp = newest(os.path.join(results, "tp_mlp", "*.csv"))
+    gpt = newest(os.path.join(results, "gpt", "*", "summary.md"))
+    rows = (tp_rows(tp) if tp else []) + (gpt_rows(gpt) if gpt else [])
+    if not rows:
+        print("plot_results: no tp_mlp or gpt results; vs_python.svg not drawn")
+        return
+    L, T, PW, RH = 250, 60, 420, 24
+    H = T + RH * len(rows) + 50
+    o = svg_open(L + PW + 40, H)
+    o.append(f'<text x="10" y="20" font-size="14">commgrad throughput / Python PyTorch throughput (log)</text>')
+    srcs = ", ".join(os.path.relpath(p, results) for p in (tp, gpt) if p)
+    o.append(f'<text x="10" y="38">dots: each round; bar: ratio of the medians; from {srcs}</text>')
+    values = [v for _, r, m in rows for v in r + [m]]
+    lo, hi = min(0.5, min(values) * 0.9), max(2.0, max(values) * 1.1)
+    X = lambda v: L + (math.log(v) - math.log(lo)) / (math.log(hi) - math.log(lo)) * PW
+    ticks = [t for t in (0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4) if lo <= t <= hi]
+    for t in ticks:
+        o.append(f'<line x1="{X(t):.1f}" y1="{T}" x2="{X(t):.1f}" y2="{T + RH * len(rows)}" '
+                 f'stroke="{"black" if t == 1 else "#ddd"}"/>')
+        o.append(f'<text x="{X(t):.1f}" y="{T + RH * len(rows) + 16}" text-anchor="middle">{t:g}x</text>')
+    o.append(f'<text x="{X(1) + 4:.1f}" y="{T - 6}">Python = 1</text>')
+    for i, (label, rounds, mid) in enumerate(rows):
+        y = T + RH * i + RH / 2
+        c = "#1f77b4" if label.startswith("GPT") else "#ff7f0e"
+        o.append(f'<text x="{L - 8}" y="{y + 4:.1f}" text-anchor="end">{label}</text>')
+        o.append(f'<line x1="{X(mid):.1f}" y1="{y - 8:.1f}" x2="{X(mid):.1f}" y2="{y + 8:.1f}" '
+                 f'stroke="{c}" stroke-width="4"/>')
+        for v in rounds:
+            o.append(f'<circle cx="{X(v):.1f}" cy="{y:.1f}" r="3.5" fill="{c}" fill-opacity="0.5"/>')
+    o.append(f'<text x="10" y="{H - 12}">right of the black line: commgrad faster</text>')
+    write(os.path.join(out, "vs_python.svg"), o)
+
+
+# ~~~ the collectives tables ~~~
+
+def ratio_range(values, suffix="x"):
+    lo, hi = min(values), max(values)
+    f = lambda v: f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+    return f"{f(lo)}{suffix}" if f(lo) == f(hi) else f"{f(lo)}-{f(hi)}{suffix}"
+
+
+def tables(runs):
+    print(f"Runs: {', '.join(os.path.basename(d) for d in runs)} ({session_machine(runs)})\n")
+    print("| size | 2 ranks: shm busbw GB/s | shm vs Gloo | shm vs OpenMPI | 4 ranks: shm busbw GB/s | shm vs Gloo | shm vs OpenMPI |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    d2, d4 = session_data(runs, 2), session_data(runs, 4)
+    sizes = sorted(set.intersection(*(set(r) for r in d2["shm"] + d4["shm"])))
+    for s in sizes:
+        cells = [human(s).replace("K", " KiB").replace("M", " MiB").replace("G", " GiB")]
+        for d in (d2, d4):
+            shm = d["shm"]
+            cells.append(ratio_range([r[s][1] for r in shm], ""))
+            for peer in ("Gloo", "OpenMPI"):
+                pairs = [(a[s][0], b[s][0]) for a, b in zip(shm, d[peer]) if s in a and s in b]
+                cells.append(ratio_range([p / a for a, p in pairs]) if pairs else "-")
+        print("| " + " | ".join(cells) + " |")
+    print("\nops::all_reduce (differentiable forward) over the raw call of its transport, % (commgrad-bench's ovh):\n")
+    print("| size | shm, 2 ranks | Gloo, 2 ranks | shm, 4 ranks | Gloo, 4 ranks |")
+    print("|---|---:|---:|---:|---:|")
+    for s in sizes:
+        cells = [human(s).replace("K", " KiB").replace("M", " MiB")]
+        for d in (d2, d4):
+            for peer in ("shm", "Gloo"):
+                v = [r[s][3] for r in d[peer] if s in r and r[s][3] is not None]
+                cells.append(f"{min(v):+.0f} to {max(v):+.0f}" if v else "-")
+        print("| " + " | ".join(cells) + " |")
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=os.path.normpath(os.path.join(here, "results")))
+    p.add_argument("--out", default=os.path.normpath(os.path.join(here, "..", "docs", "images")))
+    p.add_argument("--tables", action="store_true", help="print the collectives tables instead of drawing")
+    a = p.parse_args()
+    runs = newest_session(a.results)
+    if a.tables:
+        tables(runs)
+        return
+    os.makedirs(a.out, exist_ok=True)
+    busbw_plot(runs, a.out)
+    vs_python_plot(a.results, a.out)
+
+
+if __name__ == "__main__":
+    main()
