@@ -52,16 +52,18 @@ at::Tensor ExpertMLPImpl::forward(const at::Tensor& x) { return fc2(at::gelu(fc1
 
 ExpertsImpl::ExpertsImpl(ExpertsOptions options_) : options(std::move(options_)) { reset(); }
 
+void detail::check_expert_sizes(const char* op, const Group& g, int64_t hidden, int64_t ffn, int64_t experts) {
+  check_member(op, g);
+  COMMGRAD_CHECK(hidden > 0 && ffn > 0, op, g, "hidden and ffn sizes must be positive, got ", hidden, " and ", ffn);
+  COMMGRAD_CHECK(experts > 0 && experts % g.size() == 0, op, g, "the number of experts (", experts,
+                 ") must be positive and divisible by the expert-parallel size ", g.size());
+}
+
 void ExpertsImpl::reset() {
   const char* op = "moe::Experts";
   const Group& g = options.group();
-  check_member(op, g);
   const int64_t e = options.num_experts();
-  COMMGRAD_CHECK(options.hidden_size() > 0 && options.ffn_hidden_size() > 0, op, g,
-                 "hidden and ffn sizes must be positive, got ", options.hidden_size(), " and ",
-                 options.ffn_hidden_size());
-  COMMGRAD_CHECK(e > 0 && e % g.size() == 0, op, g, "the number of experts (", e,
-                 ") must be positive and divisible by the expert-parallel size ", g.size());
+  detail::check_expert_sizes(op, g, options.hidden_size(), options.ffn_hidden_size(), e);
   const int64_t local = e / g.size();
   first_ = g.rank() * local;
   local_.clear();

@@ -25,13 +25,8 @@ void MoELayerImpl::reset() {
     options.group(model_parallel_is_initialized() ? parallel_state().expert_parallel_group() : self_group());
   }
   const Group& g = options.group();
-  check_member(op, g);
   const int64_t e = options.num_experts();
-  COMMGRAD_CHECK(options.hidden_size() > 0 && options.ffn_hidden_size() > 0, op, g,
-                 "hidden and ffn sizes must be positive, got ", options.hidden_size(), " and ",
-                 options.ffn_hidden_size());
-  COMMGRAD_CHECK(e > 0 && e % g.size() == 0, op, g, "the number of experts (", e,
-                 ") must be positive and divisible by the expert-parallel size ", g.size());
+  detail::check_expert_sizes(op, g, options.hidden_size(), options.ffn_hidden_size(), e);
   COMMGRAD_CHECK(options.top_k() >= 1 && options.top_k() <= e, op, g, "top_k must be in [1, experts = ", e,
                  "], got ", options.top_k());
   COMMGRAD_CHECK(options.capacity_factor() >= 0, op, g, "capacity_factor must be >= 0 (0: dropless), got ",

@@ -55,6 +55,12 @@ struct ExpertsOptions {
 /// Example:
 ///   moe::ExpertMLP expert(64, 128, true, 7);
 ///   auto y = expert(x);   // [n, 64] -> [n, 64]
+namespace detail {
+/// The size checks Experts and MoELayer share: `op` on the expert-parallel
+/// group `g`, positive sizes, experts divisible by the group's size.
+void check_expert_sizes(const char* op, const Group& g, int64_t hidden, int64_t ffn, int64_t experts);
+}  // namespace detail
+
 class ExpertMLPImpl : public torch::nn::Cloneable<ExpertMLPImpl> {
  public:
   ExpertMLPImpl(int64_t hidden_size, int64_t ffn_hidden_size, bool bias, uint64_t seed);
