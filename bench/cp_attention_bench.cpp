@@ -64,9 +64,9 @@ double max_rss_mb() {
 // Bytes one rank sends per step (forward + backward), P = one part of K (or V).
 double closed_form_bytes(const std::string& mode, int w, double part) {
   if (w == 1) return 0;
-  if (mode == "allgather") return 4.0 * (w - 1) * part;      // all-gather K,V; reduce-scatter dK,dV
-  if (mode == "ulysses") return 8.0 * (w - 1) / w * part;    // q,k,v and out, forward and backward
-  return 4.0 * (w - 1) * part + 2.0 * w * part;              // ring: K/V twice, dK/dV W times
+  if (mode == "allgather") return 4.0 * (w - 1) * part;    // all-gather K,V; reduce-scatter dK,dV
+  if (mode == "ulysses") return 8.0 * (w - 1) / w * part;  // q,k,v and out, forward and backward
+  return 4.0 * (w - 1) * part + 2.0 * w * part;            // ring: K/V twice, dK/dV W times
 }
 
 std::optional<int> parse(int argc, char** argv, Config& c) {
@@ -117,13 +117,16 @@ int main(int argc, char** argv) {
   auto t = commgrad::ops::raw::all_reduce(at::tensor(times, at::kDouble), max, world).wait();
   std::vector<double> slowest(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
   std::sort(slowest.begin(), slowest.end());
-  const double peak_max = commgrad::ops::raw::all_reduce(at::tensor({peak}, at::kDouble), max, world).wait().item<double>();
+  const double peak_max =
+      commgrad::ops::raw::all_reduce(at::tensor({peak}, at::kDouble), max, world).wait().item<double>();
   const double part = static_cast<double>(c.batch * c.heads * local * c.head_dim * 4);
   const double closed = closed_form_bytes(c.mode, w, part);
-  const double measured = c.mode == "ring" && w > 1 ? counters->bytes_sent / static_cast<double>(c.warmup + c.steps) : closed;
+  const double measured =
+      c.mode == "ring" && w > 1 ? counters->bytes_sent / static_cast<double>(c.warmup + c.steps) : closed;
   if (world.rank() == 0) {
     std::printf("%-9s %3d %6ld %10.1f %10.1f %12.2f %12.2f\n", w == 1 ? "none" : c.mode.c_str(), w,
-                static_cast<long>(c.seq), slowest[slowest.size() / 2], peak_max, measured / (1 << 20), closed / (1 << 20));
+                static_cast<long>(c.seq), slowest[slowest.size() / 2], peak_max, measured / (1 << 20),
+                closed / (1 << 20));
   }
   commgrad::destroy_process_group();
   return 0;

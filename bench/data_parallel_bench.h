@@ -52,7 +52,7 @@ struct DeepMlpImpl : torch::nn::Module {
     for (auto& layer : layers) {
       x = torch::relu(commgrad::fsdp::call(layer, x));
       if (probe) {
-        probe();  // forward, after the layer
+        probe();                                                                             // forward, after the layer
         if (x.requires_grad()) x.register_hook([p = probe](const torch::Tensor&) { p(); });  // backward, before it
       }
     }

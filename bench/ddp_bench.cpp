@@ -59,10 +59,10 @@ Variant make_variant(const std::string& name, const DataParallelConfig& c, doubl
   v.model = DeepMlp(c);
   v.opt = std::make_unique<torch::optim::SGD>(v.model->parameters(), torch::optim::SGDOptions(1e-3));
   if (bucket_cap_mb > 0) {
-    v.ddp = std::make_unique<commgrad::DistributedDataParallel>(
-        v.model,
-        commgrad::DistributedDataParallelOptions().bucket_cap_mb(bucket_cap_mb).first_bucket_cap_mb(
-            std::min(1.0, bucket_cap_mb)));
+    v.ddp = std::make_unique<commgrad::DistributedDataParallel>(v.model,
+                                                                commgrad::DistributedDataParallelOptions()
+                                                                    .bucket_cap_mb(bucket_cap_mb)
+                                                                    .first_bucket_cap_mb(std::min(1.0, bucket_cap_mb)));
   }
   return v;
 }
@@ -122,15 +122,17 @@ int main(int argc, char** argv) {
 
     if (speaker) {
       const double mb = numel * 4.0 / (1024 * 1024);
-      std::printf("ddp_bench: %d ranks (%s), %d x Linear(%d, %d) = %.1f MiB of fp32 gradients, batch %d per rank, "
-                  "%d steps after %d warm-up, intra-op threads %d\n",
-                  commgrad::world_size(), commgrad::world().backend_name().c_str(), c.layers, c.width, c.width, mb,
-                  c.batch, c.steps, c.warmup, torch::get_num_threads());
+      std::printf(
+          "ddp_bench: %d ranks (%s), %d x Linear(%d, %d) = %.1f MiB of fp32 gradients, batch %d per rank, "
+          "%d steps after %d warm-up, intra-op threads %d\n",
+          commgrad::world_size(), commgrad::world().backend_name().c_str(), c.layers, c.width, c.width, mb, c.batch,
+          c.steps, c.warmup, torch::get_num_threads());
       std::printf("overlap: %zu buckets (first %.1f MiB, then %.1f MiB); %lld of them launched during backward\n",
                   overlap_ddp.buckets().size(), std::min(1.0, c.bucket_cap_mb), c.bucket_cap_mb,
                   static_cast<long long>(overlap_ddp.last_step().launched_in_backward));
-      std::printf("| variant | step p50 (ms) | p10 | p90 | end-of-backward wait p50 (ms) |\n"
-                  "|---|---:|---:|---:|---:|\n");
+      std::printf(
+          "| variant | step p50 (ms) | p10 | p90 | end-of-backward wait p50 (ms) |\n"
+          "|---|---:|---:|---:|---:|\n");
       std::map<std::string, double> p50;
       for (const auto& v : variants) {
         p50[v.name] = percentile(v.times, 0.5);
@@ -138,15 +140,14 @@ int main(int argc, char** argv) {
                     percentile(v.times, 0.9), percentile(v.waits, 0.5));
       }
       std::printf("| bare all-reduce of %.1f MiB (raw %s transport) | %.2f | %.2f | %.2f | |\n", mb,
-                  commgrad::world().backend_name().c_str(),
-                  percentile(allreduce_times, 0.5), percentile(allreduce_times, 0.1),
-                  percentile(allreduce_times, 0.9));
+                  commgrad::world().backend_name().c_str(), percentile(allreduce_times, 0.5),
+                  percentile(allreduce_times, 0.1), percentile(allreduce_times, 0.9));
       const double local = p50[variants[0].name];
       const double oneshot = p50[variants[1].name];
       const double overlap = p50[variants[2].name];
       const double exposed = oneshot - local;
-      std::printf("exposed communication: one-shot %.2f ms, overlapped %.2f ms; overlap efficiency %.0f%%\n",
-                  exposed, overlap - local, exposed > 0 ? 100.0 * (oneshot - overlap) / exposed : 0.0);
+      std::printf("exposed communication: one-shot %.2f ms, overlapped %.2f ms; overlap efficiency %.0f%%\n", exposed,
+                  overlap - local, exposed > 0 ? 100.0 * (oneshot - overlap) / exposed : 0.0);
     }
     commgrad::destroy_process_group();
   } catch (const std::exception& e) {

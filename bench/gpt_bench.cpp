@@ -125,7 +125,8 @@ LayoutSpec parse_layout(const std::string& text) {
 std::vector<LayoutSpec> default_layouts(int n) {
   if (n == 1) return {{1, 1, 1}};
   if (n == 2) {
-    return {{1, 2, 1, "1f1b"}, {1, 2, 1, "gpipe"}, {1, 2, 1, "interleaved", 2}, {1, 2, 1, "zbh1"}, {2, 1, 1}, {1, 1, 2}};
+    return {{1, 2, 1, "1f1b"}, {1, 2, 1, "gpipe"}, {1, 2, 1, "interleaved", 2},
+            {1, 2, 1, "zbh1"}, {2, 1, 1},          {1, 1, 2}};
   }
   if (n == 4) return {{2, 2, 1, "1f1b"}, {1, 2, 2, "1f1b"}, {1, 4, 1, "1f1b"}};
   return {{1, n, 1, "1f1b"}, {1, 1, n}};
@@ -167,8 +168,8 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--microbatches", c.microbatches, "microbatches per step and replica")->check(cli::positive());
   app.add_option("--warmup", c.warmup, "untimed steps first")->check(cli::non_negative());
   app.add_option("--steps", c.steps, "measured steps")->check(cli::positive());
-  app.add_flag_callback("--untie", [&c] { c.model.tie = false; },
-                        "an output layer of its own (default: tied to the embedding)");
+  app.add_flag_callback(
+      "--untie", [&c] { c.model.tie = false; }, "an output layer of its own (default: tied to the embedding)");
   return cli::parse(app, argc, argv, [&] {
     for (const auto& text : layouts) c.layouts.push_back(parse_layout(text));
   });
@@ -201,9 +202,8 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
   options.stages_per_rank = l.v;
   gpt::Trainer trainer(options, c.model,
                        gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
-                                   state.data_parallel_group(), state.embedding_group(),
-                                   state.context_parallel_group(), state.data_context_parallel_group(),
-                                   state.expert_data_parallel_group()});
+                                   state.data_parallel_group(), state.embedding_group(), state.context_parallel_group(),
+                                   state.data_context_parallel_group(), state.expert_data_parallel_group()});
   const auto sum = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kSum);
   const auto max = commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMax);
   std::vector<double> step_times, bubbles, busiest, forwards, backwards, weights;
@@ -217,12 +217,15 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
     // Summed over the ranks: compute, and one F, B and W (divided into the ranks' mean).
     const double per_action = 1.0 / (c.microbatches * world.size());
     const auto sums = commgrad::ops::raw::all_reduce(
-        torch::tensor({r.compute_seconds, r.forward_seconds * per_action, r.backward_seconds * per_action,
-                       r.backward_weight_seconds * per_action}, torch::kDouble), sum, world).wait();
+                          torch::tensor({r.compute_seconds, r.forward_seconds * per_action,
+                                         r.backward_seconds * per_action, r.backward_weight_seconds * per_action},
+                                        torch::kDouble),
+                          sum, world)
+                          .wait();
     const double compute = sums[0].item<double>();
-    const auto slowest =
-        commgrad::ops::raw::all_reduce(torch::tensor({wall, r.step_seconds, r.compute_seconds}, torch::kDouble), max,
-                                       world).wait();
+    const auto slowest = commgrad::ops::raw::all_reduce(
+                             torch::tensor({wall, r.step_seconds, r.compute_seconds}, torch::kDouble), max, world)
+                             .wait();
     if (k < c.warmup) continue;
     forwards.push_back(sums[1].item<double>());
     backwards.push_back(sums[2].item<double>());
@@ -257,16 +260,18 @@ int main(int argc, char** argv) {
     const auto corpus = gpt::Corpus::synthetic(c.model.vocab);
     const auto& m = c.model;
     if (speaker) {
-      std::printf("gpt_bench: %d ranks (%s), GPT %lld layers, hidden %lld, %lld heads, ffn %lld, vocab %lld, "
-                  "sequence %lld, %s; global batch %lld, %d microbatches, %d warm-up + %d measured steps\n\n",
-                  n, commgrad::world().backend_name().c_str(), static_cast<long long>(m.layers),
-                  static_cast<long long>(m.hidden), static_cast<long long>(m.heads), static_cast<long long>(m.ffn),
-                  static_cast<long long>(m.vocab), static_cast<long long>(m.sequence),
-                  m.tie ? "tied embeddings" : "untied output layer", static_cast<long long>(c.batch), c.microbatches,
-                  c.warmup, c.steps);
-      std::printf("| layout | schedule | v | tokens/s | step p50 (ms) | bubble measured | bubble closed form | "
-                  "measured / closed | busiest rank | busiest / closed | loss |\n"
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      std::printf(
+          "gpt_bench: %d ranks (%s), GPT %lld layers, hidden %lld, %lld heads, ffn %lld, vocab %lld, "
+          "sequence %lld, %s; global batch %lld, %d microbatches, %d warm-up + %d measured steps\n\n",
+          n, commgrad::world().backend_name().c_str(), static_cast<long long>(m.layers),
+          static_cast<long long>(m.hidden), static_cast<long long>(m.heads), static_cast<long long>(m.ffn),
+          static_cast<long long>(m.vocab), static_cast<long long>(m.sequence),
+          m.tie ? "tied embeddings" : "untied output layer", static_cast<long long>(c.batch), c.microbatches, c.warmup,
+          c.steps);
+      std::printf(
+          "| layout | schedule | v | tokens/s | step p50 (ms) | bubble measured | bubble closed form | "
+          "measured / closed | busiest rank | busiest / closed | loss |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
       std::fflush(stdout);
     }
     std::vector<std::string> notes;

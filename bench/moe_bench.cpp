@@ -77,10 +77,11 @@ struct Variant {
 
 void report(const Config& c, int n, const std::vector<Variant>& variants, int64_t sent_rows) {
   const double step = median(variants[0].times);
-  std::printf("# moe_bench: hidden %ld ffn %ld experts %ld top-%ld, %ld tokens per rank, float32, EP=%d (%s), "
-              "1 thread per rank, %d steps\n",
-              static_cast<long>(c.hidden), static_cast<long>(c.ffn), static_cast<long>(c.experts),
-              static_cast<long>(c.topk), static_cast<long>(c.tokens), n, c.dispatcher.c_str(), c.steps);
+  std::printf(
+      "# moe_bench: hidden %ld ffn %ld experts %ld top-%ld, %ld tokens per rank, float32, EP=%d (%s), "
+      "1 thread per rank, %d steps\n",
+      static_cast<long>(c.hidden), static_cast<long>(c.ffn), static_cast<long>(c.experts), static_cast<long>(c.topk),
+      static_cast<long>(c.tokens), n, c.dispatcher.c_str(), c.steps);
   std::printf("  step %.2f ms, %.0f tokens/s\n", step, 1000.0 * static_cast<double>(c.tokens * n) / step);
   if (n > 1) {
     const double a2a = median(variants[1].times);
@@ -100,11 +101,11 @@ int main(int argc, char** argv) {
   const int n = world.size();
   at::set_num_threads(1);
   commgrad::set_blas_threads(1);
-  moe::MoELayer layer(moe::MoELayerOptions(c.hidden, c.ffn, c.experts, c.topk, world)
-                          .routing(moe::RoutingOptions().aux_loss_coeff(1e-2))
-                          .dispatcher(c.dispatcher == "all_gather" ? moe::DispatcherType::kAllGather
-                                                                  : moe::DispatcherType::kAllToAll)
-                          .seed(1));
+  moe::MoELayer layer(
+      moe::MoELayerOptions(c.hidden, c.ffn, c.experts, c.topk, world)
+          .routing(moe::RoutingOptions().aux_loss_coeff(1e-2))
+          .dispatcher(c.dispatcher == "all_gather" ? moe::DispatcherType::kAllGather : moe::DispatcherType::kAllToAll)
+          .seed(1));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2 + world.rank());
   const auto x = at::randn({c.tokens, c.hidden}, gen).requires_grad_(true);
 
@@ -117,13 +118,14 @@ int main(int argc, char** argv) {
   }
   const int64_t sent_rows = std::accumulate(plan.input_splits.begin(), plan.input_splits.end(), int64_t{0}) -
                             (n > 1 ? plan.input_splits[world.rank()] : plan.input_splits[0]);
-  const auto rows_out = at::zeros({std::accumulate(plan.input_splits.begin(), plan.input_splits.end(), int64_t{0}),
-                                   c.hidden});
+  const auto rows_out =
+      at::zeros({std::accumulate(plan.input_splits.begin(), plan.input_splits.end(), int64_t{0}), c.hidden});
   const auto counts = at::zeros({c.experts}, at::kLong);
   auto bare_a2a = [&] {
     namespace raw = commgrad::ops::raw;
     const auto fwd = commgrad::ops::AllToAllOptions().input_splits(plan.input_splits).output_splits(plan.output_splits);
-    const auto back = commgrad::ops::AllToAllOptions().input_splits(plan.output_splits).output_splits(plan.input_splits);
+    const auto back =
+        commgrad::ops::AllToAllOptions().input_splits(plan.output_splits).output_splits(plan.input_splits);
     raw::all_to_all(counts, {}, world).wait();
     for (int i = 0; i < 2; ++i) {
       const auto got = raw::all_to_all(rows_out, fwd, world).wait();
@@ -132,7 +134,8 @@ int main(int argc, char** argv) {
   };
 
   std::vector<Variant> variants;
-  variants.push_back({"step", [&] {
+  variants.push_back({"step",
+                      [&] {
                         layer->zero_grad();
                         x.mutable_grad() = at::Tensor();
                         layer(x).sum().backward();

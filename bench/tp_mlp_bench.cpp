@@ -26,7 +26,6 @@
 
 #include <ATen/Parallel.h>
 
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -56,7 +55,6 @@ double now_ms() {
 struct Stats {
   double p10, p50, p90;
 };
-
 
 Stats stats(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -136,10 +134,11 @@ int main(int argc, char** argv) {
     v.times.assign(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
   }
   if (speaker) {
-    std::printf("# tp_mlp_bench: ParallelMLP hidden %ld ffn %ld tokens %ld float32, TP=%d, %d intra-op thread%s per rank, "
-                "%d steps (median of per-step max over ranks)\n",
-                static_cast<long>(c.hidden), static_cast<long>(c.ffn), static_cast<long>(c.tokens), n, threads,
-                threads > 1 ? "s" : "", c.steps);
+    std::printf(
+        "# tp_mlp_bench: ParallelMLP hidden %ld ffn %ld tokens %ld float32, TP=%d, %d intra-op thread%s per rank, "
+        "%d steps (median of per-step max over ranks)\n",
+        static_cast<long>(c.hidden), static_cast<long>(c.ffn), static_cast<long>(c.tokens), n, threads,
+        threads > 1 ? "s" : "", c.steps);
     std::printf("# BLAS: %s, %d BLAS thread%s per rank\n", commgrad::active_blas().c_str(), blas_threads,
                 blas_threads == 1 ? "" : "s");
     std::printf("# %-16s %10s %10s %10s\n", "variant", "p10 (ms)", "p50 (ms)", "p90 (ms)");
@@ -151,8 +150,9 @@ int main(int argc, char** argv) {
       const double step_ms = stats(variants[0].times).p50;
       const double local_ms = stats(variants[1].times).p50;
       const double ar_ms = stats(variants[2].times).p50;
-      std::printf("# comm (exposed) = step - local = %.2f ms (%.0f%% of the step); 2 bare all-reduces = %.2f ms (%.0f%%)\n",
-                  step_ms - local_ms, 100.0 * (step_ms - local_ms) / step_ms, 2 * ar_ms, 100.0 * 2 * ar_ms / step_ms);
+      std::printf(
+          "# comm (exposed) = step - local = %.2f ms (%.0f%% of the step); 2 bare all-reduces = %.2f ms (%.0f%%)\n",
+          step_ms - local_ms, 100.0 * (step_ms - local_ms) / step_ms, 2 * ar_ms, 100.0 * 2 * ar_ms / step_ms);
     }
   }
   commgrad::destroy_model_parallel();

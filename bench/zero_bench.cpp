@@ -108,8 +108,9 @@ std::unique_ptr<Variant> make_variant(const Spec& s, const DataParallelConfig& c
   torch::manual_seed(0);
   v->model = DeepMlp(c);
   if (s.bf16) v->model->to(torch::kBFloat16);
-  const auto buckets = commgrad::dp::DistributedDataParallelOptions().bucket_cap_mb(c.bucket_cap_mb).first_bucket_cap_mb(
-      std::min(1.0, c.bucket_cap_mb));
+  const auto buckets = commgrad::dp::DistributedDataParallelOptions()
+                           .bucket_cap_mb(c.bucket_cap_mb)
+                           .first_bucket_cap_mb(std::min(1.0, c.bucket_cap_mb));
   switch (s.kind) {
     case Kind::kDdp:
       v->ddp = std::make_unique<commgrad::dp::DistributedDataParallel>(v->model, buckets);
@@ -221,10 +222,14 @@ int main(int argc, char** argv) {
     auto formula = [&](const Spec& s) {  // bytes per parameter
       if (s.bf16) return 2 + 14.0 / n;
       switch (s.kind) {
-        case Kind::kDdp: return 16.0;
-        case Kind::kZero1: return 8 + 8.0 / n;
-        case Kind::kZero2: return 4 + 12.0 / n;
-        case Kind::kFsdp: return 16.0 / n;
+        case Kind::kDdp:
+          return 16.0;
+        case Kind::kZero1:
+          return 8 + 8.0 / n;
+        case Kind::kZero2:
+          return 4 + 12.0 / n;
+        case Kind::kFsdp:
+          return 16.0 / n;
       }
       return 0.0;
     };
@@ -232,14 +237,16 @@ int main(int argc, char** argv) {
 
     // Memory: one variant at a time.
     if (speaker) {
-      std::printf("zero_bench: %d ranks (%s), %d x Linear(%d, %d): Psi = %.0f parameters (%.1f MiB in fp32), batch %d "
-                  "per rank, %d steps after %d warm-up, buckets of %.1f MiB\n\n",
-                  n, commgrad::world().backend_name().c_str(), c.layers, c.width, c.width, psi, mib(4 * psi), c.batch,
-                  c.steps, c.warmup, c.bucket_cap_mb);
-      std::printf("Memory per rank (rank 0) after a step's backward and optimizer step, MiB:\n"
-                  "| variant | params | grads | optimizer state | state / formula | total | formula "
-                  "(bytes/param) | total / formula | peak RSS growth |\n"
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      std::printf(
+          "zero_bench: %d ranks (%s), %d x Linear(%d, %d): Psi = %.0f parameters (%.1f MiB in fp32), batch %d "
+          "per rank, %d steps after %d warm-up, buckets of %.1f MiB\n\n",
+          n, commgrad::world().backend_name().c_str(), c.layers, c.width, c.width, psi, mib(4 * psi), c.batch, c.steps,
+          c.warmup, c.bucket_cap_mb);
+      std::printf(
+          "Memory per rank (rank 0) after a step's backward and optimizer step, MiB:\n"
+          "| variant | params | grads | optimizer state | state / formula | total | formula "
+          "(bytes/param) | total / formula | peak RSS growth |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     }
     struct FsdpReport {
       std::string name;
@@ -286,23 +293,25 @@ int main(int argc, char** argv) {
     }
 
     if (speaker) {
-      std::printf("\nFSDP within a step (rank 0): the most parameters + gradients + optimizer state held at a layer "
-                  "boundary, MiB;\nclosed form 16 Psi/N + the largest unit's parameters and gradient unsharded "
-                  "(8 U; no reshard: every unit's parameters\nstay gathered to backward, 4 Psi (N-1)/N + 4 U), "
-                  "U = %.0f:\n| variant | in-step peak | closed form | peak / closed form |\n|---|---:|---:|---:|\n",
-                  unit);
+      std::printf(
+          "\nFSDP within a step (rank 0): the most parameters + gradients + optimizer state held at a layer "
+          "boundary, MiB;\nclosed form 16 Psi/N + the largest unit's parameters and gradient unsharded "
+          "(8 U; no reshard: every unit's parameters\nstay gathered to backward, 4 Psi (N-1)/N + 4 U), "
+          "U = %.0f:\n| variant | in-step peak | closed form | peak / closed form |\n|---|---:|---:|---:|\n",
+          unit);
       for (const auto& r : fsdp_reports) {
         const double closed = 16 * psi / n + (r.reshard ? 8 * unit : 4 * psi * (n - 1) / n + 4 * unit);
         std::printf("| %s | %.2f | %.2f | %.3f |\n", r.name.c_str(), mib(r.in_step_peak),
                     mib(static_cast<int64_t>(closed)), r.in_step_peak / closed);
       }
-      std::printf("\nFSDP collectives per step (rank 0, the last measured step): measured counts x unit size against "
-                  "the closed\nform (units with parameters: an all-gather each in forward, again in backward when "
-                  "resharding, a reduce-scatter\neach; volume = elements of the gathered / reduced buffers x 4 bytes; "
-                  "a ring sends (N-1)/N of it per rank):\n"
-                  "| variant | all-gathers | (closed form) | prefetched | reduce-scatters | (closed form) | volume MiB | "
-                  "closed form MiB | volume / Psi | sent per rank MiB |\n"
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      std::printf(
+          "\nFSDP collectives per step (rank 0, the last measured step): measured counts x unit size against "
+          "the closed\nform (units with parameters: an all-gather each in forward, again in backward when "
+          "resharding, a reduce-scatter\neach; volume = elements of the gathered / reduced buffers x 4 bytes; "
+          "a ring sends (N-1)/N of it per rank):\n"
+          "| variant | all-gathers | (closed form) | prefetched | reduce-scatters | (closed form) | volume MiB | "
+          "closed form MiB | volume / Psi | sent per rank MiB |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
       for (const auto& r : fsdp_reports) {
         int64_t with_params = 0, padded = 0;
         for (const auto& u : r.units) {
@@ -321,7 +330,8 @@ int main(int argc, char** argv) {
                     static_cast<long long>(r.stats.all_gathers), static_cast<long long>(gathers),
                     static_cast<long long>(r.stats.prefetched), static_cast<long long>(r.stats.reduce_scatters),
                     static_cast<long long>(scatters), mib(static_cast<int64_t>(volume)),
-                    mib(static_cast<int64_t>(closed)), volume / (4 * psi), mib(static_cast<int64_t>(volume * (n - 1) / n)));
+                    mib(static_cast<int64_t>(closed)), volume / (4 * psi),
+                    mib(static_cast<int64_t>(volume * (n - 1) / n)));
       }
     }
 
@@ -335,8 +345,9 @@ int main(int argc, char** argv) {
       }
     }
     if (speaker) {
-      std::printf("\nStep time (rank 0), ms:\n| variant | p50 | p10 | p90 | p50 / DDP | p50 / ZeRO-2 |\n"
-                  "|---|---:|---:|---:|---:|---:|\n");
+      std::printf(
+          "\nStep time (rank 0), ms:\n| variant | p50 | p10 | p90 | p50 / DDP | p50 / ZeRO-2 |\n"
+          "|---|---:|---:|---:|---:|---:|\n");
       const double ddp = percentile(variants[0]->times, 0.5);
       const double zero2 = percentile(variants[2]->times, 0.5);
       for (const auto& v : variants) {

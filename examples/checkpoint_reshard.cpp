@@ -88,9 +88,9 @@ struct Run {
       auto loss = torch::mse_loss(mlp->forward(x.chunk(dp_size, 0)[dp]), y.chunk(dp_size, 0)[dp]);
       loss.backward();
       zero->step();
-      const auto mean = commgrad::ops::raw::all_reduce(
-                            loss.detach().reshape({1}),
-                            commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg), state.data_parallel_group())
+      const auto mean = commgrad::ops::raw::all_reduce(loss.detach().reshape({1}),
+                                                       commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg),
+                                                       state.data_parallel_group())
                             .wait();
       losses.push_back(mean.item<double>());
     }
@@ -100,7 +100,8 @@ struct Run {
   std::vector<checkpoint::TensorPiece> save_pieces() {
     auto pieces = checkpoint::module_pieces(*mlp);
     for (auto& p : checkpoint::optimizer_pieces(*zero)) pieces.push_back(std::move(p));
-    for (auto& p : checkpoint::rng_pieces(tp::rng_tracker(), state.tensor_parallel_group())) pieces.push_back(std::move(p));
+    for (auto& p : checkpoint::rng_pieces(tp::rng_tracker(), state.tensor_parallel_group()))
+      pieces.push_back(std::move(p));
     return pieces;
   }
 
@@ -112,9 +113,10 @@ struct Run {
     all.insert(all.end(), optim.begin(), optim.end());
     all.insert(all.end(), rng.begin(), rng.end());
     const auto result = checkpoint::load(root, all);
-    checkpoint::restore_optimizer(*zero, std::vector<checkpoint::TensorPiece>(all.begin() + model.size(),
-                                                                              all.begin() + model.size() + optim.size()),
-                                  result);
+    checkpoint::restore_optimizer(
+        *zero,
+        std::vector<checkpoint::TensorPiece>(all.begin() + model.size(), all.begin() + model.size() + optim.size()),
+        result);
     checkpoint::restore_rng(tp::rng_tracker(), std::vector<checkpoint::TensorPiece>(all.end() - rng.size(), all.end()),
                             result);
     return result.step;
@@ -146,7 +148,8 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
 std::string scratch_root() {
   auto nonce = torch::full({1}, static_cast<int64_t>(std::random_device{}() & 0x7fffffff), torch::kLong);
   nonce = commgrad::ops::raw::broadcast(nonce, {}, commgrad::world()).wait();
-  return (std::filesystem::temp_directory_path() / ("commgrad-checkpoint-reshard-" + std::to_string(nonce.item<int64_t>())))
+  return (std::filesystem::temp_directory_path() /
+          ("commgrad-checkpoint-reshard-" + std::to_string(nonce.item<int64_t>())))
       .string();
 }
 
@@ -160,7 +163,9 @@ int main(int argc, char** argv) {
     const int rank = commgrad::rank();
     const int n = commgrad::world_size();
     for (int t : c.load_tp) {
-      if (t < 1 || n % t != 0) throw std::invalid_argument("TP size " + std::to_string(t) + " does not divide " + std::to_string(n) + " ranks");
+      if (t < 1 || n % t != 0)
+        throw std::invalid_argument("TP size " + std::to_string(t) + " does not divide " + std::to_string(n) +
+                                    " ranks");
     }
     if (n % c.save_tp != 0) throw std::invalid_argument("--save-tp does not divide the world");
     const int half = c.steps / 2;

@@ -108,9 +108,9 @@ int main(int argc, char** argv) {
     torch::manual_seed(1234 + rank);
     Mlp model;
     model->to(device);
-    commgrad::DistributedDataParallel ddp(
-        model, commgrad::DistributedDataParallelOptions().bucket_cap_mb(bucket_cap_mb).first_bucket_cap_mb(
-                   std::min(bucket_cap_mb, 1.0)));
+    commgrad::DistributedDataParallel ddp(model, commgrad::DistributedDataParallelOptions()
+                                                     .bucket_cap_mb(bucket_cap_mb)
+                                                     .first_bucket_cap_mb(std::min(bucket_cap_mb, 1.0)));
     auto opt = make_optimizer(model);
     if (rank == 0) {
       std::cout << commgrad::build_info().to_string() << "\n";

@@ -62,12 +62,9 @@ bool run(const commgrad::Group& tp_group, bool sequence_parallel, torch::ScalarT
   auto x = at::randn({kSeq, kBatch, kHidden}, gen).to(dtype);
 
   const auto layout = sequence_parallel ? check::Layout::partitioned(0) : check::Layout::replicated();
-  auto options = check::GradCheckOptions(tp_group)
-                     .parallel_device(device)
-                     .input_layouts({layout})
-                     .output_layout(layout)
-                     .title(c10::str("ParallelMLP(hidden=", kHidden, ", ffn=", kFfn, ")",
-                                     sequence_parallel ? " sequence-parallel" : ""));
+  auto options =
+      check::GradCheckOptions(tp_group).parallel_device(device).input_layouts({layout}).output_layout(layout).title(
+          c10::str("ParallelMLP(hidden=", kHidden, ", ffn=", kFfn, ")", sequence_parallel ? " sequence-parallel" : ""));
   auto result = check::check_gradients(check::subject(mlp), check::subject(reference), {x}, options);
   if (speaker) std::cout << result << std::endl;
   return result.ok();
@@ -92,11 +89,13 @@ int main(int argc, char** argv) {
     auto state = commgrad::initialize_model_parallel(n);
     if (speaker) {
       std::cout << commgrad::build_info().to_string() << "\n";
-      std::cout << "Megatron FFN on " << n << " tensor-parallel rank" << (n > 1 ? "s" : "") << " ("
-                << state.describe() << "), input [seq=" << kSeq << ", batch=" << kBatch << ", hidden=" << kHidden
-                << "], ffn=" << kFfn << ", seed " << kSeed << "\n"
+      std::cout << "Megatron FFN on " << n << " tensor-parallel rank" << (n > 1 ? "s" : "") << " (" << state.describe()
+                << "), input [seq=" << kSeq << ", batch=" << kBatch << ", hidden=" << kHidden << "], ffn=" << kFfn
+                << ", seed " << kSeed << "\n"
                 << "BLAS: " << commgrad::active_blas() << "\n"
-                << "device: " << device << (cuda ? ", CUDA tensors over " + state.tensor_parallel_group().cuda_backend_name() : std::string()) << "\n\n";
+                << "device: " << device
+                << (cuda ? ", CUDA tensors over " + state.tensor_parallel_group().cuda_backend_name() : std::string())
+                << "\n\n";
     }
     const auto& g = state.tensor_parallel_group();
     bool ok = true;

@@ -138,10 +138,12 @@ int64_t train_with_zero(Mlp& model, const Config& c, const Dataset& data, int ra
               << " with " << c.optimizer << ", " << zero.shards().size() << " buckets" << std::endl;
   }
   for (int epoch = 1; epoch <= c.epochs; ++epoch) {
-    const double local = train_epoch(model, data, c, rank, n, [&] { return zero.no_sync(); }, [&] {
-      zero.step();
-      zero.zero_grad();
-    });
+    const double local = train_epoch(
+        model, data, c, rank, n, [&] { return zero.no_sync(); },
+        [&] {
+          zero.step();
+          zero.zero_grad();
+        });
     const auto loss = commgrad::ops::all_reduce(torch::full({1}, local, torch::kDouble));
     if (rank == 0) {
       std::printf("epoch %d/%d: loss %.6f\n", epoch, c.epochs, loss.item<double>() / n);
@@ -158,11 +160,13 @@ void train_with_ddp(Mlp& reference, const Config& c, const Dataset& data, int ra
   commgrad::dp::DistributedDataParallel ddp(reference, buckets);
   auto opt = make_optimizer(c.optimizer, reference->parameters());
   for (int epoch = 1; epoch <= c.epochs; ++epoch) {
-    train_epoch(reference, data, c, rank, n, [&] { return ddp.no_sync(); }, [&] {
-      if (c.max_grad_norm > 0) commgrad::optim::clip_grad_norm_(reference->parameters(), c.max_grad_norm);
-      opt->step();
-      opt->zero_grad();
-    });
+    train_epoch(
+        reference, data, c, rank, n, [&] { return ddp.no_sync(); },
+        [&] {
+          if (c.max_grad_norm > 0) commgrad::optim::clip_grad_norm_(reference->parameters(), c.max_grad_norm);
+          opt->step();
+          opt->zero_grad();
+        });
   }
   int64_t params = 0, ddp_state = 0;
   for (const auto& p : reference->parameters()) params += p.numel();

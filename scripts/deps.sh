@@ -13,6 +13,7 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
   procps                            # pgrep/ps, used by the launcher tests
+  clang-format                      # scripts/format.sh --check, run by the test command
   libgloo-dev                       # c10d's ProcessGroupGloo.hpp includes Gloo's headers (no wheel ships them)
   nlohmann-json3-dev zlib1g-dev     # checkpoints: the JSON index, crc32 checksums
 )

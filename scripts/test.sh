@@ -25,6 +25,16 @@ sanitizer_line=${lines[-1]}
 minutes() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 summaries=()
 total_passed=0 total_failed=0 total_skipped=0 status=0
+
+# The house format (.clang-format) first: a second, and it names every file
+# that differs. clang-format comes with the first line's dependencies.
+COMMGRAD_TORCH=${lines[0]} scripts/deps.sh
+if scripts/format.sh --check; then
+  summaries+=("format: every C++ file follows .clang-format")
+else
+  summaries+=("format: FAILED (scripts/format.sh lists and fixes the files)")
+  status=1 total_failed=$((total_failed + 1))
+fi
 for line in "${lines[@]}"; do
   echo "== LibTorch line '$line': dependencies and build"
   t0=$SECONDS

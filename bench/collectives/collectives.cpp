@@ -82,10 +82,18 @@ Instance all_reduce(const Setup& s) {
     auto xr = base.add(r + 1);
     switch (s.op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg: want = want + xr; break;
-      case ReduceOp::kMax: want = at::maximum(want, xr); break;
-      case ReduceOp::kMin: want = at::minimum(want, xr); break;
-      case ReduceOp::kProduct: want = want * xr; break;
+      case ReduceOp::kAvg:
+        want = want + xr;
+        break;
+      case ReduceOp::kMax:
+        want = at::maximum(want, xr);
+        break;
+      case ReduceOp::kMin:
+        want = at::minimum(want, xr);
+        break;
+      case ReduceOp::kProduct:
+        want = want * xr;
+        break;
     }
   }
   if (s.op == ReduceOp::kAvg) want = want / s.size;
@@ -93,8 +101,8 @@ Instance all_reduce(const Setup& s) {
   auto buffer = in.input.clone();
   auto group = s.group;
   c10d::AllreduceOptions opts;
-  opts.reduceOp = s.op == ReduceOp::kMax   ? c10d::ReduceOp::MAX
-                  : s.op == ReduceOp::kMin ? c10d::ReduceOp::MIN
+  opts.reduceOp = s.op == ReduceOp::kMax       ? c10d::ReduceOp::MAX
+                  : s.op == ReduceOp::kMin     ? c10d::ReduceOp::MIN
                   : s.op == ReduceOp::kProduct ? c10d::ReduceOp::PRODUCT
                                                : c10d::ReduceOp::SUM;
   in.raw = [buffer, group, opts]() {
@@ -166,7 +174,7 @@ Instance reduce_scatter(const Setup& s) {
     // The transport's own reduce_scatter (shm, hierarchical), as the op uses it.
     auto out = at::empty({part}, in.input.options());
     c10d::ReduceScatterOptions opts;
-    opts.reduceOp = s.op == ReduceOp::kMax ? c10d::ReduceOp::MAX
+    opts.reduceOp = s.op == ReduceOp::kMax   ? c10d::ReduceOp::MAX
                     : s.op == ReduceOp::kMin ? c10d::ReduceOp::MIN
                                              : c10d::ReduceOp::SUM;
     in.raw = [native, out, x, opts]() mutable {
@@ -388,7 +396,7 @@ Instance send_recv(const Setup& s) {
     in.forward_backward = [=]() mutable {
       leaf.mutable_grad() = at::Tensor();
       auto y = in.op(leaf);
-      if (sender) y.backward();                               // receives the gradient
+      if (sender) y.backward();                              // receives the gradient
       if (receiver) torch::autograd::backward({y}, {grad});  // sends it back
     };
   }

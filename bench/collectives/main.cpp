@@ -62,7 +62,7 @@ struct Options {
   int warmup = 5;
   bool check = true;
   bool backward = true;
-  double link_gbps = 0;        // 0: no link floor columns
+  double link_gbps = 0;  // 0: no link floor columns
   double link_latency_us = 0;
 };
 
@@ -73,11 +73,22 @@ std::optional<int64_t> parse_size(const std::string& s) {
   if (end == s.c_str() || !(v >= 0) || v > 1e15) return std::nullopt;
   int64_t mult = 1;
   switch (*end) {
-    case 'K': case 'k': mult = 1 << 10; break;
-    case 'M': case 'm': mult = 1 << 20; break;
-    case 'G': case 'g': mult = int64_t{1} << 30; break;
-    case '\0': break;
-    default: return std::nullopt;
+    case 'K':
+    case 'k':
+      mult = 1 << 10;
+      break;
+    case 'M':
+    case 'm':
+      mult = 1 << 20;
+      break;
+    case 'G':
+    case 'g':
+      mult = int64_t{1} << 30;
+      break;
+    case '\0':
+      break;
+    default:
+      return std::nullopt;
   }
   if (*end != '\0' && end[1] != '\0') return std::nullopt;
   return static_cast<int64_t>(v * mult);
@@ -124,24 +135,27 @@ std::optional<int> parse(int argc, char** argv, Options& o) {
                "  commgrad-run -n N commgrad-bench [options]");
   app.add_option("--op", o.op, op_names)->type_name("NAME");
   app.add_option("--backend", o.backend, "auto, gloo, nccl, shm")->type_name("B");
-  app.add_option_function<std::string>("-b,--minbytes", [&o](const std::string& s) { o.min_bytes = *parse_size(s); },
-                                       "smallest size (K, M, G suffixes; default 4K)")
+  app.add_option_function<std::string>(
+         "-b,--minbytes", [&o](const std::string& s) { o.min_bytes = *parse_size(s); },
+         "smallest size (K, M, G suffixes; default 4K)")
       ->type_name("S")
       ->check(parses(parse_size, "expected a size in bytes such as 4K, 1M or 1G"));
-  app.add_option_function<std::string>("-e,--maxbytes", [&o](const std::string& s) { o.max_bytes = *parse_size(s); },
-                                       "largest size (default 64M)")
+  app.add_option_function<std::string>(
+         "-e,--maxbytes", [&o](const std::string& s) { o.max_bytes = *parse_size(s); }, "largest size (default 64M)")
       ->type_name("S")
       ->check(parses(parse_size, "expected a size in bytes such as 4K, 1M or 1G"));
   app.add_option("-f,--stepfactor", o.factor, "multiply the size by F each step")
       ->type_name("F")
       ->check(cli::integer<int64_t>(2));
-  app.add_option_function<std::string>("-d,--dtype", [&o](const std::string& s) { o.dtype = *parse_dtype(s); },
-                                       "float32, float64, float16, bfloat16, int32, int64, int8,\n"
-                                       "uint8 (default float32)")
+  app.add_option_function<std::string>(
+         "-d,--dtype", [&o](const std::string& s) { o.dtype = *parse_dtype(s); },
+         "float32, float64, float16, bfloat16, int32, int64, int8,\n"
+         "uint8 (default float32)")
       ->type_name("T")
       ->check(parses(parse_dtype, "expected float32, float64, float16, bfloat16, int32, int64, int8 or uint8"));
-  app.add_option_function<std::string>("-o,--redop", [&o](const std::string& s) { o.redop = *parse_redop(s); },
-                                       "sum, avg, max, min, prod (default sum)")
+  app.add_option_function<std::string>(
+         "-o,--redop", [&o](const std::string& s) { o.redop = *parse_redop(s); },
+         "sum, avg, max, min, prod (default sum)")
       ->type_name("R")
       ->check(parses(parse_redop, "expected sum, avg, max, min or prod"));
   app.add_option("-r,--root", o.root, "root of broadcast, reduce, scatter, gather")
@@ -150,7 +164,8 @@ std::optional<int> parse(int argc, char** argv, Options& o) {
   app.add_option("-n,--iters", o.iters, "timed iterations per size")->type_name("I")->check(cli::positive());
   app.add_option("-w,--warmup", o.warmup, "untimed iterations first")->type_name("W")->check(cli::non_negative());
   app.add_option("-c,--check", o.check, "check results (0 or 1)")->type_name("0|1")->check(cli::integer(0, 1));
-  app.add_flag_callback("--no-backward", [&o] { o.backward = false; }, "skip the forward+backward columns");
+  app.add_flag_callback(
+      "--no-backward", [&o] { o.backward = false; }, "skip the forward+backward columns");
   app.add_option("--link-gbps", o.link_gbps, "add the link floor (us) at G Gbit/s per host link, and xfloor")
       ->type_name("G")
       ->check(cli::number(0, /*inclusive=*/false));
@@ -271,12 +286,12 @@ void run(const Collective& c, const Options& o, const Group& g) {
                 o.link_gbps > 0 ? "        | link floor" : "");
     const char* floor_head = o.link_gbps > 0 ? " |    floor xfloor" : "";
     const char* floor_unit = o.link_gbps > 0 ? " |     (us) (raw)" : "";
-    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s%s\n",
-                "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw",
-                "busbw", "#wrong", "time", "busbw", "xraw", "time", "net", "ovh", floor_head);
-    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s%s\n",
-                "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "",
-                "(us)", "(GB/s)", "", "(us)", "xraw", "(%)", floor_unit);
+    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s%s\n", "size",
+                "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw",
+                "#wrong", "time", "busbw", "xraw", "time", "net", "ovh", floor_head);
+    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s%s\n", "(B)",
+                "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)",
+                "(GB/s)", "", "(us)", "xraw", "(%)", floor_unit);
   }
   double sum_raw = 0, sum_op = 0;
   int rows = 0;
@@ -317,8 +332,8 @@ void run(const Collective& c, const Options& o, const Group& g) {
       const char* redop = c.has_redop ? reduce_op_name(o.redop) : "none";
       const int root = c.has_root ? o.root : -1;
       std::printf(" %11lld %10lld %8s %6s %4d | %8.1f %7.3f %7.3f %6lld | %8.1f %7.3f %7.3f %6lld | ",
-                  static_cast<long long>(size), static_cast<long long>(count), dtype_name(o.dtype), redop, root,
-                  t_raw, gbps(size, t_raw), gbps(size, t_raw) * factor, static_cast<long long>(wrong_raw), t_op,
+                  static_cast<long long>(size), static_cast<long long>(count), dtype_name(o.dtype), redop, root, t_raw,
+                  gbps(size, t_raw), gbps(size, t_raw) * factor, static_cast<long long>(wrong_raw), t_op,
                   gbps(size, t_op), gbps(size, t_op) * factor, static_cast<long long>(wrong_op));
       if (fb) {
         std::printf("%8.1f %7.3f %4.2f | %8.1f %5.2f | ", t_fb, gbps(2 * size, t_fb) * factor, t_fb / t_raw, t_floor,

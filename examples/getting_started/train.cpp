@@ -38,10 +38,9 @@ struct NetImpl : torch::nn::Module {
   explicit NetImpl(const commgrad::Group& tp = {})
       : fc1(register_module("fc1", commgrad::tp::ColumnParallelLinear(
                                        commgrad::tp::ColumnParallelLinearOptions(kIn, kHidden, tp).seed(1)))),
-        fc2(register_module("fc2", commgrad::tp::RowParallelLinear(
-                                       commgrad::tp::RowParallelLinearOptions(kHidden, kOut, tp)
-                                           .input_is_parallel(true)
-                                           .seed(2)))) {}
+        fc2(register_module(
+            "fc2", commgrad::tp::RowParallelLinear(
+                       commgrad::tp::RowParallelLinearOptions(kHidden, kOut, tp).input_is_parallel(true).seed(2)))) {}
   torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::gelu(fc1(x))); }
   commgrad::tp::ColumnParallelLinear fc1;
   commgrad::tp::RowParallelLinear fc2;
@@ -52,7 +51,7 @@ TORCH_MODULE(Net);
 // A regression data set, the same on every rank.
 struct Data {
   torch::Tensor x = torch::randn({kSamples, kIn}, torch::Generator(at::detail::createCPUGenerator(7)));
-  torch::Tensor y = torch::sin(x.matmul(torch::linspace(-1, 1, kIn * kOut).reshape({kIn, kOut})));
+  torch::Tensor y = torch::sin(x.matmul(torch::linspace(-1, 1, kIn* kOut).reshape({kIn, kOut})));
 };
 
 std::optional<int> parse(int argc, char** argv, Config& c) {
@@ -71,7 +70,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
 // with those a one-rank run of the same steps saved.
 bool same_as_one_rank(Net& model, const std::string& one_rank_checkpoint) {
   const auto mine = commgrad::tp::gather_full_state_dict(*model);  // collective over the TP group
-  Net reference(commgrad::self_group());                             // TP = 1, on this rank alone
+  Net reference(commgrad::self_group());                           // TP = 1, on this rank alone
   commgrad::checkpoint::load_model_weights(one_rank_checkpoint, *reference, {}, commgrad::self_group());
   double worst = 0;
   for (const auto& p : reference->named_parameters()) {
@@ -84,8 +83,8 @@ bool same_as_one_rank(Net& model, const std::string& one_rank_checkpoint) {
 
 int train(const Config& c) {
   // [setup]
-  commgrad::init_process_group();                 // RANK, WORLD_SIZE, ... from the launcher
-  commgrad::initialize_model_parallel(c.tp);      // TP=c.tp, DP=world/c.tp
+  commgrad::init_process_group();             // RANK, WORLD_SIZE, ... from the launcher
+  commgrad::initialize_model_parallel(c.tp);  // TP=c.tp, DP=world/c.tp
   Net model;
   commgrad::optim::ZeroOptimizer zero(
       model.ptr(),

@@ -126,7 +126,8 @@ gpt::TrainerOptions trainer_options(const Config& c) {
 // --experts, --topk, --moe-every, --ep.
 void add_expert_options(commgrad::cli::App& app, Config& c) {
   namespace cli = commgrad::cli;
-  app.add_option("--experts", c.experts, "mixture of experts: every layer's FFN a MoE block of\nthis many experts (0: dense)")
+  app.add_option("--experts", c.experts,
+                 "mixture of experts: every layer's FFN a MoE block of\nthis many experts (0: dense)")
       ->check(cli::non_negative());
   app.add_option("--topk", c.topk, "experts per token (with --experts)")->check(cli::positive());
   app.add_option("--moe-every", c.moe_every, "with --experts: every layer (1) or every other (2) MoE")
@@ -166,9 +167,12 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--cp-mode", c.cp_mode, "attention across the context-parallel ranks:\nring, allgather or ulysses")
       ->check(cli::one_of({"ring", "allgather", "ulysses"}));
   app.add_flag("--sp", c.sp, "sequence parallelism (with --tp)");
-  app.add_flag("--fsdp", c.fsdp, "shard parameters, gradients and optimizer state over DP\n(commgrad::fsdp, one unit per layer) instead of ZeRO-2");
-  app.add_option("--precision", c.precision,
-                 "fp32, bf16 (bfloat16 compute, float32 masters) or fp16\n(float16 compute with loss scaling; needs --fsdp)")
+  app.add_flag("--fsdp", c.fsdp,
+               "shard parameters, gradients and optimizer state over DP\n(commgrad::fsdp, one unit per layer) instead "
+               "of ZeRO-2");
+  app.add_option(
+         "--precision", c.precision,
+         "fp32, bf16 (bfloat16 compute, float32 masters) or fp16\n(float16 compute with loss scaling; needs --fsdp)")
       ->check(cli::one_of({"fp32", "bf16", "fp16"}));
   app.add_option("--microbatches", c.microbatches, "microbatches per step and replica")->check(cli::positive());
   app.add_option("--steps", c.steps, "train to this step (after a resume too)")->check(cli::positive());
@@ -186,8 +190,9 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--text", c.text, "train on this file's bytes instead of the synthetic corpus")->type_name("FILE");
   app.add_option("--curve", c.curve, "write the loss curve to PREFIX.csv and PREFIX.svg\n(none: do not)")
       ->type_name("PREFIX");
-  app.add_option("--recompute", c.recompute,
-                 "activation recomputation of every layer: none, selective\n(the attention core) or full (the whole layer)")
+  app.add_option(
+         "--recompute", c.recompute,
+         "activation recomputation of every layer: none, selective\n(the attention core) or full (the whole layer)")
       ->check(cli::one_of({"none", "selective", "full"}));
   add_expert_options(app, c);
   app.add_flag("--check", c.check, "also train on one rank and compare the curves\n(exit 1 when they part)");
@@ -311,24 +316,25 @@ int main(int argc, char** argv) {
                                   " is not the world size " + std::to_string(n));
     }
     gpt::GptConfig model_config;
-    const auto corpus =
-        c.text.empty() ? gpt::Corpus::synthetic(model_config.vocab) : gpt::Corpus::from_file(c.text, model_config.sequence);
+    const auto corpus = c.text.empty() ? gpt::Corpus::synthetic(model_config.vocab)
+                                       : gpt::Corpus::from_file(c.text, model_config.sequence);
     configure_model(c, corpus, model_config);
     if (rank == 0) print_header(c, model_config, corpus);
     const auto state = commgrad::make_model_parallel(
         commgrad::ModelParallelOptions(c.tp, c.pp).context_parallel_size(c.cp).expert_parallel_size(c.ep),
         commgrad::world());
     model_config.ep_group = state.expert_parallel_group();
-    gpt::Trainer trainer(trainer_options(c), model_config,
-                         gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
-                                     state.data_parallel_group(), state.embedding_group(),
-                                     state.context_parallel_group(), state.data_context_parallel_group(),
-                                     state.expert_data_parallel_group()});
+    gpt::Trainer trainer(
+        trainer_options(c), model_config,
+        gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(), state.data_parallel_group(),
+                    state.embedding_group(), state.context_parallel_group(), state.data_context_parallel_group(),
+                    state.expert_data_parallel_group()});
     int start = 0;  // steps done before this run
     if (!c.resume.empty()) {
       const auto [step, saved_layout] = trainer.load(c.resume);
       start = step;
-      if (rank == 0) std::printf("resumed from step %d of %s (saved at %s)\n", start, c.resume.c_str(), saved_layout.c_str());
+      if (rank == 0)
+        std::printf("resumed from step %d of %s (saved at %s)\n", start, c.resume.c_str(), saved_layout.c_str());
     }
     std::vector<gpt::CurvePoint> curve;
     gpt::Progress progress(start + 1, c.steps, kBatch * model_config.sequence);

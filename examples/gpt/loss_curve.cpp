@@ -71,9 +71,9 @@ void write_svg(const std::string& path, const std::vector<CurvePoint>& points, c
       << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       << "<text x=\"" << kWidth / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" << title << "</text>\n";
   // Axes, ticks and grid.
-  out << "<g stroke=\"#888\">\n<line x1=\"" << kLeft << "\" y1=\"" << kHeight - kBottom << "\" x2=\""
-      << kWidth - kRight << "\" y2=\"" << kHeight - kBottom << "\"/>\n<line x1=\"" << kLeft << "\" y1=\"" << kTop
-      << "\" x2=\"" << kLeft << "\" y2=\"" << kHeight - kBottom << "\"/>\n</g>\n";
+  out << "<g stroke=\"#888\">\n<line x1=\"" << kLeft << "\" y1=\"" << kHeight - kBottom << "\" x2=\"" << kWidth - kRight
+      << "\" y2=\"" << kHeight - kBottom << "\"/>\n<line x1=\"" << kLeft << "\" y1=\"" << kTop << "\" x2=\"" << kLeft
+      << "\" y2=\"" << kHeight - kBottom << "\"/>\n</g>\n";
   for (double t : ticks(lo, hi, 5)) {
     out << "<line x1=\"" << kLeft << "\" y1=\"" << y(t) << "\" x2=\"" << kWidth - kRight << "\" y2=\"" << y(t)
         << "\" stroke=\"#eee\"/>\n<text x=\"" << kLeft - 6 << "\" y=\"" << y(t) + 4 << "\" text-anchor=\"end\">"

@@ -14,10 +14,10 @@ std::function<torch::nn::AnyModule(const tp::ParallelTransformerLayerOptions&)> 
   return [config](const tp::ParallelTransformerLayerOptions& o) {
     namespace moe = commgrad::moe;
     const commgrad::Group ep = config.ep_group.defined() ? config.ep_group : commgrad::self_group();
-    return torch::nn::AnyModule(
-        moe::MoELayer(moe::MoELayerOptions(o.hidden_size(), o.ffn_hidden_size(), config.experts, config.topk, ep)
-                          .routing(moe::RoutingOptions().aux_loss_coeff(config.aux_loss_coeff).aux_loss_per_sequence(true))
-                          .seed(*o.seed() + 2)));
+    return torch::nn::AnyModule(moe::MoELayer(
+        moe::MoELayerOptions(o.hidden_size(), o.ffn_hidden_size(), config.experts, config.topk, ep)
+            .routing(moe::RoutingOptions().aux_loss_coeff(config.aux_loss_coeff).aux_loss_per_sequence(true))
+            .seed(*o.seed() + 2)));
   };
 }
 
@@ -34,9 +34,11 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
                                 std::to_string(stage_count_) + " stages");
   }
   if (config.vocab % tp != 0 || (config.sequence_parallel && local_sequence % tp != 0)) {
-    throw std::invalid_argument("the vocabulary (" + std::to_string(config.vocab) + ") or, with sequence parallelism, "
-                                "the sequence (" + std::to_string(local_sequence) + " on a rank) does not split over TP=" +
-                                std::to_string(tp));
+    throw std::invalid_argument("the vocabulary (" + std::to_string(config.vocab) +
+                                ") or, with sequence parallelism, "
+                                "the sequence (" +
+                                std::to_string(local_sequence) +
+                                " on a rank) does not split over TP=" + std::to_string(tp));
   }
   const int64_t per_stage = config.layers / stage_count_;
   for (int v = 0; v < stages_per_rank; ++v) {
@@ -47,9 +49,9 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
   const bool last = stages_.back().global == stage_count_ - 1;
   // N(0, 1) rows scaled by 1/sqrt(h), so the (tied) output starts near uniform.
   auto vocab_weight = [&](const char* name, uint64_t seed) {
-    auto module = register_module(
-        name, tp::VocabParallelEmbedding(tp::VocabParallelEmbeddingOptions(config.vocab, config.hidden, tp_group)
-                                             .seed(seed)));
+    auto module =
+        register_module(name, tp::VocabParallelEmbedding(
+                                  tp::VocabParallelEmbeddingOptions(config.vocab, config.hidden, tp_group).seed(seed)));
     torch::NoGradGuard no_grad;
     module->weight.mul_(1.0 / std::sqrt(static_cast<double>(config.hidden)));
     return module;
@@ -60,7 +62,8 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
     auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
     positions_ = register_parameter("positions", at::randn({config.sequence, 1, config.hidden}, gen) * 0.02);
     if (cp) {
-      local_positions_ = commgrad::cp::local_positions(config.sequence, context_parallel.layout(), context_parallel.group());
+      local_positions_ =
+          commgrad::cp::local_positions(config.sequence, context_parallel.layout(), context_parallel.group());
     }
   }
   layers_.resize(config.layers, tp::ParallelTransformerLayer{nullptr});
@@ -86,14 +89,15 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
 }
 
 commgrad::fsdp::FullyShardedModule GptRankImpl::fully_shard(const commgrad::fsdp::FullyShardOptions& options,
-                                                             const commgrad::Group& embedding_group) {
+                                                            const commgrad::Group& embedding_group) {
   namespace fsdp = commgrad::fsdp;
   for (auto& layer : layers_) {
     if (layer) fsdp::fully_shard(layer, options);
   }
   // A tied copy on another stage is a unit of its own, so that both copies
   // split into the same ranges and their gradients can be summed.
-  if (!tied_parameters().empty()) fsdp::fully_shard(embedding_, fsdp::FullyShardOptions(options).tied_group(embedding_group));
+  if (!tied_parameters().empty())
+    fsdp::fully_shard(embedding_, fsdp::FullyShardOptions(options).tied_group(embedding_group));
   return fsdp::fully_shard(shared_from_this(), options);
 }
 
@@ -133,7 +137,8 @@ torch::Tensor GptRankImpl::forward(const torch::Tensor& ids) {
 
 torch::Tensor GptRankImpl::loss(const torch::Tensor& logits, const torch::Tensor& targets) const {
   // In float32 whatever the compute dtype (bfloat16 or float16 logits).
-  return tp::vocab_parallel_cross_entropy(logits.to(at::kFloat), targets.t(), tp::CrossEntropyOptions().group(tp_group_));
+  return tp::vocab_parallel_cross_entropy(logits.to(at::kFloat), targets.t(),
+                                          tp::CrossEntropyOptions().group(tp_group_));
 }
 
 std::vector<std::string> GptRankImpl::tied_parameters() const {

@@ -56,7 +56,8 @@ void Trainer::make_optimizer() {
     optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), adamw);
     if (options_.precision == "fp16") {
       scaler_ = std::make_unique<commgrad::optim::DynamicLossScaler>(
-          commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups({layout_.replicas(), layout_.tp, layout_.pp}));
+          commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups(
+              {layout_.replicas(), layout_.tp, layout_.pp}));
     }
     return;
   }
@@ -113,7 +114,8 @@ double Trainer::step(const Corpus& corpus, int k) {
   // Each rank's loss is the mean over its tokens (the same number on every
   // rank): their mean over data x context is the mean over every token.
   return commgrad::ops::raw::all_reduce(torch::full({1}, last_.loss, torch::kDouble),
-                                        commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg), layout_.replicas())
+                                        commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kAvg),
+                                        layout_.replicas())
       .wait()
       .item<double>();
 }
@@ -154,8 +156,8 @@ void Trainer::step_sharded() {
 void Trainer::save(const std::string& root, int step, const std::string& layout) {
   if (expert_zero_) throw std::invalid_argument("checkpoints of a model with experts are not supported yet");
   auto pieces = options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_);
-  auto optim = options_.fsdp ? checkpoint::fsdp_optimizer_pieces(sharded_, *optimizer_)
-                             : checkpoint::optimizer_pieces(*zero_);
+  auto optim =
+      options_.fsdp ? checkpoint::fsdp_optimizer_pieces(sharded_, *optimizer_) : checkpoint::optimizer_pieces(*zero_);
   pieces.insert(pieces.end(), optim.begin(), optim.end());
   if (scaler_) {
     for (auto& p : checkpoint::loss_scaler_pieces(*scaler_)) pieces.push_back(std::move(p));
@@ -174,10 +176,11 @@ std::pair<int, std::string> Trainer::load(const std::string& root) {
   all.insert(all.end(), scaler.begin(), scaler.end());
   const auto result = checkpoint::load(root, all);
   if (scaler_) {
-    checkpoint::restore_loss_scaler(*scaler_, std::vector<checkpoint::TensorPiece>(all.end() - scaler.size(), all.end()),
-                                    result);
+    checkpoint::restore_loss_scaler(*scaler_,
+                                    std::vector<checkpoint::TensorPiece>(all.end() - scaler.size(), all.end()), result);
   }
-  const std::vector<checkpoint::TensorPiece> loaded(all.begin() + model.size(), all.begin() + model.size() + optim.size());
+  const std::vector<checkpoint::TensorPiece> loaded(all.begin() + model.size(),
+                                                    all.begin() + model.size() + optim.size());
   if (options_.fsdp) {
     checkpoint::restore_fsdp_optimizer(sharded_, *optimizer_, loaded, result);
   } else {

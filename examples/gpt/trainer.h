@@ -87,9 +87,9 @@ class Trainer {
   void make_optimizer();
   std::unique_ptr<commgrad::optim::ZeroOptimizer> zero_;
   std::unique_ptr<commgrad::optim::ZeroOptimizer> expert_zero_;  // with experts: their parameters
-  commgrad::fsdp::FullyShardedModule sharded_;                 // with fsdp
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;          // with fsdp
-  std::unique_ptr<commgrad::optim::DynamicLossScaler> scaler_;  // with fp16
+  commgrad::fsdp::FullyShardedModule sharded_;                   // with fsdp
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;           // with fsdp
+  std::unique_ptr<commgrad::optim::DynamicLossScaler> scaler_;   // with fp16
   void step_sharded();
   std::vector<commgrad::pp::NoSyncFunction> no_sync_functions();
   std::unique_ptr<commgrad::pp::Pipeline> pipe_;

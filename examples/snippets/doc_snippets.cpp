@@ -14,7 +14,8 @@
 namespace {
 
 struct NetImpl : torch::nn::Module {
-  NetImpl() : fc1(register_module("fc1", torch::nn::Linear(8, 16))), fc2(register_module("fc2", torch::nn::Linear(16, 4))) {}
+  NetImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(8, 16))), fc2(register_module("fc2", torch::nn::Linear(16, 4))) {}
   torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(fc1(x))); }
   torch::nn::Linear fc1, fc2;
 };
@@ -31,18 +32,21 @@ Batches batches_of_this_rank() {
 void zero_quick_start(const Batches& my_shard_of_each_batch) {
   // [zero]
   auto model = std::make_shared<NetImpl>();
-  commgrad::optim::ZeroOptimizer zero(model, [](std::vector<torch::Tensor> shards) {
-    return std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
-  }, commgrad::optim::ZeroOptimizerOptions().stage(2).max_grad_norm(1.0));  // groups: the layout's, or the world
+  commgrad::optim::ZeroOptimizer zero(
+      model,
+      [](std::vector<torch::Tensor> shards) {
+        return std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+      },
+      commgrad::optim::ZeroOptimizerOptions().stage(2).max_grad_norm(1.0));  // groups: the layout's, or the world
 
   for (const auto& [x, y] : my_shard_of_each_batch) {
     const auto xs = x.chunk(2), ys = y.chunk(2);
     {
-      auto guard = zero.no_sync();                               // accumulate the first half locally
+      auto guard = zero.no_sync();  // accumulate the first half locally
       torch::mse_loss(model->forward(xs[0]), ys[0]).backward();
     }
-    torch::mse_loss(model->forward(xs[1]), ys[1]).backward();    // reduce-scatters in buckets
-    zero.step();                                                 // clip, step 1/N, all-gather
+    torch::mse_loss(model->forward(xs[1]), ys[1]).backward();  // reduce-scatters in buckets
+    zero.step();                                               // clip, step 1/N, all-gather
     zero.zero_grad();
   }
   // [end zero]
@@ -50,15 +54,15 @@ void zero_quick_start(const Batches& my_shard_of_each_batch) {
 
 void loss_scaling(const Batches& my_shard_of_each_batch, const std::string& root, int64_t step) {
   // [loss_scaler]
-  auto model = std::make_shared<NetImpl>();            // float16 parameters in practice: model->to(torch::kHalf)
+  auto model = std::make_shared<NetImpl>();  // float16 parameters in practice: model->to(torch::kHalf)
   commgrad::dp::DistributedDataParallel ddp(model);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-  commgrad::optim::DynamicLossScaler scaler;           // 2^32, hysteresis 2, the layout's groups
+  commgrad::optim::DynamicLossScaler scaler;  // 2^32, hysteresis 2, the layout's groups
 
   for (const auto& [x, y] : my_shard_of_each_batch) {
     opt.zero_grad();
     scaler.scale(torch::mse_loss(model->forward(x), y)).backward();  // DDP reduces the scaled gradients
-    if (!scaler.step(opt)) {                           // unscale, agree, step unless inf/NaN, update
+    if (!scaler.step(opt)) {                                         // unscale, agree, step unless inf/NaN, update
       std::cout << "skipped; scale now " << scaler.scale() << "\n";
     }
   }
@@ -74,7 +78,7 @@ void loss_scaling(const Batches& my_shard_of_each_batch, const std::string& root
 void checkpoints_by_pieces(const std::string& root, int64_t step, int epoch) {
   // [checkpoint_pieces]
   namespace ckpt = commgrad::checkpoint;
-  auto state = commgrad::make_model_parallel(2, 1);                 // TP=2 x DP=W/2 (W even)
+  auto state = commgrad::make_model_parallel(2, 1);  // TP=2 x DP=W/2 (W even)
   commgrad::tp::ParallelMLP model(commgrad::tp::ParallelMLPOptions(8, 32, state.tensor_parallel_group()).seed(1));
   auto tracker = commgrad::tp::rng_tracker();
 
@@ -87,8 +91,8 @@ void checkpoints_by_pieces(const std::string& root, int64_t step, int epoch) {
   auto to_load = ckpt::module_pieces(*model, "model/");
   auto rng_to_load = ckpt::rng_pieces(tracker, state.tensor_parallel_group());
   to_load.insert(to_load.end(), rng_to_load.begin(), rng_to_load.end());
-  auto result = ckpt::load(root, to_load);                          // the step `latest` names
-  ckpt::restore_rng(tracker, rng_to_load, result);                  // load() wrote into these pieces
+  auto result = ckpt::load(root, to_load);          // the step `latest` names
+  ckpt::restore_rng(tracker, rng_to_load, result);  // load() wrote into these pieces
   std::cout << "loaded step " << result.step << ", epoch " << result.metadata.at("epoch").get<int>() << "\n";
   // [end checkpoint_pieces]
 }

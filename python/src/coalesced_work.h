@@ -16,8 +16,7 @@ namespace commgrad::python {
 ///   return c10::make_intrusive<CoalescedWork>(std::move(works), outputs, c10d::OpType::COALESCED);
 class CoalescedWork final : public c10d::Work {
  public:
-  CoalescedWork(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<at::Tensor> outputs,
-                c10d::OpType type);
+  CoalescedWork(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<at::Tensor> outputs, c10d::OpType type);
 
   bool isCompleted() override;
   bool isSuccess() const override;

@@ -33,14 +33,14 @@ const commgrad::python::TorchBackend& checked(const c10::intrusive_ptr<c10d::Bac
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "commgrad's c10d backend for torch.distributed";
-  m.def("_create_backend", &create_backend, py::arg("store"), py::arg("rank"), py::arg("size"),
-        py::arg("timeout_s"), py::arg("group_name"),
-        "Connects commgrad's transport for one group (c10d's creator function calls it).");
+  m.def("_create_backend", &create_backend, py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"),
+        py::arg("group_name"), "Connects commgrad's transport for one group (c10d's creator function calls it).");
   m.def(
       "_transport", [](const c10::intrusive_ptr<c10d::Backend>& b) { return checked(b).transport_name(); },
       "The transport of a commgrad backend: 'shm', 'gloo' or 'hierarchical'.");
   m.def(
       "_describe", [](const c10::intrusive_ptr<c10d::Backend>& b) { return checked(b).describe(); },
       "\"rank 0/4 group '0' (shm)\"");
-  m.def("build_info", [] { return commgrad::build_info().to_string(); }, "What this build of commgrad is.");
+  m.def(
+      "build_info", [] { return commgrad::build_info().to_string(); }, "What this build of commgrad is.");
 }

@@ -275,8 +275,8 @@ WorkPtr TorchBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& o
 // per rank, each as long as the inputs). Issued as one all_gather per input.
 WorkPtr TorchBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& output_lists,
                                           std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK(static_cast<int>(output_lists.size()) == getSize(), "[commgrad] all_gather_coalesced ",
-              group_.describe(), ": ", output_lists.size(), " output lists for a group of ", getSize(),
+  TORCH_CHECK(static_cast<int>(output_lists.size()) == getSize(), "[commgrad] all_gather_coalesced ", group_.describe(),
+              ": ", output_lists.size(), " output lists for a group of ", getSize(),
               " (one list per rank, each with a tensor per input)");
   std::vector<at::Tensor> flat;
   for (size_t r = 0; r < output_lists.size(); ++r) {
@@ -330,9 +330,8 @@ WorkPtr TorchBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::
   auto o = opts;
   o.timeout = timeout_or(opts.timeout);
   at::Tensor in = input.contiguous();  // Gloo rejects strided inputs; shm would stage them the same way
-  return run("all_to_all_single", o.asyncOp, [&](c10d::Backend& t) {
-    return t.alltoall_base(output, in, output_split_sizes, input_split_sizes, o);
-  });
+  return run("all_to_all_single", o.asyncOp,
+             [&](c10d::Backend& t) { return t.alltoall_base(output, in, output_split_sizes, input_split_sizes, o); });
 }
 
 WorkPtr TorchBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -433,17 +432,19 @@ void TorchBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_
   if (getRank() != 0) {
     store_->add(mine + "/arrived", 1);
     if (!counter_exceeds(*store_, mine + "/released", released_, deadline)) {
-      COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, where, "Rank ", getRank(), " successfully reached monitoredBarrier, but received errors while ",
-                   "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank (not released within ",
-                   timeout.count(), " ms)");
+      COMMGRAD_THROW_MESSAGE(
+          ::commgrad::ErrorKind::kPeerFailed, where, "Rank ", getRank(),
+          " successfully reached monitoredBarrier, but received errors while ",
+          "waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank (not released within ",
+          timeout.count(), " ms)");
     }
     ++released_;
     return;
   }
   const std::vector<int> late = late_ranks(deadline, timeout, wait_all_ranks);
   if (!late.empty()) {
-    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, where, wait_all_ranks ? "Ranks " : "Rank ", c10::Join(", ", late),
-                                                " failed to pass monitoredBarrier in ", timeout.count(), " ms");
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, where, wait_all_ranks ? "Ranks " : "Rank ",
+                           c10::Join(", ", late), " failed to pass monitoredBarrier in ", timeout.count(), " ms");
   }
   for (int r = 1; r < getSize(); ++r) store_->add(c10::str(kMonitoredBarrier, r, "/released"), 1);
 }
@@ -457,8 +458,7 @@ std::vector<int> TorchBackend::late_ranks(std::chrono::steady_clock::time_point 
   if (arrivals_taken_.empty()) arrivals_taken_.assign(getSize(), 0);
   if (!wait_all_ranks && timeout.count() <= 0 && getSize() > 1) {
     COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] monitored_barrier ", group_.describe(),
-                                                ": Rank 0 timed out in monitoredBarrier after ", timeout.count(),
-                                                " ms");
+                           ": Rank 0 timed out in monitoredBarrier after ", timeout.count(), " ms");
   }
   std::vector<int> late;
   for (int r = 1; r < getSize(); ++r) {

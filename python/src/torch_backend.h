@@ -58,8 +58,8 @@ class TorchBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   /// Issued as one _allgather_base per pair; one Work for them all.
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -140,9 +140,9 @@ class TorchBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Store> store_;  // c10d's, prefixed for this group
   Group group_;
-  std::vector<int64_t> arrivals_taken_;  // rank 0: each rank's monitored-barrier arrivals taken
-  int64_t released_ = 0;                 // other ranks: monitored-barrier releases seen
-  std::atomic<uint64_t> sequence_{0};  // DDP issues from autograd threads
+  std::vector<int64_t> arrivals_taken_;   // rank 0: each rank's monitored-barrier arrivals taken
+  int64_t released_ = 0;                  // other ranks: monitored-barrier releases seen
+  std::atomic<uint64_t> sequence_{0};     // DDP issues from autograd threads
   std::chrono::milliseconds timeout_{0};  // 0: the group's own
 };
 

@@ -99,8 +99,8 @@ at::Tensor back_to_back(const std::vector<at::Tensor>& parts) {
   const int64_t step = first.numel();
   for (size_t q = 0; q < parts.size(); ++q) {
     const auto& t = parts[q];
-    if (!t.is_contiguous() || t.scalar_type() != first.scalar_type() || !t.is_alias_of(first) ||
-        t.numel() != step || t.storage_offset() != first.storage_offset() + static_cast<int64_t>(q) * step) {
+    if (!t.is_contiguous() || t.scalar_type() != first.scalar_type() || !t.is_alias_of(first) || t.numel() != step ||
+        t.storage_offset() != first.storage_offset() + static_cast<int64_t>(q) * step) {
       return {};
     }
   }
@@ -115,8 +115,10 @@ bool combinable(const c10d::ReduceOp& op) {
     case c10d::ReduceOp::AVG:
     case c10d::ReduceOp::MAX:
     case c10d::ReduceOp::MIN:
-    case c10d::ReduceOp::PRODUCT: return true;
-    default: return false;
+    case c10d::ReduceOp::PRODUCT:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -124,11 +126,16 @@ bool combinable(const c10d::ReduceOp& op) {
 at::Tensor combine(const at::Tensor& copies, const c10d::ReduceOp& op) {
   auto out = pooled_empty(copies.sizes().slice(1), copies.options());
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return at::sum_out(out, copies, 0);
-    case c10d::ReduceOp::MAX: return at::amax_out(out, copies, 0);
-    case c10d::ReduceOp::MIN: return at::amin_out(out, copies, 0);
-    case c10d::ReduceOp::PRODUCT: return at::prod_out(out, copies, 0);
-    default: break;
+    case c10d::ReduceOp::SUM:
+      return at::sum_out(out, copies, 0);
+    case c10d::ReduceOp::MAX:
+      return at::amax_out(out, copies, 0);
+    case c10d::ReduceOp::MIN:
+      return at::amin_out(out, copies, 0);
+    case c10d::ReduceOp::PRODUCT:
+      return at::prod_out(out, copies, 0);
+    default:
+      break;
   }
   TORCH_INTERNAL_ASSERT(false, "combine: only combinable() reductions reach the steps");
 }

@@ -73,8 +73,8 @@ void Comm::reduce(const Call& call, const void* in, void* out, int64_t count, c1
 void Comm::allreduce_small(const Call& call, const uint8_t* in, uint8_t* out, int64_t count, c10::ScalarType dtype,
                            RedOp op, int root) {
   const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dtype));
-  const OpDescriptor d = begin(call, root < 0 ? OpKind::kAllreduce : OpKind::kReduce, dtype,
-                               static_cast<int32_t>(op), root, bytes);
+  const OpDescriptor d =
+      begin(call, root < 0 ? OpKind::kAllreduce : OpKind::kReduce, dtype, static_cast<int32_t>(op), root, bytes);
   const int set = next_set();
   publish(set, d);
   if (size_ > 1 && rank_ != root) copy(segment_->slot(set, rank_), in, bytes);
@@ -85,8 +85,8 @@ void Comm::allreduce_small(const Call& call, const uint8_t* in, uint8_t* out, in
   reduce_into(out, nullptr, srcs_.data(), size_, count, dtype, op, size_);
 }
 
-void Comm::allreduce_pipelined(const Call& call, const uint8_t* in, uint8_t* out, int64_t count,
-                               c10::ScalarType dtype, RedOp op, int root) {
+void Comm::allreduce_pipelined(const Call& call, const uint8_t* in, uint8_t* out, int64_t count, c10::ScalarType dtype,
+                               RedOp op, int root) {
   const auto es = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t chunk = static_cast<int64_t>(segment_->layout().chunk_bytes) / es;  // elements per step
   const int64_t nchunks = ceil_div(count, chunk);
@@ -97,8 +97,8 @@ void Comm::allreduce_pipelined(const Call& call, const uint8_t* in, uint8_t* out
     const int64_t per = ceil_div(ceil_div(c, size_), align) * align;
     return std::min<int64_t>(c, per * q);
   };
-  const OpDescriptor d = begin(call, root < 0 ? OpKind::kAllreduce : OpKind::kReduce, dtype,
-                               static_cast<int32_t>(op), root, count * es);
+  const OpDescriptor d =
+      begin(call, root < 0 ? OpKind::kAllreduce : OpKind::kReduce, dtype, static_cast<int32_t>(op), root, count * es);
   int prev_set = 0;
   int64_t prev_off = 0;
   int64_t prev_c = 0;
@@ -230,8 +230,8 @@ void Comm::scatter(const Call& call, const void* const* ins, const int64_t* in_b
         const int64_t sends = segment_->aux(set, root)[q];
         most = std::max(most, sends);
         if (expects != sends) {
-          fail(call, c10::str("root ", root, " sends ", sends, " bytes to rank ", q, ", which expects ", expects,
-                              " bytes"));
+          fail(call,
+               c10::str("root ", root, " sends ", sends, " bytes to rank ", q, ", which expects ", expects, " bytes"));
         }
       }
       nsteps = std::max<int64_t>(1, ceil_div(most, cap));
@@ -263,8 +263,8 @@ void Comm::reduce_scatter(const Call& call, const void* const* ins, void* out, i
     if (k == 0) check_agreement(call, set, true);
     if (c == 0) continue;
     for (int x = 0; x < size_; ++x) {
-      srcs_[x] = x == rank_ ? static_cast<const uint8_t*>(ins[rank_]) + off * es
-                            : segment_->slot(set, x) + rank_ * piece;
+      srcs_[x] =
+          x == rank_ ? static_cast<const uint8_t*>(ins[rank_]) + off * es : segment_->slot(set, x) + rank_ * piece;
     }
     reduce_into(dst + off * es, nullptr, srcs_.data(), size_, c, dtype, op, size_);
   }
@@ -288,7 +288,8 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
     const int64_t off = k * piece;
     uint8_t* mine = segment_->slot(set, rank_);
     for (int q = 0; q < size_; ++q) {
-      if (q != rank_) copy(mine + q * piece, static_cast<const uint8_t*>(ins[q]) + off, clamp_len(in_bytes[q], off, piece));
+      if (q != rank_)
+        copy(mine + q * piece, static_cast<const uint8_t*>(ins[q]) + off, clamp_len(in_bytes[q], off, piece));
     }
     arrive_and_wait(call);
     if (k == 0) {

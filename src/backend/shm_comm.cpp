@@ -191,7 +191,8 @@ void Comm::wait(Ready&& ready, Bell& bell, const Call& call, WaitOn on, int peer
 int64_t Comm::spin_after_miss(int64_t spin, int64_t start, WaitOn on) const {
   // How long after the wait began the last rank arrived (barriers only).
   const int64_t late = on == WaitOn::kBarrier ? last_arrival_ns() - start : -1;
-  if (late > 0 && late <= policy_.max_spin_ns) return std::min(policy_.max_spin_ns, std::max(2 * spin, late + late / 4));
+  if (late > 0 && late <= policy_.max_spin_ns)
+    return std::min(policy_.max_spin_ns, std::max(2 * spin, late + late / 4));
   return std::max(kMinSpinNs, spin / 2);
 }
 
@@ -315,7 +316,8 @@ void Comm::throw_aborted(const char* op) const {
   for (int i = 0; i < 100000 && h.abort_state.load(std::memory_order_acquire) != 2; ++i) cpu_relax();
   std::string reason = "unknown reason";
   if (h.abort_state.load(std::memory_order_acquire) == 2) reason.assign(h.abort_reason);
-  COMMGRAD_THROW(::commgrad::ErrorKind::kPeerFailed, ::commgrad::make_site(op, context_), "the group was aborted and cannot be used: ", reason);
+  COMMGRAD_THROW(::commgrad::ErrorKind::kPeerFailed, ::commgrad::make_site(op, context_),
+                 "the group was aborted and cannot be used: ", reason);
 }
 
 // ~~~ the simplest collectives ~~~
@@ -460,8 +462,7 @@ int Comm::recv_any(const Call& call, int tag, void* data, int64_t bytes, c10::Sc
     }
     if (std::chrono::steady_clock::now() >= call.deadline) {
       COMMGRAD_THROW(::commgrad::ErrorKind::kTimeout, ::commgrad::make_site(call.op, context_), "Timed out after ",
-                                                     seconds(call.timeout), " waiting for a message with tag ",
-                                                     tag, " from any rank");
+                     seconds(call.timeout), " waiting for a message with tag ", tag, " from any rank");
     }
     if (pause.count() == 0) {
       sched_yield();

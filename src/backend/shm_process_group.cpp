@@ -48,8 +48,8 @@ struct ShmProcessGroup::Job {
 ShmProcessGroup::ShmProcessGroup(const commgrad::detail::StorePtr& store, int rank, int size, ShmOptions options)
     : commgrad::detail::TransportBase(rank, size), options_(detail::resolve(std::move(options), size)) {
   TORCH_CHECK(store, "[commgrad] shm: ShmProcessGroup needs a store");
-  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "[commgrad] shm group '", options_.group_name(),
-              "': rank ", rank, " is outside [0, ", size, ")");
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "[commgrad] shm group '", options_.group_name(), "': rank ", rank,
+              " is outside [0, ", size, ")");
   const std::string context = c10::str("rank ", rank, "/", size, " group '", options_.group_name(), "' (shm)");
   detail::SegmentConfig config;
   config.store = store;
@@ -81,9 +81,7 @@ ShmProcessGroup::~ShmProcessGroup() {
 }
 
 std::string ShmProcessGroup::segment_name() const { return comm_->segment().name(); }
-int64_t ShmProcessGroup::segment_bytes() const {
-  return static_cast<int64_t>(comm_->segment().layout().total_bytes);
-}
+int64_t ShmProcessGroup::segment_bytes() const { return static_cast<int64_t>(comm_->segment().layout().total_bytes); }
 std::string ShmProcessGroup::describe() const { return comm_->context(); }
 
 std::chrono::milliseconds ShmProcessGroup::timeout_of(std::chrono::milliseconds requested) const {
@@ -143,8 +141,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_reduce_out(const Checks& 
   check.tensor(input, "the input");
   check.tensor(output, "the output");
   check.require(input.is_contiguous() && output.is_contiguous(), "the out-of-place form needs contiguous tensors");
-  check.require(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
-                "input ", input.scalar_type(), input.sizes(), " and output ", output.scalar_type(), output.sizes(),
+  check.require(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(), "input ",
+                input.scalar_type(), input.sizes(), " and output ", output.scalar_type(), output.sizes(),
                 " differ in dtype or number of elements");
   const auto* in_begin = static_cast<const uint8_t*>(input.data_ptr());
   const auto* out_begin = static_cast<const uint8_t*>(output.data_ptr());
@@ -155,8 +153,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_reduce_out(const Checks& 
   const auto type = root < 0 ? c10d::OpType::ALLREDUCE : c10d::OpType::REDUCE;
   return submit_collective(check.op(), type, {output}, static_cast<int64_t>(output.nbytes()), timeout,
                            Job{[input, output, red, root](Comm& c, const Call& call) {
-                             c.reduce(call, input.data_ptr(), output.data_ptr(), output.numel(),
-                                      output.scalar_type(), red, root);
+                             c.reduce(call, input.data_ptr(), output.data_ptr(), output.numel(), output.scalar_type(),
+                                      red, root);
                            }});
 }
 
@@ -272,8 +270,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& outp
   check.require(output.scalar_type() == input.scalar_type(), "output dtype ", output.scalar_type(),
                 " differs from input dtype ", input.scalar_type());
   check.require(output.numel() == input.numel() * getSize(), "output has ", output.numel(),
-                " elements; expected world size x input = ", getSize(), " x ", input.numel(), " (input ",
-                input.sizes(), ", output ", output.sizes(), ")");
+                " elements; expected world size x input = ", getSize(), " x ", input.numel(), " (input ", input.sizes(),
+                ", output ", output.sizes(), ")");
   const Staged in(input);
   const Staged out(output);
   return submit_collective(check.op(), c10d::OpType::_ALLGATHER_BASE, {output}, out.bytes(), opts.timeout,
@@ -341,8 +339,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>&
   const auto dtype = outputs[0].scalar_type();
   std::vector<Staged> ins;
   if (getRank() == root) {
-    check.require(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(), "the root expects ",
-                  getSize(), " input tensors (one per rank) in one list");
+    check.require(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(), "the root expects ", getSize(),
+                  " input tensors (one per rank) in one list");
     for (int q = 0; q < getSize(); ++q) {
       const at::Tensor& t = inputs[0][q];
       check.tensor(t, "input", q);

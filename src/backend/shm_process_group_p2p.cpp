@@ -35,9 +35,9 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::send(std::vector<at::Tensor>& te
   auto work = c10::make_intrusive<ShmWork>(getRank(), c10d::OpType::SEND, std::vector<at::Tensor>{});
   peer_executor(true, dst_rank)
       .submit(detail::completing(work, comm_.get(), "send", options_.timeout(),
-                         [s, dst_rank, tag](Comm& c, const Call& call) {
-                           c.send(call, dst_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
-                         }),
+                                 [s, dst_rank, tag](Comm& c, const Call& call) {
+                                   c.send(call, dst_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
+                                 }),
               comm_->send_fits(dst_rank, s.bytes()));
   return work;
 }
@@ -47,10 +47,10 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recv(std::vector<at::Tensor>& te
   auto work = c10::make_intrusive<ShmWork>(getRank(), c10d::OpType::RECV, tensors);
   peer_executor(false, src_rank)
       .submit(detail::completing(work, comm_.get(), "recv", options_.timeout(),
-                         [s, src_rank, tag](Comm& c, const Call& call) {
-                           c.recv(call, src_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
-                           s.finish();
-                         }),
+                                 [s, src_rank, tag](Comm& c, const Call& call) {
+                                   c.recv(call, src_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
+                                   s.finish();
+                                 }),
               comm_->recv_ready(src_rank, s.bytes()));
   return work;
 }
@@ -63,13 +63,13 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recvAnysource(std::vector<at::Te
     std::lock_guard<std::mutex> lock(peers_mutex_);
     if (!any_source_receiver_) any_source_receiver_ = std::make_unique<detail::Executor>();
   }
-  any_source_receiver_->submit(detail::completing(work, comm_.get(), "recvAnysource", options_.timeout(),
-                                                  [s, tag, work](Comm& c, const Call& call) {
-                                                    work->set_source_rank(c.recv_any(
-                                                        call, tag, s.data(), s.bytes(), s.buffer.scalar_type()));
-                                                    s.finish();
-                                                  }),
-                               /*inline_ok=*/false);
+  any_source_receiver_->submit(
+      detail::completing(work, comm_.get(), "recvAnysource", options_.timeout(),
+                         [s, tag, work](Comm& c, const Call& call) {
+                           work->set_source_rank(c.recv_any(call, tag, s.data(), s.bytes(), s.buffer.scalar_type()));
+                           s.finish();
+                         }),
+      /*inline_ok=*/false);
   return work;
 }
 

@@ -193,31 +193,50 @@ void reduce_bool(void* dst, void* dst2, const void* const* srcs, int nsrcs, int6
 
 const char* red_op_name(RedOp op) {
   switch (op) {
-    case RedOp::kSum: return "SUM";
-    case RedOp::kAvg: return "AVG";
-    case RedOp::kProduct: return "PRODUCT";
-    case RedOp::kMin: return "MIN";
-    case RedOp::kMax: return "MAX";
-    case RedOp::kBand: return "BAND";
-    case RedOp::kBor: return "BOR";
-    case RedOp::kBxor: return "BXOR";
+    case RedOp::kSum:
+      return "SUM";
+    case RedOp::kAvg:
+      return "AVG";
+    case RedOp::kProduct:
+      return "PRODUCT";
+    case RedOp::kMin:
+      return "MIN";
+    case RedOp::kMax:
+      return "MAX";
+    case RedOp::kBand:
+      return "BAND";
+    case RedOp::kBor:
+      return "BOR";
+    case RedOp::kBxor:
+      return "BXOR";
   }
   return "?";
 }
 
 const char* op_kind_name(OpKind kind) {
   switch (kind) {
-    case OpKind::kNone: return "nothing";
-    case OpKind::kInvalid: return "a rejected call";
-    case OpKind::kBarrier: return "barrier";
-    case OpKind::kAllreduce: return "allreduce";
-    case OpKind::kReduce: return "reduce";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kAllgather: return "allgather";
-    case OpKind::kGather: return "gather";
-    case OpKind::kScatter: return "scatter";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kAlltoall: return "alltoall";
+    case OpKind::kNone:
+      return "nothing";
+    case OpKind::kInvalid:
+      return "a rejected call";
+    case OpKind::kBarrier:
+      return "barrier";
+    case OpKind::kAllreduce:
+      return "allreduce";
+    case OpKind::kReduce:
+      return "reduce";
+    case OpKind::kBroadcast:
+      return "broadcast";
+    case OpKind::kAllgather:
+      return "allgather";
+    case OpKind::kGather:
+      return "gather";
+    case OpKind::kScatter:
+      return "scatter";
+    case OpKind::kReduceScatter:
+      return "reduce_scatter";
+    case OpKind::kAlltoall:
+      return "alltoall";
   }
   return "?";
 }
@@ -249,7 +268,8 @@ bool reduction_supported(c10::ScalarType dtype, RedOp op, std::string* why) {
       if (op == RedOp::kAvg) *why = "AVG is not defined for bool tensors";
       return op != RedOp::kAvg;
     default:
-      *why = c10::str("dtype ", dtype, " is not supported by shm reductions (float, double, half, bfloat16, "
+      *why = c10::str("dtype ", dtype,
+                      " is not supported by shm reductions (float, double, half, bfloat16, "
                       "complex, int8/16/32/64, uint8, bool are)");
       return false;
   }
@@ -260,19 +280,32 @@ void reduce_into(void* dst, void* dst2, const void* const* srcs, int nsrcs, int6
   if (count <= 0) return;
   using c10::ScalarType;
   switch (dtype) {
-    case ScalarType::Float: return reduce_typed<float>(dst, dst2, srcs, nsrcs, count, op, divisor);
-    case ScalarType::Double: return reduce_typed<double>(dst, dst2, srcs, nsrcs, count, op, divisor);
-    case ScalarType::Half: return reduce_typed<c10::Half>(dst, dst2, srcs, nsrcs, count, op, divisor);
-    case ScalarType::BFloat16: return reduce_typed<c10::BFloat16>(dst, dst2, srcs, nsrcs, count, op, divisor);
-    case ScalarType::ComplexFloat: return reduce_typed<float>(dst, dst2, srcs, nsrcs, 2 * count, op, divisor);
-    case ScalarType::ComplexDouble: return reduce_typed<double>(dst, dst2, srcs, nsrcs, 2 * count, op, divisor);
-    case ScalarType::Char: return reduce_typed<int8_t>(dst, dst2, srcs, nsrcs, count, op, divisor);
-    case ScalarType::Short: return reduce_typed<int16_t>(dst, dst2, srcs, nsrcs, count, op, divisor);
-    case ScalarType::Int: return reduce_typed<int32_t>(dst, dst2, srcs, nsrcs, count, op, divisor);
-    case ScalarType::Long: return reduce_typed<int64_t>(dst, dst2, srcs, nsrcs, count, op, divisor);
-    case ScalarType::Byte: return reduce_typed<uint8_t>(dst, dst2, srcs, nsrcs, count, op, divisor);
-    case ScalarType::Bool: return reduce_bool(dst, dst2, srcs, nsrcs, count, op);
-    default: TORCH_INTERNAL_ASSERT(false, "shm: no reduction for ", dtype);
+    case ScalarType::Float:
+      return reduce_typed<float>(dst, dst2, srcs, nsrcs, count, op, divisor);
+    case ScalarType::Double:
+      return reduce_typed<double>(dst, dst2, srcs, nsrcs, count, op, divisor);
+    case ScalarType::Half:
+      return reduce_typed<c10::Half>(dst, dst2, srcs, nsrcs, count, op, divisor);
+    case ScalarType::BFloat16:
+      return reduce_typed<c10::BFloat16>(dst, dst2, srcs, nsrcs, count, op, divisor);
+    case ScalarType::ComplexFloat:
+      return reduce_typed<float>(dst, dst2, srcs, nsrcs, 2 * count, op, divisor);
+    case ScalarType::ComplexDouble:
+      return reduce_typed<double>(dst, dst2, srcs, nsrcs, 2 * count, op, divisor);
+    case ScalarType::Char:
+      return reduce_typed<int8_t>(dst, dst2, srcs, nsrcs, count, op, divisor);
+    case ScalarType::Short:
+      return reduce_typed<int16_t>(dst, dst2, srcs, nsrcs, count, op, divisor);
+    case ScalarType::Int:
+      return reduce_typed<int32_t>(dst, dst2, srcs, nsrcs, count, op, divisor);
+    case ScalarType::Long:
+      return reduce_typed<int64_t>(dst, dst2, srcs, nsrcs, count, op, divisor);
+    case ScalarType::Byte:
+      return reduce_typed<uint8_t>(dst, dst2, srcs, nsrcs, count, op, divisor);
+    case ScalarType::Bool:
+      return reduce_bool(dst, dst2, srcs, nsrcs, count, op);
+    default:
+      TORCH_INTERNAL_ASSERT(false, "shm: no reduction for ", dtype);
   }
 }
 

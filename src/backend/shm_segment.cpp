@@ -113,8 +113,9 @@ Segment::Segment(const SegmentConfig& config)
     try {
       config.store->wait({key}, config.timeout);
     } catch (const std::exception& e) {
-      COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, "[commgrad] shm ", config.context, ": rank 0 did not publish the shared-memory segment within ",
-                   config.timeout.count() / 1000.0, "s (did rank 0 fail to create it?): ", e.what());
+      COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, "[commgrad] shm ", config.context,
+                             ": rank 0 did not publish the shared-memory segment within ",
+                             config.timeout.count() / 1000.0, "s (did rank 0 fail to create it?): ", e.what());
     }
     const auto bytes = config.store->get(key);
     name_.assign(bytes.begin(), bytes.end());
@@ -137,16 +138,15 @@ void Segment::create(const SegmentConfig& config) {
     if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) {
-    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context, ": cannot create segment ",
-                                                name_, " in /dev/shm: ", errno_text(errno));
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context,
+                           ": cannot create segment ", name_, " in /dev/shm: ", errno_text(errno));
   }
   auto fail = [&](const std::string& what, int err) {
     close(fd);
     shm_unlink(name_.c_str());
-    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context, ": ", what, " ", name_, " (",
-                                                mib(layout_.total_bytes), "): ", errno_text(err),
-                                                "; /dev/shm has ", shm_free_space(),
-                                                " free. A smaller COMMGRAD_SHM_CHUNK_BYTES needs less.");
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context, ": ", what, " ",
+                           name_, " (", mib(layout_.total_bytes), "): ", errno_text(err), "; /dev/shm has ",
+                           shm_free_space(), " free. A smaller COMMGRAD_SHM_CHUNK_BYTES needs less.");
   };
   if (ftruncate(fd, static_cast<off_t>(layout_.total_bytes)) != 0) fail("cannot size segment", errno);
   const int rc = posix_fallocate(fd, 0, static_cast<off_t>(layout_.total_bytes));
@@ -176,8 +176,9 @@ void Segment::create(const SegmentConfig& config) {
 void Segment::open(const SegmentConfig& config) {
   const int fd = shm_open(name_.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
-    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, 
-        "[commgrad] shm ", config.context, ": cannot open segment ", name_, " created by rank 0: ", errno_text(errno),
+    COMMGRAD_THROW_MESSAGE(
+        ::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context, ": cannot open segment ", name_,
+        " created by rank 0: ", errno_text(errno),
         errno == ENOENT ? " (it was unlinked: another rank gave up waiting, or this rank is not on rank 0's host)"
                         : "");
   }
@@ -192,15 +193,16 @@ void Segment::open(const SegmentConfig& config) {
   const int err = errno;
   close(fd);
   if (p == MAP_FAILED) {
-    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context, ": cannot map segment ", name_, ": ", errno_text(err));
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context,
+                           ": cannot map segment ", name_, ": ", errno_text(err));
   }
   base_ = static_cast<uint8_t*>(p);
   std::atomic_thread_fence(std::memory_order_acquire);
   const Header& h = header();
-  if (h.magic != kMagic || h.version != kVersion || h.size != config.size ||
-      h.chunk_bytes != layout_.chunk_bytes || h.mailbox_bytes != layout_.mailbox_bytes) {
-    const std::string got = c10::str("size ", h.size, ", chunk_bytes ", h.chunk_bytes, ", mailbox_bytes ",
-                                     h.mailbox_bytes);
+  if (h.magic != kMagic || h.version != kVersion || h.size != config.size || h.chunk_bytes != layout_.chunk_bytes ||
+      h.mailbox_bytes != layout_.mailbox_bytes) {
+    const std::string got =
+        c10::str("size ", h.size, ", chunk_bytes ", h.chunk_bytes, ", mailbox_bytes ", h.mailbox_bytes);
     munmap(base_, layout_.total_bytes);
     base_ = nullptr;
     TORCH_CHECK(false, "[commgrad] shm ", config.context, ": rank 0 created segment ", name_, " with ", got,
@@ -238,9 +240,9 @@ void Segment::wait_until_mapped(const SegmentConfig& config) {
   shm_unlink(name_.c_str());  // nobody else may join now; ENOENT is fine
   munmap(base_, layout_.total_bytes);
   base_ = nullptr;
-  COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, "[commgrad] shm ", config.context, ": ", describe_ranks(missing),
-                                                 " did not map the shared-memory segment within ",
-                                                 config.timeout.count() / 1000.0, "s");
+  COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, "[commgrad] shm ", config.context, ": ",
+                         describe_ranks(missing), " did not map the shared-memory segment within ",
+                         config.timeout.count() / 1000.0, "s");
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {

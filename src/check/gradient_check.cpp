@@ -131,8 +131,7 @@ std::string GradCheckResult::table() const {
     std::ostringstream line;
     line << "  " << std::left << std::setw(static_cast<int>(name_w)) << a << "  "
          << std::setw(static_cast<int>(shape_w)) << b << "  " << std::setw(static_cast<int>(layout_w)) << c << "  "
-         << std::right << std::setw(10) << d << "  " << std::setw(10) << e << "  " << std::setw(13) << f << "  "
-         << g;
+         << std::right << std::setw(10) << d << "  " << std::setw(10) << e << "  " << std::setw(13) << f << "  " << g;
     std::string text = line.str();
     text.erase(text.find_last_not_of(' ') + 1);
     os << text << "\n";
@@ -146,7 +145,8 @@ std::string GradCheckResult::table() const {
   row("tensor", "shape", "layout", "max abs", "max rel", "atol / rtol", "");
   for (const auto& t : tensors) {
     row(t.name, shape_name(t.shape), t.layout, sci(t.max_abs_error), sci(t.max_rel_error),
-        sci(t.atol, 0) + " / " + sci(t.rtol, 0), t.ok ? "ok" : "MISMATCH" + (t.note.empty() ? "" : " (" + t.note + ")"));
+        sci(t.atol, 0) + " / " + sci(t.rtol, 0),
+        t.ok ? "ok" : "MISMATCH" + (t.note.empty() ? "" : " (" + t.note + ")"));
   }
   const auto bad = failures();
   if (bad.empty()) {
@@ -245,7 +245,8 @@ void GradientCheck::match_parameters() {
     used.insert(rname);
   }
   for (const auto& r : ref_params_) {
-    COMMGRAD_CHECK(used.count(r.key()) == 1, kOp, g_, "reference parameter '", r.key(), "' has no parallel counterpart");
+    COMMGRAD_CHECK(used.count(r.key()) == 1, kOp, g_, "reference parameter '", r.key(),
+                   "' has no parallel counterpart");
   }
   for (auto* params : {&par_params_, &ref_params_}) {
     for (auto& p : *params) p.value().mutable_grad() = at::Tensor();
@@ -370,7 +371,8 @@ GradCheckResult GradientCheck::compare() {
     auto& rep = all[i].report;
     rep.max_abs_error = maxima[2 * i].item<double>();
     rep.max_abs_ref = maxima[2 * i + 1].item<double>();
-    rep.max_rel_error = rep.max_abs_ref > 0 ? rep.max_abs_error / rep.max_abs_ref : (rep.max_abs_error > 0 ? INFINITY : 0);
+    rep.max_rel_error =
+        rep.max_abs_ref > 0 ? rep.max_abs_error / rep.max_abs_ref : (rep.max_abs_error > 0 ? INFINITY : 0);
     rep.atol = atol;
     rep.rtol = rtol;
     rep.ok = rep.note.empty() && rep.max_abs_error <= atol + rtol * rep.max_abs_ref;
@@ -381,8 +383,8 @@ GradCheckResult GradientCheck::compare() {
 
 }  // namespace
 
-GradCheckResult check_gradients(const Subject& parallel, const Subject& reference, const std::vector<at::Tensor>& inputs,
-                                const GradCheckOptions& options) {
+GradCheckResult check_gradients(const Subject& parallel, const Subject& reference,
+                                const std::vector<at::Tensor>& inputs, const GradCheckOptions& options) {
   return GradientCheck(parallel, reference, inputs, options).run();
 }
 

@@ -75,12 +75,12 @@ std::string TrajectoryResult::table() const {
   os << "commgrad::check trajectory " << (title.empty() ? "" : title + " ") << "(" << losses.size()
      << " steps against one rank)\n";
   for (size_t k = 0; k < losses.size(); ++k) {
-    os << "  step " << k + 1 << ": loss " << std::setprecision(9) << losses[k] << " (one rank "
-       << reference_losses[k] << ")" << (static_cast<int>(k) == first_divergent_step ? "  DIVERGES" : "") << "\n";
+    os << "  step " << k + 1 << ": loss " << std::setprecision(9) << losses[k] << " (one rank " << reference_losses[k]
+       << ")" << (static_cast<int>(k) == first_divergent_step ? "  DIVERGES" : "") << "\n";
   }
   for (const auto& p : parameters) {
-    os << "  " << p.name << ": max abs " << std::scientific << std::setprecision(2) << p.max_abs_error
-       << ", max rel " << p.max_rel_error << std::defaultfloat
+    os << "  " << p.name << ": max abs " << std::scientific << std::setprecision(2) << p.max_abs_error << ", max rel "
+       << p.max_rel_error << std::defaultfloat
        << (p.ok ? "  ok" : "  MISMATCH" + (p.note.empty() ? std::string() : " (" + p.note + ")")) << "\n";
   }
   os << (ok() ? "  all steps and parameters agree" : "  the runs differ") << "\n";
@@ -100,9 +100,8 @@ TrajectoryResult check_trajectory(const StepFn& parallel_step, const torch::nn::
   result.title = options.title();
   for (int k = 0; k < options.steps(); ++k) {
     const double mine = parallel_step(k);
-    const auto mean = ops::raw::all_reduce(at::full({1}, mine, at::kDouble),
-                                           ops::AllReduceOptions().op(ReduceOp::kAvg), dp)
-                          .wait();
+    const auto mean =
+        ops::raw::all_reduce(at::full({1}, mine, at::kDouble), ops::AllReduceOptions().op(ReduceOp::kAvg), dp).wait();
     result.losses.push_back(mean.item<double>());
     result.reference_losses.push_back(reference_step(k));
     const double error = std::abs(result.losses.back() - result.reference_losses.back());

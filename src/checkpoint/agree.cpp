@@ -58,7 +58,8 @@ std::vector<std::string> run_phase(const char* op, const Group& group, const std
   TORCH_CHECK(status[0] == '+', status.substr(1));
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r].empty() || all[r][0] != '+') {
-      TORCH_CHECK(false, prefix, "rank ", r, " failed: ", all[r].empty() ? std::string("(no status)") : all[r].substr(1));
+      TORCH_CHECK(false, prefix, "rank ", r,
+                  " failed: ", all[r].empty() ? std::string("(no status)") : all[r].substr(1));
     }
     all[r].erase(0, 1);
   }

@@ -58,7 +58,8 @@ void append(std::vector<TensorPiece>& to, std::vector<TensorPiece> more) {
 std::vector<TensorPiece> fsdp_pieces(const fsdp::FullyShardedModule& sharded, const std::string& prefix) {
   std::vector<TensorPiece> pieces;
   for (const auto& p : pieces_of(sharded)) append(pieces, range_pieces(p.blocks, prefix + p.name, p.begin, p.tensor));
-  for (const auto& b : sharded.module()->named_buffers()) pieces.push_back(TensorPiece::whole(prefix + b.key(), b.value()));
+  for (const auto& b : sharded.module()->named_buffers())
+    pieces.push_back(TensorPiece::whole(prefix + b.key(), b.value()));
   return pieces;
 }
 

@@ -31,9 +31,9 @@ std::string serialize_index(const Index& index) {
     tensors[name] = {
         {"dtype", t.dtype}, {"global_shape", t.global_shape}, {"required", t.required}, {"pieces", pieces}};
   }
-  const nlohmann::json j = {{"format", kIndexFormat}, {"version", kIndexVersion}, {"step", index.step},
-                            {"world_size", index.world_size}, {"metadata", index.metadata},
-                            {"files", files}, {"tensors", tensors}};
+  const nlohmann::json j = {
+      {"format", kIndexFormat},     {"version", kIndexVersion}, {"step", index.step}, {"world_size", index.world_size},
+      {"metadata", index.metadata}, {"files", files},           {"tensors", tensors}};
   return j.dump(1) + "\n";
 }
 

@@ -79,8 +79,7 @@ std::string find_step_directory(const std::string& root, const std::optional<int
   }
   const fs::path dir = fs::path(root) / step_directory_name(chosen);
   TORCH_CHECK(fs::exists(dir / kIndexFileName, ec), dir.string(), " is not a checkpoint step: ",
-              fs::exists(dir, ec) ? "it has no " + std::string(kIndexFileName)
-                                  : std::string("it does not exist"),
+              fs::exists(dir, ec) ? "it has no " + std::string(kIndexFileName) : std::string("it does not exist"),
               " (complete steps in ", root, ": ", list_steps(root), ")");
   return dir.string();
 }

@@ -18,7 +18,8 @@ namespace commgrad::checkpoint {
 
 namespace {
 
-std::vector<ParameterBlock> blocks_of(const std::string& name, const at::Tensor& local, const tp::ParameterShard& shard) {
+std::vector<ParameterBlock> blocks_of(const std::string& name, const at::Tensor& local,
+                                      const tp::ParameterShard& shard) {
   const int n = shard.spec.is_partitioned() && shard.group.defined() ? shard.group.size() : 1;
   const int64_t nd = local.dim();
   if (n == 1) return {ParameterBlock{local.sizes().vec(), std::vector<int64_t>(nd, 0), local.sizes().vec(), 0, 0}};
@@ -74,8 +75,8 @@ std::vector<TensorPiece> module_pieces(const torch::nn::Module& module, const st
   return pieces;
 }
 
-std::vector<TensorPiece> range_pieces(const std::vector<ParameterBlock>& blocks, const std::string& name,
-                                      int64_t begin, const at::Tensor& data, bool required) {
+std::vector<TensorPiece> range_pieces(const std::vector<ParameterBlock>& blocks, const std::string& name, int64_t begin,
+                                      const at::Tensor& data, bool required) {
   const int64_t length = data.numel();
   std::vector<TensorPiece> pieces;
   auto piece = [&](const ParameterBlock& b, int64_t flat_begin, const at::Tensor& tensor) {

@@ -61,7 +61,8 @@ void restore_optimizer(optim::ZeroOptimizer& zero, const std::vector<TensorPiece
       // A range's pieces (one per TP block it touches) are the next run of
       // each state's name; a parameter has one range per rank.
       for (const auto& state : zero.state_names()) {
-        if (auto value = runs.take(prefix, state, seg.name)) shards.push_back({seg.name, state, seg.param_begin, *value});
+        if (auto value = runs.take(prefix, state, seg.name))
+          shards.push_back({seg.name, state, seg.param_begin, *value});
       }
     }
   }

@@ -66,8 +66,7 @@ at::Tensor ShardReader::read(const std::string& name, const SavedTensor& tensor,
   if (cached != cache_.end()) return cached->second;
   const SafetensorsHeader& h = header(piece.file);
   auto entry = h.tensors.find(piece.key);
-  TORCH_CHECK(entry != h.tensors.end(), "shard file ", h.path, " has no entry '", piece.key, "' (tensor '", name,
-              "')");
+  TORCH_CHECK(entry != h.tensors.end(), "shard file ", h.path, " has no entry '", piece.key, "' (tensor '", name, "')");
   const SafetensorsInfo& info = entry->second;
   const at::ScalarType dtype = *dtype_from_safetensors(tensor.dtype);
   const int64_t count = piece.flat_end - piece.flat_begin;

@@ -52,8 +52,10 @@ const char* safetensors_dtype(at::ScalarType dtype) {
   for (const auto& d : kDtypes) {
     if (d.dtype == dtype) return d.code;
   }
-  TORCH_CHECK(false, "checkpoints hold float32, float64, bfloat16, float16, int64, int32, int16, int8, uint8 and bool "
-              "tensors, not ", c10::toString(dtype));
+  TORCH_CHECK(false,
+              "checkpoints hold float32, float64, bfloat16, float16, int64, int32, int16, int8, uint8 and bool "
+              "tensors, not ",
+              c10::toString(dtype));
 }
 
 std::optional<at::ScalarType> dtype_from_safetensors(const std::string& code) {
@@ -175,8 +177,8 @@ at::Tensor read_safetensors_tensor(const SafetensorsHeader& header, const Safete
                                    uint32_t* crc32) {
   const int64_t bytes = info.end - info.begin;
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-  TORCH_CHECK(bytes % item == 0, "shard file ", header.path, ": an entry of ", bytes, " bytes is not a whole number of ",
-              c10::toString(dtype), " elements");
+  TORCH_CHECK(bytes % item == 0, "shard file ", header.path, ": an entry of ", bytes,
+              " bytes is not a whole number of ", c10::toString(dtype), " elements");
   at::Tensor out = at::empty({bytes / item}, at::TensorOptions().dtype(dtype));
   if (bytes > 0) {
     std::ifstream in(header.path, std::ios::binary);

@@ -83,8 +83,8 @@ Plan make_plan(const std::vector<std::string>& described, int64_t step, const Gr
     COMMGRAD_CHECK(j.at("step").get<int64_t>() == step, kOp, group, "rank ", r, " saves step ",
                    j.at("step").get<int64_t>(), ", this rank step ", step);
     for (const auto& p : j.at("pieces")) {
-      plan.by_rank[r].push_back(PlannedPiece{detail::piece_from_json(p), static_cast<int>(r),
-                                             plan.by_rank[r].size(), false, ""});
+      plan.by_rank[r].push_back(
+          PlannedPiece{detail::piece_from_json(p), static_cast<int>(r), plan.by_rank[r].size(), false, ""});
     }
   }
   for (auto& pieces : plan.by_rank) {
@@ -95,19 +95,19 @@ Plan make_plan(const std::vector<std::string>& described, int64_t step, const Gr
     detail::SavedTensor saved{first.info.dtype, first.info.global_shape, false, {}};
     std::vector<PlannedPiece*> written;
     for (PlannedPiece* p : pieces) {
-      COMMGRAD_CHECK(p->info.dtype == saved.dtype && p->info.global_shape == saved.global_shape, kOp, group,
-                     "tensor '", name, "' is ", saved.dtype, " ", shape_name(saved.global_shape), " on rank ",
-                     first.rank, " but ", p->info.dtype, " ", shape_name(p->info.global_shape), " on rank ", p->rank);
+      COMMGRAD_CHECK(p->info.dtype == saved.dtype && p->info.global_shape == saved.global_shape, kOp, group, "tensor '",
+                     name, "' is ", saved.dtype, " ", shape_name(saved.global_shape), " on rank ", first.rank, " but ",
+                     p->info.dtype, " ", shape_name(p->info.global_shape), " on rank ", p->rank);
       saved.required = saved.required || p->info.required;
       if (!p->info.write) continue;
       bool replica = false;
       for (const PlannedPiece* w : written) replica = replica || w->info.same_region(p->info);
       if (replica) continue;  // a lower rank writes the same region
       for (const PlannedPiece* w : written) {
-        const bool overlap = w->info.box == p->info.box
-                                 ? (p->info.flat_begin < w->info.flat_end && w->info.flat_begin < p->info.flat_end)
-                                 : detail::intersect(w->info.box, p->info.box).has_value() && p->info.count() > 0 &&
-                                       w->info.count() > 0;
+        const bool overlap =
+            w->info.box == p->info.box
+                ? (p->info.flat_begin < w->info.flat_end && w->info.flat_begin < p->info.flat_end)
+                : detail::intersect(w->info.box, p->info.box).has_value() && p->info.count() > 0 && w->info.count() > 0;
         COMMGRAD_CHECK(!overlap, kOp, group, "tensor '", name, "': the pieces ", piece_place(*w), " and ",
                        piece_place(*p), " overlap; mark all but one copy write = false");
       }

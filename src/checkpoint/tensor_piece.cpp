@@ -71,8 +71,8 @@ PieceInfo check_piece(const TensorPiece& piece) {
   const int64_t n = volume(info.box.shape);
   info.flat_begin = piece.flat_begin;
   info.flat_end = piece.flat_end < 0 ? n : piece.flat_end;
-  TORCH_CHECK(info.flat_begin >= 0 && info.flat_begin <= info.flat_end && info.flat_end <= n, "piece ",
-              describe(piece), ": the element range is not inside the box of ", n, " elements");
+  TORCH_CHECK(info.flat_begin >= 0 && info.flat_begin <= info.flat_end && info.flat_end <= n, "piece ", describe(piece),
+              ": the element range is not inside the box of ", n, " elements");
   TORCH_CHECK(piece.tensor.defined(), "piece ", describe(piece), " has no tensor");
   TORCH_CHECK(!piece.source.defined() || piece.tensor.is_alias_of(piece.source), "piece ", describe(piece),
               " no longer views the parameter it was taken from: the parameter was re-pointed after the pieces were "
@@ -86,9 +86,13 @@ PieceInfo check_piece(const TensorPiece& piece) {
 }
 
 nlohmann::json to_json(const PieceInfo& info) {
-  return {{"name", info.name},         {"dtype", info.dtype},       {"global_shape", info.global_shape},
-          {"box_offset", info.box.offset}, {"box_shape", info.box.shape},
-          {"flat_range", {info.flat_begin, info.flat_end}},         {"write", info.write},
+  return {{"name", info.name},
+          {"dtype", info.dtype},
+          {"global_shape", info.global_shape},
+          {"box_offset", info.box.offset},
+          {"box_shape", info.box.shape},
+          {"flat_range", {info.flat_begin, info.flat_end}},
+          {"write", info.write},
           {"required", info.required}};
 }
 

@@ -76,11 +76,11 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  kOp, g, "q, k and v differ: ", tensor_name(q), ", ", tensor_name(k), ", ", tensor_name(v));
   const int64_t sequence = q.size(2) * g.size();
   const int64_t parts = o.layout() == SequenceLayout::kHeadTail ? 2 * g.size() : g.size();
-  COMMGRAD_CHECK(o.layout() == SequenceLayout::kContiguous || q.size(2) % 2 == 0, kOp, g,
-                 "the sequence of ", sequence, " tokens (", q.size(2), " on each of ", g.size(),
-                 " ranks) does not split into ", parts, " equal chunks for the head-tail layout");
-  COMMGRAD_CHECK(o.mode() != AttentionMode::kUlysses || q.size(1) % g.size() == 0, kOp, g, "ulysses: ",
-                 q.size(1), " heads (", tensor_name(q), ") are not divisible by the context-parallel size ", g.size(),
+  COMMGRAD_CHECK(o.layout() == SequenceLayout::kContiguous || q.size(2) % 2 == 0, kOp, g, "the sequence of ", sequence,
+                 " tokens (", q.size(2), " on each of ", g.size(), " ranks) does not split into ", parts,
+                 " equal chunks for the head-tail layout");
+  COMMGRAD_CHECK(o.mode() != AttentionMode::kUlysses || q.size(1) % g.size() == 0, kOp, g, "ulysses: ", q.size(1),
+                 " heads (", tensor_name(q), ") are not divisible by the context-parallel size ", g.size(),
                  "; use mode allgather or ring, or a head count divisible by ", g.size());
 }
 
@@ -115,7 +115,8 @@ at::Tensor allgather_attention(const at::Tensor& q, const at::Tensor& k, const a
   const Group& g = o.group();
   const int64_t sequence = q.size(2) * g.size();
   at::Tensor kv = ops::all_gather(at::stack({k, v}), ops::AllGatherOptions().dim(3), g);  // [2, b, h, s, d]
-  if (o.layout() != SequenceLayout::kContiguous) kv = kv.index_select(3, gathered_order(sequence, o.layout(), g.size()));
+  if (o.layout() != SequenceLayout::kContiguous)
+    kv = kv.index_select(3, gathered_order(sequence, o.layout(), g.size()));
   return prefix_attention(q, kv[0], kv[1], sequence_chunks(sequence, o.layout(), g.rank(), g.size(), kOp), o.causal());
 }
 

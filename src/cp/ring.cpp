@@ -106,9 +106,10 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
       std::optional<Shift> next;
       if (t + 1 < w) next.emplace(kv, kKvTag, g, state->options.counters().get());
       const at::Tensor kva = kv.to(acc);
-      for_each_pair(*state, r, src, [&](size_t i, const SequenceChunk& qc, const SequenceChunk& kc, const at::Tensor& mask) {
-        merge(outs[i], lses[i], block_forward(seq(qa, qc), seq(kva[0], kc), seq(kva[1], kc), mask, state->scale));
-      });
+      for_each_pair(
+          *state, r, src, [&](size_t i, const SequenceChunk& qc, const SequenceChunk& kc, const at::Tensor& mask) {
+            merge(outs[i], lses[i], block_forward(seq(qa, qc), seq(kva[0], kc), seq(kva[1], kc), mask, state->scale));
+          });
       if (next) {
         kv = next->wait();
         if (state->options.counters()) ++state->options.counters()->forward_kv;
@@ -145,14 +146,15 @@ torch::autograd::variable_list RingAttention::backward(torch::autograd::Autograd
     if (t + 1 < w) next.emplace(kv, kKvTag, g, counters);
     const at::Tensor kva = kv.to(acc);
     at::Tensor part = at::zeros_like(kva);
-    for_each_pair(*state, r, src, [&](size_t, const SequenceChunk& qc, const SequenceChunk& kc, const at::Tensor& mask) {
-      const auto b = block_backward(seq(qa, qc), seq(kva[0], kc), seq(kva[1], kc), seq(dout, qc),
-                                    lse.narrow(2, qc.offset, qc.length), delta.narrow(2, qc.offset, qc.length), mask,
-                                    state->scale);
-      seq(dq, qc).add_(b.dq);
-      seq(part[0], kc).add_(b.dk);
-      seq(part[1], kc).add_(b.dv);
-    });
+    for_each_pair(*state, r, src,
+                  [&](size_t, const SequenceChunk& qc, const SequenceChunk& kc, const at::Tensor& mask) {
+                    const auto b = block_backward(seq(qa, qc), seq(kva[0], kc), seq(kva[1], kc), seq(dout, qc),
+                                                  lse.narrow(2, qc.offset, qc.length),
+                                                  delta.narrow(2, qc.offset, qc.length), mask, state->scale);
+                    seq(dq, qc).add_(b.dq);
+                    seq(part[0], kc).add_(b.dk);
+                    seq(part[1], kc).add_(b.dv);
+                  });
     // The accumulator of part src: what came from rank r-1, plus this rank's share.
     dkv = incoming ? incoming->wait().add_(part) : part;
     if (w > 1) {

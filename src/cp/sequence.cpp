@@ -32,7 +32,8 @@ std::string split_problem(int64_t sequence, SequenceLayout layout, int size) {
   if (sequence >= 0 && sequence % parts == 0) return {};
   return "a sequence of " + std::to_string(sequence) + " tokens does not split into " + std::to_string(parts) +
          " equal chunks (the " + layout_name(layout) + " layout over a context-parallel group of " +
-         std::to_string(size) + (layout == SequenceLayout::kHeadTail ? " needs a multiple of 2 x the group size)" : ")");
+         std::to_string(size) +
+         (layout == SequenceLayout::kHeadTail ? " needs a multiple of 2 x the group size)" : ")");
 }
 
 }  // namespace

@@ -43,7 +43,8 @@ at::Tensor heads_to_sequence(const at::Tensor& x, const Group& group) {
   const int64_t w = group.size(), b = x.size(0), hl = x.size(1), s = x.size(2), d = x.size(3);
   if (w == 1) return x;
   const at::Tensor front = x.reshape({b, hl, w, s / w, d}).permute({2, 0, 1, 3, 4});
-  const at::Tensor got = ops::all_to_all(front, ops::AllToAllOptions().dim(0), group);  // [W (head group), b, H/W, s/W, d]
+  const at::Tensor got =
+      ops::all_to_all(front, ops::AllToAllOptions().dim(0), group);  // [W (head group), b, H/W, s/W, d]
   return got.permute({1, 0, 2, 3, 4}).reshape({b, w * hl, s / w, d});
 }
 

@@ -10,7 +10,8 @@
 #include <ostream>
 #include <sstream>
 
-static_assert(TORCH_VERSION_MAJOR == COMMGRAD_TORCH_VERSION_MAJOR && TORCH_VERSION_MINOR == COMMGRAD_TORCH_VERSION_MINOR,
+static_assert(TORCH_VERSION_MAJOR == COMMGRAD_TORCH_VERSION_MAJOR &&
+                  TORCH_VERSION_MINOR == COMMGRAD_TORCH_VERSION_MINOR,
               "the LibTorch headers on the include path are not those of the LibTorch CMake found");
 
 namespace commgrad {

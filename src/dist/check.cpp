@@ -19,7 +19,8 @@ ErrorSite error_site(const std::string& op, const Group& group, int64_t collecti
 
 void check_member(const char* op, const Group& group) {
   if (!group.defined()) {
-    COMMGRAD_THROW(ErrorKind::kInvalidArgument, make_site(op), "the group handle is empty (was init_process_group() called?)");
+    COMMGRAD_THROW(ErrorKind::kInvalidArgument, make_site(op),
+                   "the group handle is empty (was init_process_group() called?)");
   }
   COMMGRAD_CHECK(group.is_member(), op, group, "this rank is not a member of the group; only ranks ",
                  format_ranks(group.ranks()), " may call collectives on it");

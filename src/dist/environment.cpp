@@ -58,18 +58,21 @@ bool read_ranks(const LaunchEnvironment::Lookup& get, const Names& n, LaunchEnvi
   const auto rank = get(n.rank);
   const auto size = get(n.size);
   if (!rank && !size) return false;
-  TORCH_CHECK(rank.has_value(), "[commgrad] init_process_group: ", n.size, " is set but ", n.rank, " is not; ", kHowToLaunch);
-  TORCH_CHECK(size.has_value(), "[commgrad] init_process_group: ", n.rank, " is set but ", n.size, " is not; ", kHowToLaunch);
+  TORCH_CHECK(rank.has_value(), "[commgrad] init_process_group: ", n.size, " is set but ", n.rank, " is not; ",
+              kHowToLaunch);
+  TORCH_CHECK(size.has_value(), "[commgrad] init_process_group: ", n.rank, " is set but ", n.size, " is not; ",
+              kHowToLaunch);
   env.rank = parse_int(n.rank, *rank);
   env.world_size = parse_int(n.size, *size);
   TORCH_CHECK(env.world_size >= 1, "[commgrad] init_process_group: ", n.size, "=0; the world needs at least one rank");
-  TORCH_CHECK(env.rank < env.world_size, "[commgrad] init_process_group: ", n.rank, "=", env.rank, " is out of range for ",
-              n.size, "=", env.world_size, " (expected 0..", env.world_size - 1, ")");
+  TORCH_CHECK(env.rank < env.world_size, "[commgrad] init_process_group: ", n.rank, "=", env.rank,
+              " is out of range for ", n.size, "=", env.world_size, " (expected 0..", env.world_size - 1, ")");
 
   const auto local_rank = get(n.local_rank);
   const auto local_size = n.local_size ? get(n.local_size) : std::nullopt;
   if (local_size && !local_rank) {
-    TORCH_CHECK(false, "[commgrad] init_process_group: ", n.local_size, " is set but ", n.local_rank, " is not; ", kHowToLaunch);
+    TORCH_CHECK(false, "[commgrad] init_process_group: ", n.local_size, " is set but ", n.local_rank, " is not; ",
+                kHowToLaunch);
   }
   // Without local variables, assume a single host (a hand-set environment).
   env.local_world_size = local_size ? parse_int(n.local_size, *local_size) : env.world_size;
@@ -79,11 +82,11 @@ bool read_ranks(const LaunchEnvironment::Lookup& get, const Names& n, LaunchEnvi
     // the local rank alone is still useful (device selection).
     env.local_world_size = std::max(env.local_rank + 1, env.local_world_size);
   }
-  TORCH_CHECK(env.local_world_size >= 1 && env.local_world_size <= env.world_size, "[commgrad] init_process_group: ",
-              n.local_size ? n.local_size : "local world size", "=", env.local_world_size,
-              " must be between 1 and ", n.size, "=", env.world_size);
-  TORCH_CHECK(env.local_rank < env.local_world_size, "[commgrad] init_process_group: ", n.local_rank, "=", env.local_rank,
-              " is out of range for a local world of ", env.local_world_size, " (expected 0..",
+  TORCH_CHECK(env.local_world_size >= 1 && env.local_world_size <= env.world_size,
+              "[commgrad] init_process_group: ", n.local_size ? n.local_size : "local world size", "=",
+              env.local_world_size, " must be between 1 and ", n.size, "=", env.world_size);
+  TORCH_CHECK(env.local_rank < env.local_world_size, "[commgrad] init_process_group: ", n.local_rank, "=",
+              env.local_rank, " is out of range for a local world of ", env.local_world_size, " (expected 0..",
               env.local_world_size - 1, ")");
   return true;
 }
@@ -92,10 +95,14 @@ bool read_ranks(const LaunchEnvironment::Lookup& get, const Names& n, LaunchEnvi
 
 const char* launcher_name(Launcher launcher) {
   switch (launcher) {
-    case Launcher::kNone: return "none";
-    case Launcher::kTorchrun: return "torchrun";
-    case Launcher::kMpirun: return "mpirun";
-    case Launcher::kSlurm: return "slurm";
+    case Launcher::kNone:
+      return "none";
+    case Launcher::kTorchrun:
+      return "torchrun";
+    case Launcher::kMpirun:
+      return "mpirun";
+    case Launcher::kSlurm:
+      return "slurm";
   }
   return "?";
 }
@@ -104,8 +111,9 @@ LaunchEnvironment LaunchEnvironment::parse(const Lookup& get) {
   LaunchEnvironment env;
   if (read_ranks(get, {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}, env)) {
     env.launcher = Launcher::kTorchrun;
-  } else if (read_ranks(get, {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                              "OMPI_COMM_WORLD_LOCAL_SIZE"},
+  } else if (read_ranks(get,
+                        {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                         "OMPI_COMM_WORLD_LOCAL_SIZE"},
                         env)) {
     env.launcher = Launcher::kMpirun;
   } else if (read_ranks(get, {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr}, env)) {
@@ -115,14 +123,15 @@ LaunchEnvironment LaunchEnvironment::parse(const Lookup& get) {
       if (!per_node->empty() && per_node->find_first_not_of("0123456789") == std::string::npos) {
         env.local_world_size = parse_int("SLURM_NTASKS_PER_NODE", *per_node);
         TORCH_CHECK(env.local_rank < env.local_world_size && env.local_world_size <= env.world_size,
-                    "[commgrad] init_process_group: SLURM_LOCALID=", env.local_rank, " / SLURM_NTASKS_PER_NODE=",
-                    env.local_world_size, " / SLURM_NTASKS=", env.world_size, " are inconsistent");
+                    "[commgrad] init_process_group: SLURM_LOCALID=", env.local_rank,
+                    " / SLURM_NTASKS_PER_NODE=", env.local_world_size, " / SLURM_NTASKS=", env.world_size,
+                    " are inconsistent");
       }
     }
   } else {
     for (const char* stray : {"LOCAL_RANK", "LOCAL_WORLD_SIZE"}) {
-      TORCH_CHECK(!get(stray).has_value(), "[commgrad] init_process_group: ", stray, " is set but RANK and WORLD_SIZE are not; ",
-                  kHowToLaunch);
+      TORCH_CHECK(!get(stray).has_value(), "[commgrad] init_process_group: ", stray,
+                  " is set but RANK and WORLD_SIZE are not; ", kHowToLaunch);
     }
     return env;  // a world of one
   }
@@ -134,14 +143,16 @@ LaunchEnvironment LaunchEnvironment::parse(const Lookup& get) {
                 " variables are set (world size ", env.world_size,
                 ") but MASTER_ADDR is not; set MASTER_ADDR and MASTER_PORT to the address of rank 0's "
                 "rendezvous store (commgrad-run and torchrun set them for you)");
-    TORCH_CHECK(port.has_value(), "[commgrad] init_process_group: ", launcher_name(env.launcher), " variables are set (world size ",
-                env.world_size, ") but MASTER_PORT is not; set MASTER_ADDR and MASTER_PORT to the address of "
+    TORCH_CHECK(port.has_value(), "[commgrad] init_process_group: ", launcher_name(env.launcher),
+                " variables are set (world size ", env.world_size,
+                ") but MASTER_PORT is not; set MASTER_ADDR and MASTER_PORT to the address of "
                 "rank 0's rendezvous store (commgrad-run and torchrun set them for you)");
   }
   if (addr && !addr->empty()) env.master_addr = *addr;
   if (port) {
     const int p = parse_int("MASTER_PORT", *port);
-    TORCH_CHECK(p >= 1 && p <= 65535, "[commgrad] init_process_group: MASTER_PORT=", *port, " is out of range (expected 1..65535)");
+    TORCH_CHECK(p >= 1 && p <= 65535, "[commgrad] init_process_group: MASTER_PORT=", *port,
+                " is out of range (expected 1..65535)");
     env.master_port = p;
   }
   return env;

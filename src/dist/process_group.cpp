@@ -43,7 +43,7 @@ namespace commgrad {
 namespace {
 
 std::mutex g_mutex;
-Group g_world;              // the process's world
+Group g_world;               // the process's world
 thread_local Group t_world;  // a ScopedWorld's world, for in-process harnesses
 
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds requested) {
@@ -76,12 +76,13 @@ detail::StorePtr connect_store(const LaunchEnvironment& env, std::chrono::millis
     return c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
   } catch (const std::exception& e) {
     if (env.rank == 0) {
-      COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, init_prefix(env), "could not host the rendezvous store at ", env.master_addr,
-                                        ":", env.master_port, " (is the port in use?): ", e.what());
+      COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, init_prefix(env),
+                             "could not host the rendezvous store at ", env.master_addr, ":", env.master_port,
+                             " (is the port in use?): ", e.what());
     }
-    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, init_prefix(env), "could not reach the rendezvous store at ",
-                                      env.master_addr, ":", env.master_port, " within ", seconds(timeout),
-                                      " (did rank 0 start?): ", e.what());
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, init_prefix(env),
+                           "could not reach the rendezvous store at ", env.master_addr, ":", env.master_port,
+                           " within ", seconds(timeout), " (did rank 0 start?): ", e.what());
   }
 }
 
@@ -126,10 +127,10 @@ Joined join(const detail::StorePtr& store, const LaunchEnvironment& env, std::ch
   const std::string me = host_identity() + "\n" + detail::local_address_towards(env.master_addr);
   auto said = arrive_and_wait(store, "commgrad/world/join", env.rank, env.world_size, me, timeout, missing);
   if (!missing.empty()) {
-    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, init_prefix(env), "rendezvous timed out after ", seconds(timeout), ": ",
-                                         env.world_size - missing.size(), " of ", env.world_size,
-                                         " ranks joined; missing ranks: ", format_ranks(missing), " (store ",
-                                         env.master_addr, ":", env.master_port, ")");
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, init_prefix(env), "rendezvous timed out after ",
+                           seconds(timeout), ": ", env.world_size - missing.size(), " of ", env.world_size,
+                           " ranks joined; missing ranks: ", format_ranks(missing), " (store ", env.master_addr, ":",
+                           env.master_port, ")");
   }
   Joined joined;
   for (const auto& s : said) {
@@ -205,8 +206,8 @@ void connect_transports(detail::GroupState& state, const std::string& prefix, co
   arrive_and_wait(state.root_store, prefix + "/connected", state.rank, config.size, "", state.timeout, missing);
   if (!missing.empty()) {
     COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, "[commgrad] ", op, " ", detail::describe(state),
-                                         ": group ranks ", format_ranks(missing), " did not finish connecting within ",
-                                         seconds(state.timeout));
+                           ": group ranks ", format_ranks(missing), " did not finish connecting within ",
+                           seconds(state.timeout));
   }
 }
 
@@ -225,12 +226,14 @@ Group make_world_group(const InitOptions& options) {
     env.local_world_size = env.world_size;
   } else {
     TORCH_CHECK(options.rank() < 0 && options.world_size() < 0,
-                "[commgrad] init_process_group: rank and world_size options need an explicit store; without one they come from the "
+                "[commgrad] init_process_group: rank and world_size options need an explicit store; without one they "
+                "come from the "
                 "launcher's environment");
     env = LaunchEnvironment::from_env();
     if (env.launcher == Launcher::kNone) {
-      std::cerr << "[commgrad] init_process_group: no launcher variables (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, SLURM_*); "
-                   "running as a single process (world size 1)\n";
+      std::cerr
+          << "[commgrad] init_process_group: no launcher variables (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, SLURM_*); "
+             "running as a single process (world size 1)\n";
     }
   }
   const auto timeout = resolve_timeout(options.timeout());
@@ -273,8 +276,7 @@ Group connect_group(const detail::StorePtr& store, int rank, int size, const Con
 Group init_process_group(const InitOptions& options) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    TORCH_CHECK(!g_world.defined(),
-                "[commgrad] init_process_group: called twice; call destroy_process_group() first");
+    TORCH_CHECK(!g_world.defined(), "[commgrad] init_process_group: called twice; call destroy_process_group() first");
   }
   Group world = make_world_group(options);
   std::lock_guard<std::mutex> lock(g_mutex);

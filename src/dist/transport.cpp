@@ -31,7 +31,6 @@
 namespace commgrad {
 namespace {
 
-
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
   std::stringstream ss(s);
@@ -154,28 +153,33 @@ std::vector<std::string> available_backends() { return build_info().transports; 
 
 std::string resolve_backend(const std::string& requested, const std::vector<std::string>& hosts) {
   const auto all = available_backends();
-  TORCH_CHECK(requested == "auto" || requested == "hierarchical" ||
-                  std::find(all.begin(), all.end(), requested) != all.end(),
-              "[commgrad] resolve_backend: backend '", requested, "' is not available in this build; available: auto, ",
-              c10::Join(", ", all));
+  TORCH_CHECK(
+      requested == "auto" || requested == "hierarchical" || std::find(all.begin(), all.end(), requested) != all.end(),
+      "[commgrad] resolve_backend: backend '", requested, "' is not available in this build; available: auto, ",
+      c10::Join(", ", all));
   if (requested == "auto" || requested == "nccl" || requested == "hierarchical") {
     if (all_same(hosts)) return "shm";
     return members_by_host(hosts).size() < hosts.size() ? "hierarchical" : "gloo";
   }
-  TORCH_CHECK(requested != "shm" || all_same(hosts),
-              "[commgrad] resolve_backend: backend 'shm' needs every rank of the group on one host, but its ranks run on ",
-              std::set<std::string>(hosts.begin(), hosts.end()).size(), " hosts; use 'gloo' (or 'auto')");
+  TORCH_CHECK(
+      requested != "shm" || all_same(hosts),
+      "[commgrad] resolve_backend: backend 'shm' needs every rank of the group on one host, but its ranks run on ",
+      std::set<std::string>(hosts.begin(), hosts.end()).size(), " hosts; use 'gloo' (or 'auto')");
   return requested;
 }
 
 std::string resolve_cuda_backend(const std::string& requested, int local_ranks, int cuda_devices) {
   if (cuda_devices == 0) {
-    TORCH_CHECK(requested != "nccl", "[commgrad] resolve_cuda_backend: backend 'nccl' needs a CUDA device, and this process sees none");
+    TORCH_CHECK(requested != "nccl",
+                "[commgrad] resolve_cuda_backend: backend 'nccl' needs a CUDA device, and this process sees none");
     return "";
   }
   if (requested == "nccl") {
-    TORCH_CHECK(COMMGRAD_HAVE_NCCL, "[commgrad] resolve_cuda_backend: backend 'nccl' is not available in this build (its LibTorch has no NCCL)");
-    TORCH_CHECK(local_ranks <= cuda_devices, "[commgrad] resolve_cuda_backend: backend 'nccl' needs a GPU for each of the ", local_ranks,
+    TORCH_CHECK(
+        COMMGRAD_HAVE_NCCL,
+        "[commgrad] resolve_cuda_backend: backend 'nccl' is not available in this build (its LibTorch has no NCCL)");
+    TORCH_CHECK(local_ranks <= cuda_devices,
+                "[commgrad] resolve_cuda_backend: backend 'nccl' needs a GPU for each of the ", local_ranks,
                 " ranks on this host, but this process sees ", cuda_devices,
                 "; use 'auto' to carry CUDA tensors over Gloo instead");
     return "nccl";
@@ -250,11 +254,12 @@ Transport create_transport(const TransportConfig& c) {
     }
 #endif
   } catch (const c10::Error& e) {
-    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, connect_prefix(c), "could not connect its ", c.backend, " transport to the other ",
-                              c.size - 1, " ranks within the timeout: ", e.what_without_backtrace());
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, connect_prefix(c), "could not connect its ", c.backend,
+                           " transport to the other ", c.size - 1,
+                           " ranks within the timeout: ", e.what_without_backtrace());
   } catch (const std::exception& e) {
-    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, connect_prefix(c), "could not connect its ", c.backend, " transport to the other ",
-                              c.size - 1, " ranks: ", e.what());
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, connect_prefix(c), "could not connect its ", c.backend,
+                           " transport to the other ", c.size - 1, " ranks: ", e.what());
   }
   TORCH_CHECK(false, connect_prefix(c), "unknown backend '", c.backend, "'");
 }

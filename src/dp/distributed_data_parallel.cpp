@@ -71,8 +71,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   std::vector<at::Tensor> buffer_tensors;
   for (const auto& b : buffers) buffer_tensors.push_back(b.second);
-  reducer_ = std::make_shared<detail::DdpReducer>(group, std::move(options), std::move(trainable),
-                                                  std::move(buffer_tensors));
+  reducer_ =
+      std::make_shared<detail::DdpReducer>(group, std::move(options), std::move(trainable), std::move(buffer_tensors));
   reducer_->install_hooks();
 }
 

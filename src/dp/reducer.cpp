@@ -202,7 +202,8 @@ void DdpReducer::ensure_buffer(Bucket& bucket) {
   bucket.buffer = at::zeros({bucket.padded_numel}, first.options().requires_grad(false));
   bucket.views.clear();
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-    bucket.views.push_back(slot_alias(bucket.buffer, bucket.offsets[slot], params_[bucket.params[slot]].tensor.sizes()));
+    bucket.views.push_back(
+        slot_alias(bucket.buffer, bucket.offsets[slot], params_[bucket.params[slot]].tensor.sizes()));
   }
 }
 
@@ -359,12 +360,13 @@ void DdpReducer::finish_bucket(size_t b, std::exception_ptr& error) {
       try {
         // The cause first (a peer that failed says so there); the hint
         // is for the other common reason, ranks whose backward differs.
-        COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, 
-            "[commgrad] ", kOp, " ", group_.describe(), ": reducing ", bucket_context(b), " failed: ",
-            dynamic_cast<const c10::Error*>(&e) ? dynamic_cast<const c10::Error&>(e).what_without_backtrace()
-                                                 : e.what(),
-            " (if the ranks ran different backwards, e.g. one skipped parameters, construct "
-            "DistributedDataParallel with find_unused_parameters(true))");
+        COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] ", kOp, " ", group_.describe(),
+                               ": reducing ", bucket_context(b), " failed: ",
+                               dynamic_cast<const c10::Error*>(&e)
+                                   ? dynamic_cast<const c10::Error&>(e).what_without_backtrace()
+                                   : e.what(),
+                               " (if the ranks ran different backwards, e.g. one skipped parameters, construct "
+                               "DistributedDataParallel with find_unused_parameters(true))");
       } catch (...) {
         error = std::current_exception();
       }

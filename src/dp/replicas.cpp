@@ -99,8 +99,10 @@ void verify_replicas(const char* op, const Group& group, const std::vector<Named
       break;
     }
   }
-  COMMGRAD_CHECK(false, op, group, "the replicas differ (parameters and buffers must have the same names, shapes "
-                 "and dtypes in the same order on every rank)", report);
+  COMMGRAD_CHECK(false, op, group,
+                 "the replicas differ (parameters and buffers must have the same names, shapes "
+                 "and dtypes in the same order on every rank)",
+                 report);
 }
 
 namespace {
@@ -120,8 +122,8 @@ void broadcast_from_first(const Group& group, const std::vector<at::Tensor>& ten
   std::vector<int64_t> chunk_bytes(1, 0);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
-    COMMGRAD_CHECK(t.device() == device, "broadcast_from_first", group, "all parameters and buffers must be on one device, found ",
-                   device, " and ", t.device());
+    COMMGRAD_CHECK(t.device() == device, "broadcast_from_first", group,
+                   "all parameters and buffers must be on one device, found ", device, " and ", t.device());
     const int64_t bytes = align_up(t.numel() * static_cast<int64_t>(t.element_size()));
     if (chunk_bytes.back() > 0 && chunk_bytes.back() + bytes > cap_bytes) {
       chunks.emplace_back();

@@ -226,7 +226,8 @@ void Unit::finish_reduction() {
   reduction_ = ops::raw::Pending();
   at::NoGradGuard no_grad;
   if (options_.replicate_group().defined() && options_.replicate_group().size() > 1) {
-    reduced = ops::raw::all_reduce(reduced, ops::AllReduceOptions().op(ReduceOp::kSum), options_.replicate_group()).wait();
+    reduced =
+        ops::raw::all_reduce(reduced, ops::AllReduceOptions().op(ReduceOp::kSum), options_.replicate_group()).wait();
   }
   if (post_divide_ != 1) reduced.div_(post_divide_);
   at::Tensor master = reduced.to(dtype_);

@@ -45,9 +45,8 @@ struct ParameterRegistry : torch::nn::Module {
 };
 
 bool under(const std::string& name, const std::vector<std::string>& prefixes) {
-  return std::any_of(prefixes.begin(), prefixes.end(), [&](const std::string& p) {
-    return p.empty() || name == p || name.rfind(p + ".", 0) == 0;
-  });
+  return std::any_of(prefixes.begin(), prefixes.end(),
+                     [&](const std::string& p) { return p.empty() || name == p || name.rfind(p + ".", 0) == 0; });
 }
 
 }  // namespace
@@ -113,8 +112,8 @@ void Unit::collect(const std::shared_ptr<torch::nn::Module>& module, const std::
   dtype_ = params_.front().compute.scalar_type();
   for (const auto& p : params_) {
     COMMGRAD_CHECK(p.compute.scalar_type() == dtype_ && p.compute.device() == params_.front().compute.device(), kOp,
-                   group_, "the parameters of a unit must share one dtype and device; '", params_.front().name,
-                   "' is ", tensor_name(params_.front().compute), ", '", p.name, "' is ", tensor_name(p.compute),
+                   group_, "the parameters of a unit must share one dtype and device; '", params_.front().name, "' is ",
+                   tensor_name(params_.front().compute), ", '", p.name, "' is ", tensor_name(p.compute),
                    " (wrap them in separate units)");
     if (p.requires_grad) ++trainable_;
   }
@@ -130,8 +129,7 @@ void Unit::collect(const std::shared_ptr<torch::nn::Module>& module, const std::
   reduce_dtype_ = options_.mixed_precision().reduction_dtype(dtype_);
   // Averaging over every rank holding a copy: all at once before the sum in
   // float32; in a 16-bit dtype a part before and the rest after (FSDP's rule).
-  const int64_t world =
-      group_.size() * (options_.replicate_group().defined() ? options_.replicate_group().size() : 1);
+  const int64_t world = group_.size() * (options_.replicate_group().defined() ? options_.replicate_group().size() : 1);
   const bool half = reduce_dtype_ == at::kHalf || reduce_dtype_ == at::kBFloat16;
   pre_divide_ = half ? dp::predivide_factor(world) : static_cast<double>(world);
   post_divide_ = static_cast<double>(world) / pre_divide_;
@@ -178,7 +176,9 @@ void Unit::lay_out() {
     p.length = std::max<int64_t>(0, to - from);
     p.shard_offset = p.length > 0 ? from - begin : 0;
     p.param_begin = p.length > 0 ? from - p.offset : 0;
-    if (p.length > 0) shard_.narrow(0, p.shard_offset, p.length).copy_(p.compute.detach().reshape({-1}).narrow(0, p.param_begin, p.length));
+    if (p.length > 0)
+      shard_.narrow(0, p.shard_offset, p.length)
+          .copy_(p.compute.detach().reshape({-1}).narrow(0, p.param_begin, p.length));
   }
   full_ = flat;
   empty_ = at::empty({0}, options.dtype(compute_dtype_));
@@ -201,8 +201,8 @@ void Unit::register_pieces() {
 void Unit::check_not_replaced() const {
   for (const auto& p : params_) {
     const auto* now = p.owner->named_parameters(/*recurse=*/false).find(p.key);
-    const bool same = now != nullptr && now->is_same(p.piece) && p.piece.is_alias_of(shard_) &&
-                      p.piece.scalar_type() == dtype_;
+    const bool same =
+        now != nullptr && now->is_same(p.piece) && p.piece.is_alias_of(shard_) && p.piece.scalar_type() == dtype_;
     COMMGRAD_CHECK(same, kOp, group_, "parameter '", p.name,
                    "' was replaced after fully_shard (its piece is no longer registered, or it no longer "
                    "holds the shard: to(), set_data() or a load into the module); do that before sharding it");
@@ -280,7 +280,8 @@ void Unit::before_forward() {
     check_not_replaced();
   }
   COMMGRAD_CHECK(last_forward_id_ != t.forward_id, kOp, group_, "a module (",
-                 module_.expired() ? std::string("?") : module_.lock()->name(), ") was called twice in one forward (a unit runs once per forward; wrap the shared part in a unit "
+                 module_.expired() ? std::string("?") : module_.lock()->name(),
+                 ") was called twice in one forward (a unit runs once per forward; wrap the shared part in a unit "
                  "of its own or call it once)");
   last_forward_id_ = t.forward_id;
   if (!in_order_) {

@@ -70,8 +70,9 @@ void ExpertsImpl::reset() {
   for (int64_t l = 0; l < local; ++l) {
     const int64_t global = first_ + l;
     const uint64_t seed = options.seed() + 2 * static_cast<uint64_t>(global);
-    local_.push_back(register_module("expert" + std::to_string(global),
-                                     ExpertMLP(options.hidden_size(), options.ffn_hidden_size(), options.bias(), seed)));
+    local_.push_back(
+        register_module("expert" + std::to_string(global),
+                        ExpertMLP(options.hidden_size(), options.ffn_hidden_size(), options.bias(), seed)));
   }
 }
 

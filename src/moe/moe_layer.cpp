@@ -27,16 +27,16 @@ void MoELayerImpl::reset() {
   const Group& g = options.group();
   const int64_t e = options.num_experts();
   detail::check_expert_sizes(op, g, options.hidden_size(), options.ffn_hidden_size(), e);
-  COMMGRAD_CHECK(options.top_k() >= 1 && options.top_k() <= e, op, g, "top_k must be in [1, experts = ", e,
-                 "], got ", options.top_k());
+  COMMGRAD_CHECK(options.top_k() >= 1 && options.top_k() <= e, op, g, "top_k must be in [1, experts = ", e, "], got ",
+                 options.top_k());
   COMMGRAD_CHECK(options.capacity_factor() >= 0, op, g, "capacity_factor must be >= 0 (0: dropless), got ",
                  options.capacity_factor());
   if (!options.routing().batch_group().defined()) options.routing().batch_group(g);
   options.seed(tp::resolve_seed(options.seed(), g));
   const uint64_t seed = *options.seed();
-  router = register_module("router", TopKRouter(TopKRouterOptions(options.hidden_size(), e, options.top_k())
-                                                    .routing(options.routing())
-                                                    .seed(seed)));
+  router = register_module(
+      "router",
+      TopKRouter(TopKRouterOptions(options.hidden_size(), e, options.top_k()).routing(options.routing()).seed(seed)));
   experts = register_module(
       "experts", Experts(ExpertsOptions(options.hidden_size(), options.ffn_hidden_size(), e, g).seed(seed + 1)));
 }
@@ -55,8 +55,8 @@ void MoELayerImpl::pretty_print(std::ostream& stream) const {
 at::Tensor MoELayerImpl::forward(const at::Tensor& x) {
   const Group& g = options.group();
   const int64_t h = options.hidden_size();
-  COMMGRAD_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == h, "moe::MoELayer", g, "expected input [..., hidden=",
-                 h, "], got ", x.defined() ? tensor_name(x) : std::string("an undefined tensor"));
+  COMMGRAD_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == h, "moe::MoELayer", g, "expected input [..., hidden=", h,
+                 "], got ", x.defined() ? tensor_name(x) : std::string("an undefined tensor"));
   const bool per_sequence = options.routing().aux_loss_per_sequence();
   COMMGRAD_CHECK(!per_sequence || x.dim() == 3, "moe::MoELayer", g,
                  "aux_loss_per_sequence needs an input [seq, batch, hidden], got ", tensor_name(x));
@@ -71,8 +71,8 @@ at::Tensor MoELayerImpl::forward(const at::Tensor& x) {
   const bool gather = options.dispatcher() == DispatcherType::kAllGather;
   const Dispatched d = gather ? all_gather_dispatch(tokens, r.experts, keep, options.num_experts(), g)
                               : all_to_all_dispatch(tokens, r.experts, keep, options.num_experts(), g);
-  const at::Tensor y = experts(d.tokens.to(experts->local(0)->fc1->weight.scalar_type()), d.plan.tokens_per_expert)
-                           .to(x.scalar_type());
+  const at::Tensor y =
+      experts(d.tokens.to(experts->local(0)->fc1->weight.scalar_type()), d.plan.tokens_per_expert).to(x.scalar_type());
   const at::Tensor out = gather ? all_gather_combine(y, r.probs, d.plan, g) : all_to_all_combine(y, r.probs, d.plan, g);
   last_ = {r.logits.detach(), r.probs.detach(), r.experts, r.aux_loss, r.z_loss};
   last_tokens_per_expert_ = d.plan.tokens_per_expert;

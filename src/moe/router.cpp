@@ -50,8 +50,8 @@ at::Tensor sequence_load_balancing_loss(const at::Tensor& scores, const at::Tens
   if (tokens == 0) return scores.sum() * 0.0;
   const int64_t length = tokens / sequences;
   const at::Tensor seq = at::arange(tokens, experts.options()).remainder(sequences).unsqueeze(1);
-  const at::Tensor counts =
-      at::bincount((seq * num_experts + experts).reshape(-1), {}, sequences * num_experts).view({sequences, num_experts});
+  const at::Tensor counts = at::bincount((seq * num_experts + experts).reshape(-1), {}, sequences * num_experts)
+                                .view({sequences, num_experts});
   const at::Tensor f = counts.to(scores.scalar_type()) / static_cast<double>(length * top_k);
   const at::Tensor p = scores.view({length, sequences, num_experts}).mean(0);
   return (f * p).sum(1).mean() * (coeff * static_cast<double>(num_experts));
@@ -89,8 +89,8 @@ void TopKRouterImpl::reset() {
   const int64_t e = options.num_experts();
   COMMGRAD_CHECK(options.hidden_size() > 0 && e > 0, op, g, "hidden size and experts must be positive, got hidden ",
                  options.hidden_size(), " and ", e, " experts");
-  COMMGRAD_CHECK(options.top_k() >= 1 && options.top_k() <= e, op, g, "top_k must be in [1, experts = ", e,
-                 "], got ", options.top_k());
+  COMMGRAD_CHECK(options.top_k() >= 1 && options.top_k() <= e, op, g, "top_k must be in [1, experts = ", e, "], got ",
+                 options.top_k());
   COMMGRAD_CHECK(options.routing().aux_loss_coeff() >= 0 && options.routing().z_loss_coeff() >= 0, op, g,
                  "loss coefficients must be >= 0, got aux ", options.routing().aux_loss_coeff(), " and z ",
                  options.routing().z_loss_coeff());
@@ -165,17 +165,17 @@ RouterOutput TopKRouterImpl::forward(const at::Tensor& x, int64_t sequences) {
   out.z_loss = zero;
   at::Tensor injected;
   if (routing.aux_loss_coeff() > 0 && routing.aux_loss_per_sequence()) {
-    const at::Tensor aux = sequence_load_balancing_loss(scores, experts, sequences, options.num_experts(), k,
-                                                        routing.aux_loss_coeff());
+    const at::Tensor aux =
+        sequence_load_balancing_loss(scores, experts, sequences, options.num_experts(), k, routing.aux_loss_coeff());
     out.aux_loss = aux.detach();
     injected = aux;
   } else if (routing.aux_loss_coeff() > 0) {
-    at::Tensor counts = at::cat({at::bincount(experts.reshape(-1), {}, options.num_experts()),
-                                 at::full({1}, x.size(0), at::kLong)});
+    at::Tensor counts =
+        at::cat({at::bincount(experts.reshape(-1), {}, options.num_experts()), at::full({1}, x.size(0), at::kLong)});
     if (g.size() > 1) counts = ops::raw::all_reduce(counts, {}, g).wait();
     const int64_t batch_tokens = counts[-1].item<int64_t>();
-    const at::Tensor aux = switch_load_balancing_loss(scores, counts.slice(0, 0, -1), batch_tokens, k,
-                                                      routing.aux_loss_coeff());
+    const at::Tensor aux =
+        switch_load_balancing_loss(scores, counts.slice(0, 0, -1), batch_tokens, k, routing.aux_loss_coeff());
     out.aux_loss = aux.detach();
     injected = aux;
   }

@@ -42,20 +42,20 @@ void check_routing(const char* op, const Group& g, const at::Tensor& x, const at
   COMMGRAD_CHECK(x.dim() == 2, op, g, "expected tokens [T, hidden], got ", tensor_name(x));
   COMMGRAD_CHECK(experts.dim() == 2 && experts.size(0) == x.size(0) && experts.scalar_type() == at::kLong, op, g,
                  "expected experts int64[", x.size(0), ", k], got ", tensor_name(experts));
-  COMMGRAD_CHECK(!keep.defined() || keep.sizes() == experts.sizes(), op, g, "expected keep of ",
-                 tensor_name(experts), "'s shape, got ", tensor_name(keep));
+  COMMGRAD_CHECK(!keep.defined() || keep.sizes() == experts.sizes(), op, g, "expected keep of ", tensor_name(experts),
+                 "'s shape, got ", tensor_name(keep));
   if (experts.numel() > 0) {
     const int64_t lo = experts.min().item<int64_t>(), hi = experts.max().item<int64_t>();
-    COMMGRAD_CHECK(lo >= 0 && hi < num_experts, op, g, "expert indices must be in [0, ", num_experts, "), got [",
-                   lo, ", ", hi, "]");
+    COMMGRAD_CHECK(lo >= 0 && hi < num_experts, op, g, "expert indices must be in [0, ", num_experts, "), got [", lo,
+                   ", ", hi, "]");
   }
 }
 
 // The kept pairs, sorted by expert (stable), and their experts.
 std::pair<at::Tensor, at::Tensor> sorted_pairs(const at::Tensor& experts, const at::Tensor& keep) {
   const at::Tensor flat = experts.reshape(-1);
-  const at::Tensor candidates = keep.defined() ? at::nonzero(keep.reshape(-1)).reshape(-1)
-                                               : at::arange(flat.numel(), flat.options());
+  const at::Tensor candidates =
+      keep.defined() ? at::nonzero(keep.reshape(-1)).reshape(-1) : at::arange(flat.numel(), flat.options());
   auto [sorted, idx] = at::sort(flat.index_select(0, candidates), /*stable=*/true, 0, /*descending=*/false);
   return {candidates.index_select(0, idx), sorted};
 }
@@ -95,8 +95,8 @@ const char* drop_policy_name(DropPolicy policy) {
 }
 
 int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t top_k, int64_t num_experts) {
-  return static_cast<int64_t>(std::ceil(capacity_factor * static_cast<double>(tokens * top_k) /
-                                        static_cast<double>(num_experts)));
+  return static_cast<int64_t>(
+      std::ceil(capacity_factor * static_cast<double>(tokens * top_k) / static_cast<double>(num_experts)));
 }
 
 at::Tensor capacity_mask(const at::Tensor& experts, const at::Tensor& probs, int64_t num_experts, int64_t capacity,
@@ -140,9 +140,8 @@ Dispatched all_to_all_dispatch(const at::Tensor& x, const at::Tensor& experts, c
   if (ep > 1) {
     received_counts = ops::raw::all_to_all(counts, {}, group).wait();  // [ep * local]: from s, for my l
     plan.output_splits = to_vector(received_counts.view({ep, local}).sum(1));
-    received = ops::all_to_all(send, ops::AllToAllOptions().input_splits(plan.input_splits).output_splits(
-                                         plan.output_splits),
-                               group);
+    received = ops::all_to_all(
+        send, ops::AllToAllOptions().input_splits(plan.input_splits).output_splits(plan.output_splits), group);
   } else {
     plan.output_splits = plan.input_splits;
   }
@@ -155,8 +154,8 @@ at::Tensor all_to_all_combine(const at::Tensor& expert_output, const at::Tensor&
                               const Group& group) {
   const char* op = "moe::all_to_all_combine";
   COMMGRAD_CHECK(!plan.all_gather && expert_output.dim() == 2 && expert_output.size(0) == plan.regroup.numel(), op,
-                 group, "expected the experts' outputs [", plan.regroup.numel(), ", hidden] of an all-to-all dispatch, got ",
-                 tensor_name(expert_output));
+                 group, "expected the experts' outputs [", plan.regroup.numel(),
+                 ", hidden] of an all-to-all dispatch, got ", tensor_name(expert_output));
   COMMGRAD_CHECK(probs.dim() == 2 && probs.size(0) == plan.tokens && probs.size(1) == plan.top_k, op, group,
                  "expected probs [", plan.tokens, ", ", plan.top_k, "], got ", tensor_name(probs));
   at::Tensor back = expert_output.index_select(0, inverse_permutation(plan.regroup));
@@ -197,8 +196,7 @@ Dispatched all_gather_dispatch(const at::Tensor& x, const at::Tensor& experts, c
 at::Tensor all_gather_combine(const at::Tensor& expert_output, const at::Tensor& probs, const DispatchPlan& plan,
                               const Group& group) {
   const char* op = "moe::all_gather_combine";
-  COMMGRAD_CHECK(plan.all_gather && expert_output.dim() == 2 &&
-                     expert_output.size(0) == plan.gathered_pair_of.numel(),
+  COMMGRAD_CHECK(plan.all_gather && expert_output.dim() == 2 && expert_output.size(0) == plan.gathered_pair_of.numel(),
                  op, group, "expected the experts' outputs [", plan.gathered_pair_of.numel(),
                  ", hidden] of an all-gather dispatch, got ", tensor_name(expert_output));
   const int64_t ep = group.size();

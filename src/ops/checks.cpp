@@ -15,16 +15,16 @@ void check_tensor(const Call& call, const at::Tensor& x) {
 
 int64_t check_dim(const Call& call, const at::Tensor& x, int64_t dim) {
   const int64_t nd = x.dim();
-  COMMGRAD_CHECK(nd > 0, call.op, call.group, "dim ", dim, " is out of range: the tensor is a scalar (",
-                 tensor_name(x), "); this op needs at least one dimension");
+  COMMGRAD_CHECK(nd > 0, call.op, call.group, "dim ", dim, " is out of range: the tensor is a scalar (", tensor_name(x),
+                 "); this op needs at least one dimension");
   COMMGRAD_CHECK(dim >= -nd && dim < nd, call.op, call.group, "dim ", dim, " is out of range for ", tensor_name(x),
                  " (expected ", -nd, "..", nd - 1, ")");
   return dim < 0 ? dim + nd : dim;
 }
 
 void check_divisible(const Call& call, const at::Tensor& x, int64_t dim) {
-  COMMGRAD_CHECK(x.size(dim) % call.size == 0, call.op, call.group, "dim ", dim, " of ", tensor_name(x),
-                 " has size ", x.size(dim), ", which is not divisible by the group size ", call.size);
+  COMMGRAD_CHECK(x.size(dim) % call.size == 0, call.op, call.group, "dim ", dim, " of ", tensor_name(x), " has size ",
+                 x.size(dim), ", which is not divisible by the group size ", call.size);
 }
 
 void check_peer(const Call& call, const char* what, int peer) {

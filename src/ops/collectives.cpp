@@ -116,9 +116,7 @@ std::function<at::Tensor(at::Tensor)> divide_if_avg(ReduceOp op, int n) {
   return [n](at::Tensor g) { return g.div_(n); };
 }
 
-std::vector<int64_t> saved_ints(AutogradContext* ctx, const char* key) {
-  return ctx->saved_data[key].toIntVector();
-}
+std::vector<int64_t> saved_ints(AutogradContext* ctx, const char* key) { return ctx->saved_data[key].toIntVector(); }
 
 // Waits for the result and runs `apply(input, state)` when autograd needs a
 // node (x requires grad, grad mode on). The gradient is deferred (x routed
@@ -185,9 +183,8 @@ struct AllReduceFn : torch::autograd::Function<AllReduceFn> {
 };
 
 at::Tensor finish_all_reduce(const at::Tensor& x, raw::Pending& p, const AllReduceOptions& o, const Group& g) {
-  return maybe_apply(x, p, g, [&](const at::Tensor& routed, const OpStatePtr& s) {
-    return AllReduceFn::apply(routed, p, o.op(), s);
-  });
+  return maybe_apply(
+      x, p, g, [&](const at::Tensor& routed, const OpStatePtr& s) { return AllReduceFn::apply(routed, p, o.op(), s); });
 }
 
 // ~~~ all_gather / reduce_scatter ~~~
@@ -223,7 +220,6 @@ struct ReduceScatterFn : torch::autograd::Function<ReduceScatterFn> {
     auto options = AllGatherOptions().dim(ctx->saved_data["dim"].toInt()).sizes(saved_ints(ctx, "sizes"));
     return defer(ctx, raw::all_gather(grads[0], options, group), divide_if_avg(op, group.size()));
   }
-
 };
 
 // ~~~ broadcast / reduce ~~~
@@ -320,8 +316,8 @@ AllToAllOptions complete_splits(AllToAllOptions o, const Group& g) {
 // ~~~ send / recv ~~~
 
 struct SendFn : torch::autograd::Function<SendFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, raw::Pending& pending,
-                            const SendOptions& o, const OpStatePtr& state) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, raw::Pending& pending, const SendOptions& o,
+                            const OpStatePtr& state) {
     pending.wait();
     ctx->saved_data["dst"] = static_cast<int64_t>(o.dst());
     ctx->saved_data["tag"] = static_cast<int64_t>(o.tag());
@@ -396,15 +392,16 @@ at::Tensor finish_recv(raw::Pending& p, const RecvOptions& o, const Group& g) {
 // of the call.
 
 // The sync and async forms of an op that takes one tensor and its options.
-#define COMMGRAD_SYNC_AND_ASYNC(name, Options, finish)                                                   \
-  at::Tensor name(const at::Tensor& x, const Options& options, const Group& group) {                     \
-    const Group g = raw::resolve_group(group);                                                           \
-    auto p = raw::name(x, options, g);                                                                   \
-    return finish(x, p, options, g);                                                                     \
-  }                                                                                                      \
-  AsyncTensor name##_async(const at::Tensor& x, const Options& options, const Group& group) {            \
-    const Group g = raw::resolve_group(group);                                                           \
-    return make_async(raw::name(x, options, g), [x, options, g](raw::Pending& p) { return finish(x, p, options, g); }); \
+#define COMMGRAD_SYNC_AND_ASYNC(name, Options, finish)                                        \
+  at::Tensor name(const at::Tensor& x, const Options& options, const Group& group) {          \
+    const Group g = raw::resolve_group(group);                                                \
+    auto p = raw::name(x, options, g);                                                        \
+    return finish(x, p, options, g);                                                          \
+  }                                                                                           \
+  AsyncTensor name##_async(const at::Tensor& x, const Options& options, const Group& group) { \
+    const Group g = raw::resolve_group(group);                                                \
+    return make_async(raw::name(x, options, g),                                               \
+                      [x, options, g](raw::Pending& p) { return finish(x, p, options, g); }); \
   }
 
 COMMGRAD_SYNC_AND_ASYNC(all_reduce, AllReduceOptions, finish_all_reduce)
@@ -427,7 +424,8 @@ at::Tensor all_to_all(const at::Tensor& x, const AllToAllOptions& options, const
 AsyncTensor all_to_all_async(const at::Tensor& x, const AllToAllOptions& options, const Group& group) {
   const Group g = raw::resolve_group(group);
   const auto o = complete_splits(options, g);
-  return make_async(raw::all_to_all(x, o, g), [x, o, g](raw::Pending& p) { return finish_with<AllToAllFn>(x, p, o, g); });
+  return make_async(raw::all_to_all(x, o, g),
+                    [x, o, g](raw::Pending& p) { return finish_with<AllToAllFn>(x, p, o, g); });
 }
 
 at::Tensor recv(at::IntArrayRef sizes, const RecvOptions& options, const Group& group) {

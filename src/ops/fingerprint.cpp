@@ -43,8 +43,8 @@ void wait_or_throw(const Call& call, const commgrad::detail::WorkPtr& work, cons
   try {
     commgrad::detail::wait_work(work);
   } catch (const std::exception& e) {
-    COMMGRAD_THROW(ErrorKind::kPeerFailed, error_site(call.op, call.group, static_cast<int64_t>(call.sequence)), what, " for collective #",
-                   call.sequence, " failed: ", message_of(e));
+    COMMGRAD_THROW(ErrorKind::kPeerFailed, error_site(call.op, call.group, static_cast<int64_t>(call.sequence)), what,
+                   " for collective #", call.sequence, " failed: ", message_of(e));
   }
 }
 
@@ -93,26 +93,26 @@ void check_fingerprint(const Call& call, const std::string& signature, const std
     const Record& other = records[r];
     const bool same = other.sequence == me.sequence && other.text == me.text &&
                       (cross != CrossCheck::kEqualLists || (other.a == me.a && other.b == me.b));
-    COMMGRAD_CHECK_AS(ErrorKind::kMismatch, same, call.op, call.group, "ranks disagree on collective #", me.sequence, kHint,
-                   ": this rank (", call.rank, ") calls ", show(me), "; rank ", r, " calls ", show(other));
+    COMMGRAD_CHECK_AS(ErrorKind::kMismatch, same, call.op, call.group, "ranks disagree on collective #", me.sequence,
+                      kHint, ": this rank (", call.rank, ") calls ", show(me), "; rank ", r, " calls ", show(other));
   }
   if (cross == CrossCheck::kTransposed) {
     for (int r = 0; r < n; ++r) {
       for (int s = 0; s < n; ++s) {
         const int64_t sent = records[r].a.size() == static_cast<size_t>(n) ? records[r].a[s] : -1;
         const int64_t expected = records[s].b.size() == static_cast<size_t>(n) ? records[s].b[r] : -1;
-        COMMGRAD_CHECK_AS(ErrorKind::kMismatch, sent == expected, call.op, call.group, "ranks disagree on collective #", me.sequence, kHint,
-                       ": rank ", r, " sends ", sent, " to rank ", s, " (input_splits ", at::IntArrayRef(records[r].a),
-                       "), but rank ", s, " expects ", expected, " from rank ", r, " (output_splits ",
-                       at::IntArrayRef(records[s].b),
-                       "); this rank (", call.rank, ") calls ", show(me));
+        COMMGRAD_CHECK_AS(ErrorKind::kMismatch, sent == expected, call.op, call.group, "ranks disagree on collective #",
+                          me.sequence, kHint, ": rank ", r, " sends ", sent, " to rank ", s, " (input_splits ",
+                          at::IntArrayRef(records[r].a), "), but rank ", s, " expects ", expected, " from rank ", r,
+                          " (output_splits ", at::IntArrayRef(records[s].b), "); this rank (", call.rank, ") calls ",
+                          show(me));
       }
     }
   }
 }
 
-void check_p2p_header(const Call& call, int peer, int tag, bool sending, at::IntArrayRef sizes,
-                      at::ScalarType dtype, bool requires_grad) {
+void check_p2p_header(const Call& call, int peer, int tag, bool sending, at::IntArrayRef sizes, at::ScalarType dtype,
+                      bool requires_grad) {
   if (!debug_checks()) return;
   static constexpr int64_t kMaxDims = 10;
   constexpr int64_t kWords = 6 + kMaxDims;
@@ -128,8 +128,8 @@ void check_p2p_header(const Call& call, int peer, int tag, bool sending, at::Int
   };
   auto describe = [&](const int64_t* p) {
     std::vector<int64_t> dims(p + 6, p + 6 + std::min<int64_t>(kMaxDims, std::max<int64_t>(0, p[5])));
-    return c10::str(p[1] ? "sends " : "receives ", dtype_name(static_cast<at::ScalarType>(p[3])),
-                    shape_name(dims), " (tag ", p[2], ", requires_grad=", p[4] ? "true" : "false", ")");
+    return c10::str(p[1] ? "sends " : "receives ", dtype_name(static_cast<at::ScalarType>(p[3])), shape_name(dims),
+                    " (tag ", p[2], ", requires_grad=", p[4] ? "true" : "false", ")");
   };
   auto mine = at::zeros({kWords}, at::kLong);
   encode(mine);
@@ -143,8 +143,8 @@ void check_p2p_header(const Call& call, int peer, int tag, bool sending, at::Int
   const int64_t* t = theirs.data_ptr<int64_t>();
   const bool ok = t[0] == m[0] && t[1] != m[1] && std::equal(m + 2, m + kWords, t + 2);
   COMMGRAD_CHECK_AS(ErrorKind::kMismatch, ok, call.op, call.group, "send/recv mismatch with rank ", peer,
-                 " (COMMGRAD_DEBUG check; nothing was sent): this rank (", call.rank, ") ", describe(m), "; rank ",
-                 peer, " ", describe(t));
+                    " (COMMGRAD_DEBUG check; nothing was sent): this rank (", call.rank, ") ", describe(m), "; rank ",
+                    peer, " ", describe(t));
 }
 
 }  // namespace commgrad::ops::detail

@@ -69,13 +69,14 @@ void wait_step(const char* op, const Group& group, uint64_t sequence, const comm
     const Error* typed = as_commgrad_error(e);
     const std::string transport_message = typed ? typed->detail() : message_of(e);
     const bool timeout = typed ? typed->kind() == ErrorKind::kTimeout : Clock::now() - posted >= group.timeout();
-    COMMGRAD_THROW(timeout ? ErrorKind::kTimeout : ErrorKind::kPeerFailed, error_site(op, group, static_cast<int64_t>(sequence)),
-                   "collective #", sequence,
-                   timeout ? c10::str(" did not complete within the group timeout (", group.timeout().count() / 1000.0, "s)")
-                           : std::string(" failed"),
-                   ": ", transport_message, ranks_behind_addresses(transport_message, group),
-                   " -- a peer may have failed, be late, or have called a different collective (set COMMGRAD_DEBUG=1 on "
-                   "every rank to check each collective across ranks); this group cannot be used any more");
+    COMMGRAD_THROW(
+        timeout ? ErrorKind::kTimeout : ErrorKind::kPeerFailed, error_site(op, group, static_cast<int64_t>(sequence)),
+        "collective #", sequence,
+        timeout ? c10::str(" did not complete within the group timeout (", group.timeout().count() / 1000.0, "s)")
+                : std::string(" failed"),
+        ": ", transport_message, ranks_behind_addresses(transport_message, group),
+        " -- a peer may have failed, be late, or have called a different collective (set COMMGRAD_DEBUG=1 on "
+        "every rank to check each collective across ranks); this group cannot be used any more");
   }
 }
 

@@ -195,16 +195,16 @@ Pending all_gather(const at::Tensor& x, const AllGatherOptions& options, const G
   const bool uneven = !sizes.empty();
   if (uneven) {
     check_sizes(call, "sizes", sizes, -1, x, dim);
-    COMMGRAD_CHECK(sizes[call.rank] == x.size(dim), call.op, call.group, "sizes ", at::IntArrayRef(sizes), " say this rank brings ",
-                   sizes[call.rank], " along dim ", dim, ", but its tensor is ", tensor_name(x));
+    COMMGRAD_CHECK(sizes[call.rank] == x.size(dim), call.op, call.group, "sizes ", at::IntArrayRef(sizes),
+                   " say this rank brings ", sizes[call.rank], " along dim ", dim, ", but its tensor is ",
+                   tensor_name(x));
   } else {
     sizes.assign(n, x.size(dim));
   }
   call.start();
-  check_fingerprint(call,
-                    c10::str("all_gather(", tensor_name(x, uneven ? dim : -1), ", dim=", dim,
-                             uneven ? ", sizes)" : ")"),
-                    uneven ? sizes : std::vector<int64_t>{}, {}, uneven ? CrossCheck::kEqualLists : CrossCheck::kNone);
+  check_fingerprint(
+      call, c10::str("all_gather(", tensor_name(x, uneven ? dim : -1), ", dim=", dim, uneven ? ", sizes)" : ")"),
+      uneven ? sizes : std::vector<int64_t>{}, {}, uneven ? CrossCheck::kEqualLists : CrossCheck::kNone);
   const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   const int64_t largest = *std::max_element(sizes.begin(), sizes.end());
   const bool equal = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == largest; });
@@ -255,10 +255,10 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
     sizes = equal_parts(n, x.size(dim));
   }
   call.start();
-  check_fingerprint(call,
-                    c10::str("reduce_scatter(", tensor_name(x), ", dim=", dim, ", op=", options.op(),
-                             uneven ? ", sizes)" : ")"),
-                    uneven ? sizes : std::vector<int64_t>{}, {}, uneven ? CrossCheck::kEqualLists : CrossCheck::kNone);
+  check_fingerprint(
+      call,
+      c10::str("reduce_scatter(", tensor_name(x), ", dim=", dim, ", op=", options.op(), uneven ? ", sizes)" : ")"),
+      uneven ? sizes : std::vector<int64_t>{}, {}, uneven ? CrossCheck::kEqualLists : CrossCheck::kNone);
   const int64_t mine = sizes[call.rank];
   if (n == 1) return call.ready(pooled_copy(x));
   if (x.numel() == 0) return call.ready(at::zeros(with_dim(x, dim, mine), x.options()));
@@ -286,16 +286,27 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
   fsizes.insert(fsizes.begin(), n);  // [n sources, mine, rest...]
   auto received = pooled_empty(fsizes, x.options());
   const bool even = !uneven;
-  auto work = exchange(call, wire(received), wire(src), even ? std::vector<int64_t>{} : scaled(std::vector<int64_t>(n, mine), scale),
+  auto work = exchange(call, wire(received), wire(src),
+                       even ? std::vector<int64_t>{} : scaled(std::vector<int64_t>(n, mine), scale),
                        even ? std::vector<int64_t>{} : scaled(sizes, scale));
   return call.pending({work}, [received, op, dim, n]() {
     at::Tensor r = pooled_empty(received.sizes().slice(1), received.options());
     switch (op) {
-      case ReduceOp::kSum: at::sum_out(r, received, 0); break;
-      case ReduceOp::kAvg: at::sum_out(r, received, 0).div_(n); break;
-      case ReduceOp::kMax: at::amax_out(r, received, 0); break;
-      case ReduceOp::kMin: at::amin_out(r, received, 0); break;
-      case ReduceOp::kProduct: at::prod_out(r, received, 0); break;
+      case ReduceOp::kSum:
+        at::sum_out(r, received, 0);
+        break;
+      case ReduceOp::kAvg:
+        at::sum_out(r, received, 0).div_(n);
+        break;
+      case ReduceOp::kMax:
+        at::amax_out(r, received, 0);
+        break;
+      case ReduceOp::kMin:
+        at::amin_out(r, received, 0);
+        break;
+      case ReduceOp::kProduct:
+        at::prod_out(r, received, 0);
+        break;
     }
     return unfront(r, dim);
   });
@@ -445,8 +456,8 @@ Pending all_to_all(const at::Tensor& x, const AllToAllOptions& options, const Gr
     out_splits.assign(received.data_ptr<int64_t>(), received.data_ptr<int64_t>() + n);
   }
   call.start();
-  check_fingerprint(call, c10::str("all_to_all(", tensor_name(x, even ? -1 : dim), ", dim=", dim,
-                                   even ? ")" : ", splits)"),
+  check_fingerprint(call,
+                    c10::str("all_to_all(", tensor_name(x, even ? -1 : dim), ", dim=", dim, even ? ")" : ", splits)"),
                     even ? std::vector<int64_t>{} : in_splits, even ? std::vector<int64_t>{} : out_splits,
                     even ? CrossCheck::kNone : CrossCheck::kTransposed);
   const int64_t total_out = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
@@ -492,8 +503,7 @@ Pending recv_tagged(at::IntArrayRef sizes, const RecvOptions& options, const Gro
   check_peer(call, "src", options.src());
   COMMGRAD_CHECK(options.src() != call.rank, call.op, call.group, "src ", options.src(), " is this rank itself");
   for (int64_t s : sizes) COMMGRAD_CHECK(s >= 0, call.op, call.group, "sizes ", sizes, " has a negative entry");
-  COMMGRAD_CHECK(!options.requires_grad() || at::isFloatingType(options.dtype()) ||
-                     at::isComplexType(options.dtype()),
+  COMMGRAD_CHECK(!options.requires_grad() || at::isFloatingType(options.dtype()) || at::isComplexType(options.dtype()),
                  call.op, call.group, "requires_grad(true) needs a floating-point dtype, got ",
                  c10::toString(options.dtype()), " (integer tensors cannot have gradients)");
   detail::check_p2p_header(call, options.src(), wire_tag, false, sizes, options.dtype(), options.requires_grad());
@@ -505,8 +515,8 @@ Pending recv_tagged(at::IntArrayRef sizes, const RecvOptions& options, const Gro
 }
 
 void check_user_tag(const char* op, const Group& group, int tag) {
-  COMMGRAD_CHECK(tag >= 0 && tag < detail::kMaxUserTag, op, raw::resolve_group(group), "tag ", tag,
-                 " is outside 0..", detail::kMaxUserTag - 1);
+  COMMGRAD_CHECK(tag >= 0 && tag < detail::kMaxUserTag, op, raw::resolve_group(group), "tag ", tag, " is outside 0..",
+                 detail::kMaxUserTag - 1);
 }
 
 }  // namespace

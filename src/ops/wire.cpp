@@ -47,8 +47,8 @@ at::ScalarType reduce_dtype(const Call& call, const at::Tensor& x, ReduceOp op) 
   const bool floating = at::isFloatingType(t);
   COMMGRAD_CHECK(!(op == ReduceOp::kAvg && !floating && !complex), call.op, call.group,
                  "AVG needs a floating-point tensor, got ", dtype_name(t), " (use SUM and divide)");
-  COMMGRAD_CHECK(!(complex && op != ReduceOp::kSum && op != ReduceOp::kAvg), call.op, call.group,
-                 reduce_op_name(op), " is not defined for complex tensors (", dtype_name(t), ")");
+  COMMGRAD_CHECK(!(complex && op != ReduceOp::kSum && op != ReduceOp::kAvg), call.op, call.group, reduce_op_name(op),
+                 " is not defined for complex tensors (", dtype_name(t), ")");
   if (t == at::kHalf || t == at::kBFloat16) {
     // Gloo has no bfloat16 and sums float16 slowly in float16; a transport
     // that accumulates 16-bit types in float32 itself needs no copy. See docs/benchmarks.md.
@@ -63,10 +63,14 @@ at::ScalarType reduce_dtype(const Call& call, const at::Tensor& x, ReduceOp op) 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg: return c10d::ReduceOp::SUM;
-    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
-    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
-    case ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::kAvg:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::kProduct:
+      return c10d::ReduceOp::PRODUCT;
   }
   return c10d::ReduceOp::SUM;
 }

@@ -34,16 +34,15 @@ void check_options(const DynamicLossScalerOptions& o) {
   TORCH_CHECK(o.initial_scale() > 0 && std::isfinite(o.initial_scale()),
               "[commgrad] DynamicLossScaler: initial_scale must be positive and finite, got ", o.initial_scale());
   TORCH_CHECK(o.min_scale() > 0 && o.min_scale() <= o.initial_scale(),
-              "[commgrad] DynamicLossScaler: min_scale must be positive and at most initial_scale (",
-              o.initial_scale(), "), got ", o.min_scale());
+              "[commgrad] DynamicLossScaler: min_scale must be positive and at most initial_scale (", o.initial_scale(),
+              "), got ", o.min_scale());
   TORCH_CHECK(o.growth_factor() > 1 && std::isfinite(o.growth_factor()),
               "[commgrad] DynamicLossScaler: growth_factor must be above 1 (and finite), got ", o.growth_factor());
   TORCH_CHECK(o.backoff_factor() > 0 && o.backoff_factor() < 1,
               "[commgrad] DynamicLossScaler: backoff_factor must be in (0, 1), got ", o.backoff_factor());
   TORCH_CHECK(o.growth_interval() >= 1, "[commgrad] DynamicLossScaler: growth_interval must be at least 1, got ",
               o.growth_interval());
-  TORCH_CHECK(o.hysteresis() >= 1, "[commgrad] DynamicLossScaler: hysteresis must be at least 1, got ",
-              o.hysteresis());
+  TORCH_CHECK(o.hysteresis() >= 1, "[commgrad] DynamicLossScaler: hysteresis must be at least 1, got ", o.hysteresis());
 }
 
 // The groups given (undefined ones dropped), or the current layout's.
@@ -68,17 +67,15 @@ bool is_16_bit(const at::Tensor& t) { return t.scalar_type() == at::kHalf || t.s
 int64_t state_integer(const torch::OrderedDict<std::string, at::Tensor>& state, const std::string& key) {
   const at::Tensor* t = state.find(key);
   TORCH_CHECK(t != nullptr && t->defined(), "[commgrad] DynamicLossScaler::load_state_dict: no '", key, "' entry");
-  TORCH_CHECK(t->numel() == 1, "[commgrad] DynamicLossScaler::load_state_dict: '", key,
-              "' must hold one number, got ", tensor_name(*t));
+  TORCH_CHECK(t->numel() == 1, "[commgrad] DynamicLossScaler::load_state_dict: '", key, "' must hold one number, got ",
+              tensor_name(*t));
   return t->item<int64_t>();
 }
 
 }  // namespace
 
 DynamicLossScaler::DynamicLossScaler(DynamicLossScalerOptions options)
-    : options_(std::move(options)),
-      scale_(options_.initial_scale()),
-      hysteresis_tracker_(options_.hysteresis()) {
+    : options_(std::move(options)), scale_(options_.initial_scale()), hysteresis_tracker_(options_.hysteresis()) {
   check_options(options_);
   groups_ = resolve_groups(options_.groups());
 }
@@ -165,13 +162,15 @@ void DynamicLossScaler::load_state_dict(const torch::OrderedDict<std::string, at
   TORCH_CHECK(scale != nullptr && scale->defined() && scale->numel() == 1,
               "[commgrad] DynamicLossScaler::load_state_dict: no 'scale' entry holding one number");
   const double s = scale->item<double>();
-  TORCH_CHECK(s > 0 && std::isfinite(s), "[commgrad] DynamicLossScaler::load_state_dict: 'scale' must be positive "
-              "and finite, got ", s);
+  TORCH_CHECK(s > 0 && std::isfinite(s),
+              "[commgrad] DynamicLossScaler::load_state_dict: 'scale' must be positive "
+              "and finite, got ",
+              s);
   const int64_t growth = state_integer(state, "growth_tracker");
   const int64_t hysteresis = state_integer(state, "hysteresis_tracker");
   const int64_t skipped = state_integer(state, "skipped_steps");
-  TORCH_CHECK(growth >= 0 && skipped >= 0, "[commgrad] DynamicLossScaler::load_state_dict: 'growth_tracker' (",
-              growth, ") and 'skipped_steps' (", skipped, ") must not be negative");
+  TORCH_CHECK(growth >= 0 && skipped >= 0, "[commgrad] DynamicLossScaler::load_state_dict: 'growth_tracker' (", growth,
+              ") and 'skipped_steps' (", skipped, ") must not be negative");
   scale_ = s;
   growth_tracker_ = growth;
   hysteresis_tracker_ = hysteresis;

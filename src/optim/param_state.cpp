@@ -41,8 +41,10 @@ struct Member {
   std::function<void(State&, const at::Tensor&)> set;
 };
 
-#define COMMGRAD_MEMBER(State, m) \
-  Member<State> { #m, [](State& s) -> const at::Tensor& { return s.m(); }, [](State& s, const at::Tensor& t) { s.m(t); } }
+#define COMMGRAD_MEMBER(State, m)                                                                            \
+  Member<State> {                                                                                            \
+#m, [](State & s) -> const at::Tensor& { return s.m(); }, [](State & s, const at::Tensor& t) { s.m(t); } \
+  }
 
 template <class State>
 std::vector<Member<State>> members();
@@ -107,11 +109,15 @@ void write(Optimizer& optimizer, const at::Tensor& param, const ParamState& in, 
 // Calls f.template operator()<State>(type name) for the optimizer's type.
 template <class F>
 auto dispatch(Optimizer& optimizer, F&& f) {
-  if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) return f(static_cast<torch::optim::AdamWParamState*>(nullptr), "AdamW");
-  if (dynamic_cast<torch::optim::Adam*>(&optimizer)) return f(static_cast<torch::optim::AdamParamState*>(nullptr), "Adam");
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer))
+    return f(static_cast<torch::optim::AdamWParamState*>(nullptr), "AdamW");
+  if (dynamic_cast<torch::optim::Adam*>(&optimizer))
+    return f(static_cast<torch::optim::AdamParamState*>(nullptr), "Adam");
   if (dynamic_cast<torch::optim::SGD*>(&optimizer)) return f(static_cast<torch::optim::SGDParamState*>(nullptr), "SGD");
-  if (dynamic_cast<torch::optim::Adagrad*>(&optimizer)) return f(static_cast<torch::optim::AdagradParamState*>(nullptr), "Adagrad");
-  if (dynamic_cast<torch::optim::RMSprop*>(&optimizer)) return f(static_cast<torch::optim::RMSpropParamState*>(nullptr), "RMSprop");
+  if (dynamic_cast<torch::optim::Adagrad*>(&optimizer))
+    return f(static_cast<torch::optim::AdagradParamState*>(nullptr), "Adagrad");
+  if (dynamic_cast<torch::optim::RMSprop*>(&optimizer))
+    return f(static_cast<torch::optim::RMSpropParamState*>(nullptr), "RMSprop");
   TORCH_CHECK(false, "[commgrad] optimizer state: ", typeid(optimizer).name(),
               " is not supported (Adam, AdamW, SGD, Adagrad and RMSprop are; LBFGS keeps no per-element state)");
 }

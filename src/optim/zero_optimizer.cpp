@@ -72,18 +72,18 @@ struct ZeroOptimizer::Impl {
   struct Shard {
     ZeroShardInfo info;
     int64_t chunk = 0;
-    std::vector<std::string> names;    // the bucket's parameters, in slot order
-    std::vector<int64_t> offsets;      // their offsets in the bucket
-    at::Tensor params;                 // the bucket's flat parameter buffer (padded)
-    at::Tensor master;                 // this rank's range of it, or a float32 copy (the inner optimizer's parameter)
-    bool separate_master = false;      // master is a float32 copy of a 16-bit range
-    at::ScalarType state_dtype;        // of master, gradient and state (the same on every rank)
-    at::Tensor grad;                   // this rank's averaged gradient of the range (the bucket's dtype;
-                                       // ZeRO-1: an alias of DDP's bucket buffer)
-    std::vector<char> counted;         // per segment: part of the global norm on this rank
-    std::vector<char> partial;         // per segment: a partial_grad parameter, summed over TP in step()
-    bool tied = false;                 // the bucket of a tied parameter, summed over the tied group in step()
-    bool fresh = false;                // reduced since the last step
+    std::vector<std::string> names;  // the bucket's parameters, in slot order
+    std::vector<int64_t> offsets;    // their offsets in the bucket
+    at::Tensor params;               // the bucket's flat parameter buffer (padded)
+    at::Tensor master;               // this rank's range of it, or a float32 copy (the inner optimizer's parameter)
+    bool separate_master = false;    // master is a float32 copy of a 16-bit range
+    at::ScalarType state_dtype;      // of master, gradient and state (the same on every rank)
+    at::Tensor grad;                 // this rank's averaged gradient of the range (the bucket's dtype;
+                                     // ZeRO-1: an alias of DDP's bucket buffer)
+    std::vector<char> counted;       // per segment: part of the global norm on this rank
+    std::vector<char> partial;       // per segment: a partial_grad parameter, summed over TP in step()
+    bool tied = false;               // the bucket of a tied parameter, summed over the tied group in step()
+    bool fresh = false;              // reduced since the last step
   };
 
   std::shared_ptr<torch::nn::Module> module;
@@ -134,8 +134,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
   // The norm's TP group: the given one, else the layout's, else the group the
   // module's partitioned parameters are split over (an error when it differs
   // from theirs); a data-parallel group holding two TP peers is an error.
-  const Group given_tp = m.options.tensor_parallel_group().defined() ? m.options.tensor_parallel_group()
-                                                                     : default_tensor_parallel_group();
+  const Group given_tp =
+      m.options.tensor_parallel_group().defined() ? m.options.tensor_parallel_group() : default_tensor_parallel_group();
   m.options.tensor_parallel_group(tp::tensor_parallel_group_for_norm(*m.module, given_tp, kOp));
   tp::check_data_parallel_group(*m.module, m.options.ddp().group(), kOp, "ZeroOptimizerOptions(group)");
   if (!m.options.pipeline_parallel_group().defined()) {
@@ -217,7 +217,8 @@ void ZeroOptimizer::Impl::build_shards() {
         const bool partial = specs.contains(name) && specs[name].spec.partial_grad;
         s.partial.push_back(partial);
         if (partial && !partial_group.defined()) {
-          partial_group = options.tensor_parallel_group().defined() ? options.tensor_parallel_group() : specs[name].group;
+          partial_group =
+              options.tensor_parallel_group().defined() ? options.tensor_parallel_group() : specs[name].group;
         }
       }
       offset += p.numel();
@@ -318,9 +319,9 @@ void ZeroOptimizer::Impl::check_tied() const {
     const auto theirs = all[r].contiguous();
     const auto* v = theirs.data_ptr<int64_t>();
     COMMGRAD_CHECK(theirs.equal(local), kOp, tied, "the tied parameters ('", names.front(),
-                   "', ...) are not split like group rank ", r, "'s copies: this rank has data-parallel rank ",
-                   mine[0], "/", mine[1], " and ", shape_name(my_numels), " elements, rank ", r, " has ", v[0],
-                   "/", v[1], " and ", shape_name(at::IntArrayRef(v + 3, mine.size() - 3)), " elements");
+                   "', ...) are not split like group rank ", r, "'s copies: this rank has data-parallel rank ", mine[0],
+                   "/", mine[1], " and ", shape_name(my_numels), " elements, rank ", r, " has ", v[0], "/", v[1],
+                   " and ", shape_name(at::IntArrayRef(v + 3, mine.size() - 3)), " elements");
   }
 }
 

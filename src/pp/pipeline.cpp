@@ -46,8 +46,8 @@ Pipeline::Pipeline(std::vector<StageFunction> stages, LossFunction loss, Pipelin
   m.rank = m.group.rank();
   COMMGRAD_CHECK(static_cast<bool>(loss), kOp, m.group, "the loss function is empty");
   m.schedule = make_schedule(options.schedule(), m.group.size(), options.microbatches(), options.stages_per_rank());
-  COMMGRAD_CHECK(static_cast<int>(stages.size()) == options.stages_per_rank(), kOp, m.group, "the ",
-                 options.schedule(), " schedule puts ", options.stages_per_rank(), " stage(s) on each rank, but this rank got ",
+  COMMGRAD_CHECK(static_cast<int>(stages.size()) == options.stages_per_rank(), kOp, m.group, "the ", options.schedule(),
+                 " schedule puts ", options.stages_per_rank(), " stage(s) on each rank, but this rank got ",
                  stages.size());
   for (size_t i = 0; i < stages.size(); ++i) {
     COMMGRAD_CHECK(static_cast<bool>(stages[i]), kOp, m.group, "stage function ", i, " is empty");
@@ -129,8 +129,9 @@ void Pipeline::Impl::backward(const Action& a) {
     torch::autograd::backward({slot.loss});
   } else {
     if (schedule.rank_of(a.stage + 1) == rank) slot.grad_output = slots.at({a.stage + 1, a.microbatch}).grad_input;
-    COMMGRAD_CHECK(slot.grad_output.sizes() == slot.output.sizes(), kOp, group, where(a), ": the gradient of the output is ",
-                   tensor_name(slot.grad_output), ", but the output is ", tensor_name(slot.output));
+    COMMGRAD_CHECK(slot.grad_output.sizes() == slot.output.sizes(), kOp, group, where(a),
+                   ": the gradient of the output is ", tensor_name(slot.grad_output), ", but the output is ",
+                   tensor_name(slot.output));
     torch::autograd::backward({slot.output}, {slot.grad_output});
   }
   if (a.stage > 0 && slot.input.requires_grad()) {
@@ -182,9 +183,9 @@ void Pipeline::Impl::start_step(const at::Tensor& step_inputs, const at::Tensor&
   position = 0;
   neighbours_told = false;
   deferring.clear();
-  error_sends.erase(std::remove_if(error_sends.begin(), error_sends.end(),
-                                   [](const auto& s) { return s.first.is_completed(); }),
-                    error_sends.end());
+  error_sends.erase(
+      std::remove_if(error_sends.begin(), error_sends.end(), [](const auto& s) { return s.first.is_completed(); }),
+      error_sends.end());
 }
 
 void Pipeline::Impl::run_compute(const Action& a, Busy& busy) {

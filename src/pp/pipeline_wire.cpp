@@ -71,7 +71,8 @@ void Pipeline::Impl::tell_neighbours(const std::string& what, int except) {
   neighbours_told = true;
   const auto& actions = schedule.actions[rank];
   std::vector<int> told;
-  const auto text = at::from_blob(const_cast<char*>(what.data()), {static_cast<int64_t>(what.size())}, at::kByte).clone();
+  const auto text =
+      at::from_blob(const_cast<char*>(what.data()), {static_cast<int64_t>(what.size())}, at::kByte).clone();
   for (size_t i = position; i < actions.size(); ++i) {
     const Action& a = actions[i];
     if (a.kind != ActionKind::kSendActivation && a.kind != ActionKind::kSendGradient) continue;
@@ -128,14 +129,15 @@ void Pipeline::Impl::receive(const Action& a) {
     const std::string what(static_cast<const char*>(text.data_ptr()), static_cast<size_t>(text.numel()));
     tell_neighbours(what, peer);
     COMMGRAD_THROW(ErrorKind::kPeerFailed, error_site(kOp, group), where(a), ": pipeline rank ", peer, " (",
-                   activation ? "previous" : "next", " stage ", activation ? a.stage - 1 : a.stage + 1, ") failed: ",
-                   what);
+                   activation ? "previous" : "next", " stage ", activation ? a.stage - 1 : a.stage + 1,
+                   ") failed: ", what);
   }
-  COMMGRAD_CHECK_AS(ErrorKind::kMismatch, h[0] == kMagic && h[1] == a.stage && h[2] == a.microbatch && h[3] == (activation ? 0 : 1) &&
-                     h[5] >= 0 && h[5] <= kMaxDims,
-                 kOp, group, where(a), ": expected the ", activation ? "activation" : "gradient", " of stage ",
-                 a.stage, " microbatch ", a.microbatch, ", but the header received says stage ", h[1],
-                 " microbatch ", h[2], " kind ", h[3], " (magic ", h[0], ")");
+  COMMGRAD_CHECK_AS(ErrorKind::kMismatch,
+                    h[0] == kMagic && h[1] == a.stage && h[2] == a.microbatch && h[3] == (activation ? 0 : 1) &&
+                        h[5] >= 0 && h[5] <= kMaxDims,
+                    kOp, group, where(a), ": expected the ", activation ? "activation" : "gradient", " of stage ",
+                    a.stage, " microbatch ", a.microbatch, ", but the header received says stage ", h[1],
+                    " microbatch ", h[2], " kind ", h[3], " (magic ", h[0], ")");
   const std::vector<int64_t> sizes(h + 6, h + 6 + h[5]);
   auto t = ops::raw::recv(sizes, ops::RecvOptions(options).dtype(static_cast<at::ScalarType>(h[4])), group).wait();
   auto& slot = slots[{a.stage, a.microbatch}];

@@ -236,8 +236,8 @@ Schedule zero_bubble_h1(int ranks, int microbatches) {
 
 Schedule make_schedule(const std::string& name, int ranks, int microbatches, int stages_per_rank) {
   if (name == "gpipe" || name == "1f1b" || name == "zbh1") {
-    if (stages_per_rank != 1) fail(name + " runs one stage per rank; use \"interleaved\" for " +
-                                   std::to_string(stages_per_rank));
+    if (stages_per_rank != 1)
+      fail(name + " runs one stage per rank; use \"interleaved\" for " + std::to_string(stages_per_rank));
     if (name == "zbh1") return zero_bubble_h1(ranks, microbatches);
     return name == "gpipe" ? gpipe(ranks, microbatches) : one_f_one_b(ranks, microbatches);
   }

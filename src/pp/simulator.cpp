@@ -61,7 +61,7 @@ class Simulator {
   const bool split_;
   const int last_;
   std::vector<Rank> ranks_;
-  std::map<Key, int> computed_;     // F, B and W per (stage, microbatch)
+  std::map<Key, int> computed_;    // F, B and W per (stage, microbatch)
   std::map<Key, double> mailbox_;  // buffered sends, by the receive they match: posting time
   SimulationResult result_;
 };
@@ -140,7 +140,8 @@ void Simulator::post(int r) {
   me.posted_at = me.clock;
   me.batch_end = me.pc;
   while (me.batch_end < s_.actions[r].size() && s_.actions[r][me.batch_end].batched_with_next) ++me.batch_end;
-  if (me.batch_end == s_.actions[r].size()) fail("simulate " + s_.name + ": rank " + std::to_string(r) + " ends inside a batch");
+  if (me.batch_end == s_.actions[r].size())
+    fail("simulate " + s_.name + ": rank " + std::to_string(r) + " ends inside a batch");
   ++me.batch_end;
   me.done.assign(me.batch_end - me.pc, 0);
   for (size_t i = me.pc; i < me.batch_end; ++i) {
@@ -152,11 +153,14 @@ void Simulator::post(int r) {
       fail_at(r, i, "has no peer stage on another rank");
     }
     if (a.microbatch < 0 || a.microbatch >= s_.microbatches) fail_at(r, i, "has no such microbatch");
-    if (a.kind == Kind::kSendActivation) need(r, i, Kind::kForward, a.stage, a.microbatch, "sends an activation not computed yet");
-    if (a.kind == Kind::kSendGradient) need(r, i, Kind::kBackward, a.stage, a.microbatch, "sends a gradient not computed yet");
+    if (a.kind == Kind::kSendActivation)
+      need(r, i, Kind::kForward, a.stage, a.microbatch, "sends an activation not computed yet");
+    if (a.kind == Kind::kSendGradient)
+      need(r, i, Kind::kBackward, a.stage, a.microbatch, "sends a gradient not computed yet");
     const bool send = a.kind == Kind::kSendActivation || a.kind == Kind::kSendGradient;
     if (send && !options_.rendezvous_sends()) {
-      if (!mailbox_.emplace(key_of(detail::counterpart(s_, a).first), me.posted_at).second) fail_at(r, i, "is sent twice");
+      if (!mailbox_.emplace(key_of(detail::counterpart(s_, a).first), me.posted_at).second)
+        fail_at(r, i, "is sent twice");
       me.done[i - me.pc] = 1;
     }
   }
@@ -224,8 +228,8 @@ void Simulator::check_finished() const {
   }
   if (!mailbox_.empty()) {
     const auto& [kind, stage, mb] = mailbox_.begin()->first;
-    fail("simulate " + s_.name + ": nobody receives " + Action{static_cast<Kind>(kind), stage, mb}.to_string() +
-         " (" + std::to_string(mailbox_.size()) + " sends not received)");
+    fail("simulate " + s_.name + ": nobody receives " + Action{static_cast<Kind>(kind), stage, mb}.to_string() + " (" +
+         std::to_string(mailbox_.size()) + " sends not received)");
   }
   for (int stage = 0; stage <= last_; ++stage) {
     for (int mb = 0; mb < s_.microbatches; ++mb) {

@@ -54,8 +54,8 @@ namespace {
 void check_attention_input(const char* op, const Group& group, const at::Tensor& input, int64_t hidden_size) {
   COMMGRAD_CHECK(input.defined() && input.dim() == 3, op, group, "expected input [seq, batch, hidden=", hidden_size,
                  "], got ", input.defined() ? detail::describe(input) : std::string("an undefined tensor"));
-  COMMGRAD_CHECK(input.size(2) == hidden_size, op, group, "expected input [seq, batch, hidden=", hidden_size,
-                 "], got ", detail::describe(input));
+  COMMGRAD_CHECK(input.size(2) == hidden_size, op, group, "expected input [seq, batch, hidden=", hidden_size, "], got ",
+                 detail::describe(input));
   COMMGRAD_CHECK(input.is_floating_point(), op, group, "expected a floating-point input, got ",
                  detail::describe(input));
 }
@@ -77,8 +77,7 @@ void ParallelSelfAttentionImpl::reset() {
   options.group(resolve_tp_group(options.group(), op));
   const Group& g = options.group();
   const int64_t h = options.hidden_size(), heads = options.num_heads();
-  COMMGRAD_CHECK(h >= 1 && heads >= 1, op, g, "hidden_size (", h, ") and num_heads (", heads,
-                 ") must be positive");
+  COMMGRAD_CHECK(h >= 1 && heads >= 1, op, g, "hidden_size (", h, ") and num_heads (", heads, ") must be positive");
   COMMGRAD_CHECK(h % heads == 0, op, g, "hidden_size (", h, ") is not divisible by num_heads (", heads, ")");
   COMMGRAD_CHECK(heads % g.size() == 0, op, g, "num_heads (", heads, ") is not divisible by the tensor-parallel size (",
                  g.size(), "): the heads are split across the ranks");
@@ -101,8 +100,7 @@ void ParallelSelfAttentionImpl::reset() {
 
 void ParallelSelfAttentionImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha << "commgrad::tp::ParallelSelfAttention(hidden=" << options.hidden_size()
-         << ", heads=" << options.num_heads() << ", tp=" << options.group().size()
-         << ", causal=" << options.causal();
+         << ", heads=" << options.num_heads() << ", tp=" << options.group().size() << ", causal=" << options.causal();
   if (options.attention_dropout() > 0) stream << ", attention_dropout=" << options.attention_dropout();
   if (options.sequence_parallel()) stream << ", sequence_parallel=true";
   if (options.recompute_core()) stream << ", recompute_core=true";

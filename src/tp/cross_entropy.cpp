@@ -29,17 +29,16 @@ namespace commgrad::tp {
 
 namespace {
 
-using detail::saved_group;
 using detail::save_group;
+using detail::saved_group;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target,
                             int64_t ignore_index, double eps, const Group& group) {
-    const at::ScalarType compute = logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kHalf
-                                       ? at::kFloat
-                                       : logits.scalar_type();
+    const at::ScalarType compute =
+        logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kHalf ? at::kFloat : logits.scalar_type();
     const at::Tensor x = logits.detach().to(compute);
     const int64_t local_v = x.size(-1);
     const int64_t V = local_v * group.size();

@@ -28,8 +28,7 @@ at::Tensor init_embedding(int64_t num_embeddings, int64_t embedding_dim, uint64_
   return at::empty({num_embeddings, embedding_dim}, at::kFloat).normal_(0.0, 1.0, gen);
 }
 
-VocabParallelEmbeddingOptions::VocabParallelEmbeddingOptions(int64_t num_embeddings, int64_t embedding_dim,
-                                                             Group group)
+VocabParallelEmbeddingOptions::VocabParallelEmbeddingOptions(int64_t num_embeddings, int64_t embedding_dim, Group group)
     : num_embeddings_(num_embeddings), embedding_dim_(embedding_dim), group_(std::move(group)) {}
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions options_)

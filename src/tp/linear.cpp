@@ -165,8 +165,8 @@ struct DeferredMatmul : torch::autograd::Function<DeferredMatmul> {
 void check_input(const char* op, const Group& g, const at::Tensor& input, int64_t features, const at::Tensor& weight,
                  const char* what, const std::string& hint = "") {
   COMMGRAD_CHECK(input.defined(), op, g, "got an undefined input");
-  COMMGRAD_CHECK(input.dim() >= 1 && input.size(-1) == features, op, g, "expected an input of shape [..., ",
-                 features, "] (", what, "), got ", describe(input), hint);
+  COMMGRAD_CHECK(input.dim() >= 1 && input.size(-1) == features, op, g, "expected an input of shape [..., ", features,
+                 "] (", what, "), got ", describe(input), hint);
   COMMGRAD_CHECK(input.scalar_type() == weight.scalar_type(), op, g, "input ", describe(input),
                  " does not have the dtype of the weight ", describe(weight));
 }
@@ -188,8 +188,8 @@ std::string row_input_hint(const at::Tensor& input, const RowParallelLinearOptio
 }
 
 void check_sequence(const char* op, const Group& g, const at::Tensor& x, const char* what) {
-  COMMGRAD_CHECK(x.dim() >= 2, op, g, "with sequence_parallel the ", what,
-                 " must be [sequence, ..., features], got ", describe(x));
+  COMMGRAD_CHECK(x.dim() >= 2, op, g, "with sequence_parallel the ", what, " must be [sequence, ..., features], got ",
+                 describe(x));
 }
 
 }  // namespace
@@ -218,14 +218,14 @@ void ColumnParallelLinearImpl::reset() {
   COMMGRAD_CHECK(options.in_features() >= 1 && options.out_features() >= 1, op, g, "in_features (",
                  options.in_features(), ") and out_features (", options.out_features(), ") must be positive");
   COMMGRAD_CHECK(options.stride() >= 1, op, g, "stride must be at least 1, got ", options.stride());
-  COMMGRAD_CHECK(options.out_features() % (n * options.stride()) == 0, op, g, "out_features (",
-                 options.out_features(), ") is not divisible by the tensor-parallel size (", n, ")",
+  COMMGRAD_CHECK(options.out_features() % (n * options.stride()) == 0, op, g, "out_features (", options.out_features(),
+                 ") is not divisible by the tensor-parallel size (", n, ")",
                  options.stride() > 1 ? c10::str(" x stride (", options.stride(), ")") : std::string());
   COMMGRAD_CHECK(!(options.sequence_parallel() && options.gather_output()), op, g,
                  "sequence_parallel and gather_output cannot both be set (the output of a sequence-parallel "
                  "column layer stays split; gather it after the following row-parallel layer)");
-  COMMGRAD_CHECK(!(options.gather_output() && options.stride() > 1), op, g,
-                 "gather_output with stride ", options.stride(), " would interleave the output blocks");
+  COMMGRAD_CHECK(!(options.gather_output() && options.stride() > 1), op, g, "gather_output with stride ",
+                 options.stride(), " would interleave the output blocks");
   const int64_t local_out = options.out_features() / n;
   weight = register_parameter("weight", at::empty({local_out, options.in_features()}));
   const auto spec = ShardSpec::partitioned(0, options.stride());
@@ -303,8 +303,7 @@ void RowParallelLinearImpl::reset() {
   set_shard_spec("weight", ShardSpec::partitioned(1), g);
   if (options.bias()) {
     bias = register_parameter("bias", at::empty({options.out_features()}));
-    set_shard_spec("bias", options.sequence_parallel() ? ShardSpec::sequence_parallel() : ShardSpec::replicated(),
-                   g);
+    set_shard_spec("bias", options.sequence_parallel() ? ShardSpec::sequence_parallel() : ShardSpec::replicated(), g);
   }
   options.seed(resolve_seed(options.seed(), g));
   reset_parameters();

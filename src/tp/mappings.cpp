@@ -33,13 +33,13 @@ namespace detail {
 std::string describe(const at::Tensor& x) {
   if (!x.defined()) return "undefined";
   const at::ScalarType t = x.scalar_type();
-  const char* name = t == at::kFloat    ? "float32"
-                     : t == at::kDouble ? "float64"
-                     : t == at::kHalf   ? "float16"
+  const char* name = t == at::kFloat      ? "float32"
+                     : t == at::kDouble   ? "float64"
+                     : t == at::kHalf     ? "float16"
                      : t == at::kBFloat16 ? "bfloat16"
-                     : t == at::kLong   ? "int64"
-                     : t == at::kInt    ? "int32"
-                                        : c10::toString(t);
+                     : t == at::kLong     ? "int64"
+                     : t == at::kInt      ? "int32"
+                                          : c10::toString(t);
   std::string s = c10::str(name, "[");
   for (int64_t i = 0; i < x.dim(); ++i) s += (i > 0 ? ", " : "") + std::to_string(x.size(i));
   return s + "]";
@@ -63,8 +63,8 @@ void check_divisible(const char* op, const Group& group, const at::Tensor& x, in
 
 namespace {
 
-using detail::saved_group;
 using detail::save_group;
+using detail::saved_group;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 

@@ -27,17 +27,17 @@ void ParallelMLPImpl::reset() {
   const Group& g = options.group();
   options.seed(resolve_seed(options.seed(), g));
   const uint64_t seed = *options.seed();
-  fc1 = register_module("fc1", ColumnParallelLinear(ColumnParallelLinearOptions(options.hidden_size(),
-                                                                                options.ffn_hidden_size(), g)
-                                                        .bias(options.bias())
-                                                        .sequence_parallel(options.sequence_parallel())
-                                                        .seed(seed)));
-  fc2 = register_module("fc2", RowParallelLinear(RowParallelLinearOptions(options.ffn_hidden_size(),
-                                                                          options.hidden_size(), g)
-                                                     .bias(options.bias())
-                                                     .input_is_parallel(true)
-                                                     .sequence_parallel(options.sequence_parallel())
-                                                     .seed(seed + 1)));
+  fc1 = register_module(
+      "fc1", ColumnParallelLinear(ColumnParallelLinearOptions(options.hidden_size(), options.ffn_hidden_size(), g)
+                                      .bias(options.bias())
+                                      .sequence_parallel(options.sequence_parallel())
+                                      .seed(seed)));
+  fc2 = register_module("fc2",
+                        RowParallelLinear(RowParallelLinearOptions(options.ffn_hidden_size(), options.hidden_size(), g)
+                                              .bias(options.bias())
+                                              .input_is_parallel(true)
+                                              .sequence_parallel(options.sequence_parallel())
+                                              .seed(seed + 1)));
 }
 
 void ParallelMLPImpl::pretty_print(std::ostream& stream) const {

@@ -130,8 +130,8 @@ at::Generator RngTracker::generator(const std::string& name) const {
   if (it == state_->streams.end()) {
     std::string known;
     for (const auto& entry : state_->streams) known += (known.empty() ? "" : ", ") + entry.first;
-    TORCH_CHECK(false, "[commgrad] RngTracker::generator: stream '", name, "' was not added (known: ",
-                known.empty() ? std::string("none") : known,
+    TORCH_CHECK(false, "[commgrad] RngTracker::generator: stream '", name,
+                "' was not added (known: ", known.empty() ? std::string("none") : known,
                 "); call tp::model_parallel_manual_seed() or RngTracker::add() first");
   }
   return it->second;
@@ -226,8 +226,7 @@ uint64_t resolve_seed(const std::optional<uint64_t>& seed, const Group& group) {
 
 at::Tensor dropout(const at::Tensor& x, double p, bool training, const RngTracker& tracker) {
   TORCH_CHECK(p >= 0.0 && p <= 1.0, "[commgrad] tp::dropout: probability must be in [0, 1], got ", p);
-  TORCH_CHECK(x.is_floating_point(), "[commgrad] tp::dropout: expected a floating-point tensor, got ",
-              tensor_name(x));
+  TORCH_CHECK(x.is_floating_point(), "[commgrad] tp::dropout: expected a floating-point tensor, got ", tensor_name(x));
   if (!training || p == 0.0) return x;
   if (p == 1.0) return x * 0;
   at::Generator generator = tracker.current_generator();

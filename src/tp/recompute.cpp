@@ -66,10 +66,10 @@ void set_generator_state(at::Generator generator, const at::Tensor& state) {
 
 // Every stream fn may draw from, at one moment.
 struct RngSnapshot {
-  at::Tensor cpu;                       // LibTorch's default CPU generator
-  RngTracker tracker;                   // this thread's tracker when captured
-  RngStates tracker_states;             // its streams
-  std::optional<std::string> fork;      // the stream forked then, if any
+  at::Tensor cpu;                                          // LibTorch's default CPU generator
+  RngTracker tracker;                                      // this thread's tracker when captured
+  RngStates tracker_states;                                // its streams
+  std::optional<std::string> fork;                         // the stream forked then, if any
   std::vector<std::pair<at::Device, at::Tensor>> devices;  // default CUDA generators
 };
 
@@ -240,7 +240,8 @@ class RecomputeBackward : public torch::autograd::Node {
   void release_variables() override { state_.reset(); }
 
   variable_list apply(variable_list&& grads) override {
-    TORCH_CHECK(state_, prefix(name_), "backward through the recomputed function a second time, but its inputs were "
+    TORCH_CHECK(state_, prefix(name_),
+                "backward through the recomputed function a second time, but its inputs were "
                 "already freed; use retain_graph=true on the first backward");
     State& s = *state_;
     check_versions(s, "between forward and backward");

@@ -79,10 +79,9 @@ void TransformerLayerReferenceImpl::reset() {
   const int64_t h = options.hidden_size();
   const uint64_t seed = own_seed(options.seed());
   ln1 = register_module("ln1", make_layernorm(h, options.layernorm_eps()));
-  attention = register_module(
-      "attention", SelfAttentionReference(ParallelSelfAttentionOptions(h, options.num_heads())
-                                              .attention_dropout(options.attention_dropout())
-                                              .seed(seed)));
+  attention = register_module("attention", SelfAttentionReference(ParallelSelfAttentionOptions(h, options.num_heads())
+                                                                      .attention_dropout(options.attention_dropout())
+                                                                      .seed(seed)));
   ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
   mlp = register_module("mlp", MLPReference(ParallelMLPOptions(h, options.ffn_hidden_size()).seed(seed + 2)));
 }

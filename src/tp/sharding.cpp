@@ -135,7 +135,8 @@ torch::OrderedDict<std::string, at::Tensor> gather_full_state_dict(const torch::
   const auto specs = shard_specs(module);
   for (const auto& p : module.named_parameters()) {
     const ParameterShard& s = specs[p.key()];
-    full.insert(p.key(), s.spec.is_partitioned() ? gather_shards(p.value(), s.spec, s.group) : p.value().detach().clone());
+    full.insert(p.key(),
+                s.spec.is_partitioned() ? gather_shards(p.value(), s.spec, s.group) : p.value().detach().clone());
   }
   for (const auto& b : module.named_buffers()) full.insert(b.key(), b.value().detach().clone());
   return full;

@@ -64,13 +64,13 @@ void ParallelTransformerLayerImpl::reset() {
   const uint64_t seed = *options.seed();
   const int64_t h = options.hidden_size();
   ln1 = register_module("ln1", make_layernorm(h, options.layernorm_eps()));
-  attention = register_module("attention", ParallelSelfAttention(ParallelSelfAttentionOptions(h, options.num_heads(), g)
-                                                                     .attention_dropout(options.attention_dropout())
-                                                                     .sequence_parallel(options.sequence_parallel())
-                                                                     .recompute_core(options.recompute() ==
-                                                                                     RecomputeGranularity::kSelective)
-                                                                     .seed(seed)
-                                                                     .context_parallel(options.context_parallel())));
+  attention = register_module(
+      "attention", ParallelSelfAttention(ParallelSelfAttentionOptions(h, options.num_heads(), g)
+                                             .attention_dropout(options.attention_dropout())
+                                             .sequence_parallel(options.sequence_parallel())
+                                             .recompute_core(options.recompute() == RecomputeGranularity::kSelective)
+                                             .seed(seed)
+                                             .context_parallel(options.context_parallel())));
   ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
   if (options.feed_forward()) {
     feed_forward = options.feed_forward()(options);

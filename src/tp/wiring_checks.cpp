@@ -64,9 +64,9 @@ void check_data_parallel_group(const torch::nn::Module& module, const Group& dat
   }
   COMMGRAD_CHECK(shared.size() < 2, op, data_parallel_group, "the data-parallel group '", data_parallel_group.name(),
                  "' (ranks ", ranks_of(data_parallel_group), ") holds ranks ", shared[0], " and ", shared[1],
-                 " of tensor-parallel group '", tp.name(), "' (ranks ", ranks_of(tp), "), over which parameter '",
-                 name, "' is split: it would average different shards. Pass the data-parallel group of the layout to ",
-                 what, " (ParallelState::data_parallel_group(), or no group once the layout is installed with "
+                 " of tensor-parallel group '", tp.name(), "' (ranks ", ranks_of(tp), "), over which parameter '", name,
+                 "' is split: it would average different shards. Pass the data-parallel group of the layout to ", what,
+                 " (ParallelState::data_parallel_group(), or no group once the layout is installed with "
                  "initialize_model_parallel() or ScopedParallelState)");
 }
 
@@ -75,8 +75,10 @@ Group tensor_parallel_group_for_norm(const torch::nn::Module& module, const Grou
   if (!split.defined()) return given;
   if (!given.defined()) return split;
   COMMGRAD_CHECK(given.ranks() == split.ranks(), op, given, "the tensor-parallel group for the norm, '", given.name(),
-                 "' (ranks ", ranks_of(given), "), is not the group the module's partitioned parameters are split "
-                 "over, '", split.name(), "' (ranks ", ranks_of(split),
+                 "' (ranks ", ranks_of(given),
+                 "), is not the group the module's partitioned parameters are split "
+                 "over, '",
+                 split.name(), "' (ranks ", ranks_of(split),
                  "): the norm would miss the other ranks' shards. Pass that group (or none: it is taken from the "
                  "module)");
   return given;

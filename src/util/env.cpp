@@ -28,17 +28,21 @@ const std::vector<Variable>& variables() {
       {"SLURM_LOCALID", "integer", "local rank under srun"},
       {"SLURM_NTASKS_PER_NODE", "integer (regular layouts)", "ranks on this host under srun"},
       // Behaviour.
-      {"COMMGRAD_BACKEND", "auto, gloo, shm, hierarchical, nccl", "transport for init_process_group(\"auto\") (default auto)"},
+      {"COMMGRAD_BACKEND", "auto, gloo, shm, hierarchical, nccl",
+       "transport for init_process_group(\"auto\") (default auto)"},
       {"COMMGRAD_TIMEOUT", "seconds > 0", "group timeout when the program sets none (default 300)"},
-      {"COMMGRAD_DEBUG", "1 or CHECK, TRACE, INFO", "1/CHECK: cross-rank check of every collective; TRACE: "
-                                                    "the check and a log line per collective; INFO: more log lines"},
-      {"COMMGRAD_BUFFER_POOL_MB", "MiB >= 0", "freed collective buffers the pool keeps for reuse (default 512; 0 keeps none)"},
+      {"COMMGRAD_DEBUG", "1 or CHECK, TRACE, INFO",
+       "1/CHECK: cross-rank check of every collective; TRACE: "
+       "the check and a log line per collective; INFO: more log lines"},
+      {"COMMGRAD_BUFFER_POOL_MB", "MiB >= 0",
+       "freed collective buffers the pool keeps for reuse (default 512; 0 keeps none)"},
       {"COMMGRAD_SHM_CHUNK_BYTES", "bytes >= 0", "shm: pipeline chunk of large collectives (default 256 KiB)"},
       {"COMMGRAD_SHM_SPIN_US", "microseconds >= 0", "shm: how long a waiting rank spins before it sleeps"},
       {"COMMGRAD_SHM_ASYNC_BYTES", "bytes >= 0",
        "shm: collectives from this size run on the worker thread (default 1 MiB); smaller ones finish in the call"},
       {"COMMGRAD_SHM_EAGER_WORKER", "0 or 1", "shm: start async collectives at once (default: when cores are spare)"},
-      {"COMMGRAD_HOST", "any text", "this process's host identity for locality decisions (default: host name and boot id)"},
+      {"COMMGRAD_HOST", "any text",
+       "this process's host identity for locality decisions (default: host name and boot id)"},
       {"COMMGRAD_LINE_BUFFERED", "1",
        "line-buffer stdout from the moment commgrad loads, so that a rank stopped by the launcher loses no printed "
        "line (commgrad-run sets it for its ranks; set it yourself under another launcher whose ranks write to a pipe)"},
@@ -49,8 +53,7 @@ const std::vector<Variable>& variables() {
 
 std::optional<std::string> get(const std::string& name) {
   const auto& list = variables();
-  const bool listed =
-      std::any_of(list.begin(), list.end(), [&](const Variable& v) { return name == v.name; });
+  const bool listed = std::any_of(list.begin(), list.end(), [&](const Variable& v) { return name == v.name; });
   TORCH_INTERNAL_ASSERT(listed, "commgrad reads the environment variable ", name,
                         ", which is missing from commgrad::env::variables()");
   const char* value = std::getenv(name.c_str());

@@ -34,7 +34,8 @@ std::string Error::format(const ErrorSite& site, const std::string& detail) {
   return site.op.empty() && site.where.empty() ? c10::str(prefix, " ", detail) : c10::str(prefix, ": ", detail);
 }
 
-InvalidArgumentError::InvalidArgumentError(c10::SourceLocation location, ErrorSite site, std::string detail, std::string message)
+InvalidArgumentError::InvalidArgumentError(c10::SourceLocation location, ErrorSite site, std::string detail,
+                                           std::string message)
     : c10::Error(location, message),
       commgrad::Error(ErrorKind::kInvalidArgument, std::move(site), std::move(detail), std::move(message)) {}
 
@@ -42,7 +43,8 @@ MismatchError::MismatchError(c10::SourceLocation location, ErrorSite site, std::
     : detail::DistErrorBase(location, message),
       commgrad::Error(ErrorKind::kMismatch, std::move(site), std::move(detail), std::move(message)) {}
 
-CommunicationError::CommunicationError(c10::SourceLocation location, ErrorSite site, std::string detail, std::string message)
+CommunicationError::CommunicationError(c10::SourceLocation location, ErrorSite site, std::string detail,
+                                       std::string message)
     : detail::DistErrorBase(location, message),
       commgrad::Error(ErrorKind::kPeerFailed, std::move(site), std::move(detail), std::move(message)) {}
 

@@ -13,7 +13,6 @@
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/function.h>
 
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -229,9 +228,7 @@ std::string format_tensor(const at::Tensor& t) {
   return out + ")";
 }
 
-std::ostream& operator<<(std::ostream& os, const PythonRepr& repr) {
-  return os << format_tensor(repr.tensor);
-}
+std::ostream& operator<<(std::ostream& os, const PythonRepr& repr) { return os << format_tensor(repr.tensor); }
 
 std::string format_ranks(const std::vector<int>& ranks) {
   // Appended piecewise: "[" + Join(...) + "]" trips GCC 12's -Wrestrict false positive in C++20.

@@ -36,7 +36,7 @@ struct Rank {
   int size = 1;
   c10::intrusive_ptr<ShmProcessGroup> shm;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;  // null unless RunOptions::gloo
-  c10::intrusive_ptr<c10d::Store> store;           // shared by all ranks (unprefixed)
+  c10::intrusive_ptr<c10d::Store> store;            // shared by all ranks (unprefixed)
 };
 
 struct RunOptions {
@@ -71,8 +71,8 @@ inline void run_ranks(int n, const RunOptions& options, const std::function<void
         if (options.gloo && !(gloo_env != nullptr && std::string(gloo_env) == "0")) {
           auto o = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
           o->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-          rank.gloo =
-              c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store), r, n, o);
+          rank.gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo", store),
+                                                                  r, n, o);
         }
         body(rank);
       } catch (const std::exception& e) {
@@ -149,14 +149,29 @@ inline at::Tensor reference_reduce(const std::vector<at::Tensor>& inputs, RedOpT
     const at::Tensor x = inputs[i].to(acc_type);
     switch (op) {
       case RedOpType::SUM:
-      case RedOpType::AVG: acc = is_bool ? at::logical_or(acc, x) : acc + x; break;
-      case RedOpType::PRODUCT: acc = is_bool ? at::logical_and(acc, x) : acc * x; break;
-      case RedOpType::MAX: acc = is_bool ? at::logical_or(acc, x) : at::maximum(acc, x); break;
-      case RedOpType::MIN: acc = is_bool ? at::logical_and(acc, x) : at::minimum(acc, x); break;
-      case RedOpType::BAND: acc = is_bool ? at::logical_and(acc, x) : at::bitwise_and(acc, x); break;
-      case RedOpType::BOR: acc = is_bool ? at::logical_or(acc, x) : at::bitwise_or(acc, x); break;
-      case RedOpType::BXOR: acc = is_bool ? at::logical_xor(acc, x) : at::bitwise_xor(acc, x); break;
-      default: throw std::runtime_error("reference_reduce: unsupported op");
+      case RedOpType::AVG:
+        acc = is_bool ? at::logical_or(acc, x) : acc + x;
+        break;
+      case RedOpType::PRODUCT:
+        acc = is_bool ? at::logical_and(acc, x) : acc * x;
+        break;
+      case RedOpType::MAX:
+        acc = is_bool ? at::logical_or(acc, x) : at::maximum(acc, x);
+        break;
+      case RedOpType::MIN:
+        acc = is_bool ? at::logical_and(acc, x) : at::minimum(acc, x);
+        break;
+      case RedOpType::BAND:
+        acc = is_bool ? at::logical_and(acc, x) : at::bitwise_and(acc, x);
+        break;
+      case RedOpType::BOR:
+        acc = is_bool ? at::logical_or(acc, x) : at::bitwise_or(acc, x);
+        break;
+      case RedOpType::BXOR:
+        acc = is_bool ? at::logical_xor(acc, x) : at::bitwise_xor(acc, x);
+        break;
+      default:
+        throw std::runtime_error("reference_reduce: unsupported op");
     }
   }
   if (op == RedOpType::AVG) {
@@ -181,15 +196,24 @@ inline bool same_bits(const at::Tensor& a, const at::Tensor& b) {
 
 inline const char* op_name(RedOpType op) {
   switch (op) {
-    case RedOpType::SUM: return "SUM";
-    case RedOpType::AVG: return "AVG";
-    case RedOpType::PRODUCT: return "PRODUCT";
-    case RedOpType::MIN: return "MIN";
-    case RedOpType::MAX: return "MAX";
-    case RedOpType::BAND: return "BAND";
-    case RedOpType::BOR: return "BOR";
-    case RedOpType::BXOR: return "BXOR";
-    default: return "?";
+    case RedOpType::SUM:
+      return "SUM";
+    case RedOpType::AVG:
+      return "AVG";
+    case RedOpType::PRODUCT:
+      return "PRODUCT";
+    case RedOpType::MIN:
+      return "MIN";
+    case RedOpType::MAX:
+      return "MAX";
+    case RedOpType::BAND:
+      return "BAND";
+    case RedOpType::BOR:
+      return "BOR";
+    case RedOpType::BXOR:
+      return "BXOR";
+    default:
+      return "?";
   }
 }
 

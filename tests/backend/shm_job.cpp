@@ -63,7 +63,8 @@ int run_ops(const std::string& backend) {
     at::Tensor in = at::full({numel}, static_cast<float>(r));
     at::Tensor out = at::empty({numel * n});
     pg._allgather_base(out, in)->wait();
-    for (int q = 0; q < n; ++q) check(at::equal(out.narrow(0, q * numel, numel), at::full({numel}, float(q))), "allgather");
+    for (int q = 0; q < n; ++q)
+      check(at::equal(out.narrow(0, q * numel, numel), at::full({numel}, float(q))), "allgather");
   }
   if (n > 1) {
     std::vector<at::Tensor> send{at::arange(5000, at::kLong) + r};

@@ -58,8 +58,8 @@ TEST(ShmSelection, CommgradBackendSelectsTheTransportOfTheFoundingExample) {
   const std::string example = build_path("bin/tp_autograd_comm");
   if (access(example.c_str(), X_OK) != 0) GTEST_SKIP() << "examples are not built";
   for (const std::string backend : {"shm", "gloo"}) {
-    auto r = run_process({launcher_path(), "-n", "4", "--timeout", "90", example},
-                         shm_env({{"COMMGRAD_BACKEND", backend}}));
+    auto r =
+        run_process({launcher_path(), "-n", "4", "--timeout", "90", example}, shm_env({{"COMMGRAD_BACKEND", backend}}));
     ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
     EXPECT_TRUE(contains(r.out, "[0] world: 4 ranks, backend " + backend)) << r.out;
     EXPECT_TRUE(contains(r.out, "[0] x.grad = tensor([4., 4., 4., 4.])")) << r.out;
@@ -72,7 +72,8 @@ TEST(ShmFailure, KillNineOfARankMidCollectiveIsReportedAndLeavesNothingBehind) {
   EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;
   // Both survivors name the dead rank, and fail well within the 30 s timeout.
   for (int q : {0, 2}) {
-    const auto lines = lines_with_prefix(r.err, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " failed after ");
+    const auto lines =
+        lines_with_prefix(r.err, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " failed after ");
     ASSERT_EQ(lines.size(), 1u) << r.err;
     EXPECT_TRUE(contains(lines[0], "rank 1 (pid ")) << lines[0];
     EXPECT_TRUE(contains(lines[0], "died")) << lines[0];
@@ -92,11 +93,13 @@ TEST(ShmFailure, KilledRankDuringOpsNamesOneCollectiveNumber) {
                        shm_env(), std::chrono::seconds(120));
   EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;
   for (int q : {0, 2}) {
-    const auto lines = lines_with_prefix(r.err, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " failed after ");
+    const auto lines =
+        lines_with_prefix(r.err, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " failed after ");
     ASSERT_EQ(lines.size(), 1u) << r.err;
     const std::string& line = lines[0];
     EXPECT_TRUE(contains(line, "rank 1 (pid ")) << line;
-    EXPECT_TRUE(contains(line, "[commgrad] all_reduce rank " + std::to_string(q) + "/3 group 'world' (shm): collective #"))
+    EXPECT_TRUE(
+        contains(line, "[commgrad] all_reduce rank " + std::to_string(q) + "/3 group 'world' (shm): collective #"))
         << line;
     auto count = [&](const std::string& part) {
       size_t n = 0;

@@ -32,8 +32,8 @@ bool shm_reduces(at::ScalarType t, RedOpType op) {
 }
 
 bool gloo_reduces(at::ScalarType t, RedOpType op) {
-  const bool type_ok = t == at::kFloat || t == at::kDouble || t == at::kInt || t == at::kLong || t == at::kChar ||
-                       t == at::kByte;
+  const bool type_ok =
+      t == at::kFloat || t == at::kDouble || t == at::kInt || t == at::kLong || t == at::kChar || t == at::kByte;
   return type_ok && (op == RedOpType::SUM || op == RedOpType::PRODUCT || op == RedOpType::MIN || op == RedOpType::MAX);
 }
 
@@ -210,7 +210,8 @@ TEST_P(ShmOps, AllgatherListFlatAndUneven) {
         for (int q = 0; q < r.size; ++q) uneven.push_back(make_input(numel + 3 * q, dtype, q, salt + 99));
         std::vector<at::Tensor> uin{uneven[r.rank]};
         std::vector<std::vector<at::Tensor>> uout(1);
-        for (int q = 0; q < r.size; ++q) uout[0].push_back(at::empty({numel + 3 * q}, at::TensorOptions().dtype(dtype)));
+        for (int q = 0; q < r.size; ++q)
+          uout[0].push_back(at::empty({numel + 3 * q}, at::TensorOptions().dtype(dtype)));
         r.shm->allgather(uout, uin)->wait();
         for (int q = 0; q < r.size; ++q) EXPECT_TRUE(same_bits(uout[0][q], uneven[q])) << "uneven piece " << q;
         if (r.gloo && dtype == at::kFloat && numel == 1000) {
@@ -423,7 +424,8 @@ TEST_P(ShmOps, RecvFromAnySourceNamesTheSender) {
           work->wait();
           const int from = work->sourceRank();
           senders.push_back(from);
-          const at::Tensor want = tag == 4 ? at::full({2}, static_cast<float>(from)) : make_input(5003, at::kFloat, from, 77);
+          const at::Tensor want =
+              tag == 4 ? at::full({2}, static_cast<float>(from)) : make_input(5003, at::kFloat, from, 77);
           EXPECT_TRUE(same_bits(in[0], want)) << "tag " << tag << " from " << from;
         }
         std::sort(senders.begin(), senders.end());

@@ -129,14 +129,17 @@ TEST(ShmErrors, UnsupportedArgumentsAreClearErrors) {
     std::vector<at::Tensor> one{at::ones({2})};
     EXPECT_NE(error_of([&] { r.shm->send(one, r.rank, 0)->wait(); }).find("must be another rank"), std::string::npos);
     at::Tensor storage = at::ones({8});
-    EXPECT_NE(error_of([&] { r.shm->allreduce_out(storage.narrow(0, 0, 5), storage.narrow(0, 3, 5))->wait(); })
-                  .find("input and output overlap"),
+    EXPECT_NE(error_of([&] {
+                r.shm->allreduce_out(storage.narrow(0, 0, 5), storage.narrow(0, 3, 5))->wait();
+              }).find("input and output overlap"),
               std::string::npos);
-    EXPECT_NE(error_of([&] { r.shm->allreduce_out(at::ones({4}), at::empty({5}))->wait(); })
-                  .find("differ in dtype or number of elements"),
+    EXPECT_NE(error_of([&] {
+                r.shm->allreduce_out(at::ones({4}), at::empty({5}))->wait();
+              }).find("differ in dtype or number of elements"),
               std::string::npos);
-    EXPECT_NE(error_of([&] { r.shm->allreduce_out(at::ones({4, 2}).t(), at::empty({2, 4}))->wait(); })
-                  .find("needs contiguous tensors"),
+    EXPECT_NE(error_of([&] {
+                r.shm->allreduce_out(at::ones({4, 2}).t(), at::empty({2, 4}))->wait();
+              }).find("needs contiguous tensors"),
               std::string::npos);
     expect_group_usable(r);
   });
@@ -173,7 +176,8 @@ TEST(ShmErrors, AStuckRankIsNamedWithinTheTimeoutAndTheGroupIsAborted) {
       EXPECT_GE(took, std::chrono::milliseconds(300));
       EXPECT_LT(took, std::chrono::seconds(5));
       // Whoever timed out first names rank 2; the other may see that rank's abort.
-      EXPECT_NE(message.find("waiting for rank 2 (rank 2 has not entered any collective)"), std::string::npos) << message;
+      EXPECT_NE(message.find("waiting for rank 2 (rank 2 has not entered any collective)"), std::string::npos)
+          << message;
     }
     sync.wait();
     // The group is aborted: every later call fails at once, with the reason.
@@ -207,7 +211,8 @@ TEST(ShmErrors, DifferentSegmentSettingsFailConstructionAndLeaveNothingBehind) {
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       errors[r] = error_of([&] {
-        ShmProcessGroup pg(store, r, 2, ShmOptions().chunk_bytes(r == 0 ? 1024 : 2048).timeout(std::chrono::milliseconds(500)));
+        ShmProcessGroup pg(store, r, 2,
+                           ShmOptions().chunk_bytes(r == 0 ? 1024 : 2048).timeout(std::chrono::milliseconds(500)));
       });
     });
   }
@@ -331,8 +336,9 @@ TEST(ShmAsync, WorkNobodyWaitsForStillCompletes) {
 
 TEST(ShmAsync, SeveralGroupsUsedFromSeveralThreadsAtOnce) {
   run_ranks(3, quick(), [](Rank& r) {
-    auto second = c10::make_intrusive<ShmProcessGroup>(c10::make_intrusive<c10d::PrefixStore>("second", r.store), r.rank,
-                                                       r.size, ShmOptions().chunk_bytes(1024).group_name("second"));
+    auto second =
+        c10::make_intrusive<ShmProcessGroup>(c10::make_intrusive<c10d::PrefixStore>("second", r.store), r.rank, r.size,
+                                             ShmOptions().chunk_bytes(1024).group_name("second"));
     auto hammer = [&](ShmProcessGroup& pg, float scale) {
       for (int i = 0; i < 200; ++i) {
         std::vector<at::Tensor> t{at::full({1 + i * 13}, scale * (r.rank + 1))};

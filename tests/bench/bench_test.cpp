@@ -26,8 +26,9 @@ const std::vector<std::string> kOps = {"all_reduce", "all_gather", "reduce_scatt
                                        "scatter",    "gather",     "all_to_all",     "send_recv"};
 
 ProcessResult bench(int n, const std::string& backend, std::vector<std::string> args) {
-  std::vector<std::string> argv = {launcher_path(), "-n", std::to_string(n), "--timeout", "120",
-                                   build_path("bin/commgrad-bench"), "--backend", backend};
+  std::vector<std::string> argv = {launcher_path(), "-n",   std::to_string(n),
+                                   "--timeout",     "120",  build_path("bin/commgrad-bench"),
+                                   "--backend",     backend};
   argv.insert(argv.end(), args.begin(), args.end());
   return run_process(argv, clean_env({{"COMMGRAD_TIMEOUT", "60"}}), std::chrono::seconds(150));
 }
@@ -69,7 +70,8 @@ class BenchAllOps : public ::testing::TestWithParam<std::tuple<int, std::string>
 
 TEST_P(BenchAllOps, EveryTableIsCompleteAndEveryResultRight) {
   const auto [n, backend] = GetParam();
-  const auto r = bench(n, backend, {"--op", "all", "-b", "4K", "-e", "64K", "-f", "4", "--iters", "3", "--warmup", "1"});
+  const auto r =
+      bench(n, backend, {"--op", "all", "-b", "4K", "-e", "64K", "-f", "4", "--iters", "3", "--warmup", "1"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   for (const std::string& op : kOps) {
     SCOPED_TRACE(op);
@@ -94,14 +96,16 @@ TEST_P(BenchAllOps, EveryTableIsCompleteAndEveryResultRight) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, BenchAllOps,
-                         ::testing::Values(std::make_tuple(2, std::string("gloo")), std::make_tuple(3, std::string("shm"))),
+                         ::testing::Values(std::make_tuple(2, std::string("gloo")),
+                                           std::make_tuple(3, std::string("shm"))),
                          [](const auto& info) {
                            return std::get<1>(info.param) + "_n" + std::to_string(std::get<0>(info.param));
                          });
 
 TEST(Bench, IntegerTypesHaveNoGradientColumns) {
-  const auto r = bench(2, "shm", {"--op", "all_reduce", "-d", "int32", "-o", "max", "-b", "4K", "-e", "4K",
-                                  "--iters", "2", "--warmup", "0"});
+  const auto r = bench(
+      2, "shm",
+      {"--op", "all_reduce", "-d", "int32", "-o", "max", "-b", "4K", "-e", "4K", "--iters", "2", "--warmup", "0"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const auto rows = rows_of(r.out, "all_reduce");
   ASSERT_EQ(rows.size(), 1u) << r.out;
@@ -118,8 +122,9 @@ TEST(Bench, IntegerTypesHaveNoGradientColumns) {
 // lone rank's link is the busiest), and xfloor = raw time / floor.
 TEST(Bench, LinkFloorFollowsTheOpAndTheHostLayout) {
   const double gbps = 2, latency = 10;
-  const auto r = bench_on_hosts("ABB", "--op all -b 4K -e 64K -f 16 --iters 2 --warmup 0 --no-backward "
-                                       "--link-gbps 2 --link-latency-us 10");
+  const auto r = bench_on_hosts("ABB",
+                                "--op all -b 4K -e 64K -f 16 --iters 2 --warmup 0 --no-backward "
+                                "--link-gbps 2 --link-latency-us 10");
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("backend hierarchical"));
   // Bytes across the link per byte of the table's size, and steps among the 2 hosts.
@@ -149,8 +154,8 @@ TEST(Bench, LinkFloorFollowsTheOpAndTheHostLayout) {
 }
 
 TEST(Bench, LinkFloorIsAbsentOnOneHost) {
-  const auto r = bench(2, "shm", {"--op", "all_reduce", "-b", "4K", "-e", "4K", "--iters", "1", "--warmup", "0",
-                                  "--link-gbps", "10"});
+  const auto r = bench(
+      2, "shm", {"--op", "all_reduce", "-b", "4K", "-e", "4K", "--iters", "1", "--warmup", "0", "--link-gbps", "10"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const auto rows = rows_of(r.out, "all_reduce");
   ASSERT_EQ(rows.size(), 1u) << r.out;
@@ -190,20 +195,22 @@ TEST(Bench, BadOptionsAreNamedBeforeAnyRankStarts) {
   expect_help_lists(program, {"--op", "--backend", "-b,--minbytes", "-e,--maxbytes", "-f,--stepfactor", "-d,--dtype",
                               "-o,--redop", "-r,--root", "-n,--iters", "-w,--warmup", "-c,--check", "--no-backward",
                               "--link-gbps", "--link-latency-us"});
-  expect_bad_options(program, {
-      {{"--bogus"}, "unknown option '--bogus'"},
-      {{"--op", "allreduce"}, "unknown --op 'allreduce'"},
-      {{"-e", "64X"}, "--maxbytes: expected a size in bytes such as 4K, 1M or 1G, got '64X'"},
-      {{"-f", "1"}, "--stepfactor: expected an integer in [2, 9223372036854775807], got '1'"},
-      {{"-d", "float128"}, "--dtype: expected float32, float64, float16, bfloat16, int32, int64, int8 or uint8"},
-      {{"-o", "xor"}, "--redop: expected sum, avg, max, min or prod, got 'xor'"},
-      {{"-r", "-1"}, "--root: expected an integer in [0, 2147483647], got '-1'"},
-      {{"--iters", "0"}, "--iters: expected an integer in [1, 2147483647], got '0'"},
-      {{"-n", "99999999999"}, "--iters: expected an integer in [1, 2147483647], got '99999999999'"},
-      {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
-      {{"-c", "2"}, "--check: expected an integer in [0, 1], got '2'"},
-      {{"--no-backward=1"}, "--no-backward takes no value"},
-  });
+  expect_bad_options(
+      program,
+      {
+          {{"--bogus"}, "unknown option '--bogus'"},
+          {{"--op", "allreduce"}, "unknown --op 'allreduce'"},
+          {{"-e", "64X"}, "--maxbytes: expected a size in bytes such as 4K, 1M or 1G, got '64X'"},
+          {{"-f", "1"}, "--stepfactor: expected an integer in [2, 9223372036854775807], got '1'"},
+          {{"-d", "float128"}, "--dtype: expected float32, float64, float16, bfloat16, int32, int64, int8 or uint8"},
+          {{"-o", "xor"}, "--redop: expected sum, avg, max, min or prod, got 'xor'"},
+          {{"-r", "-1"}, "--root: expected an integer in [0, 2147483647], got '-1'"},
+          {{"--iters", "0"}, "--iters: expected an integer in [1, 2147483647], got '0'"},
+          {{"-n", "99999999999"}, "--iters: expected an integer in [1, 2147483647], got '99999999999'"},
+          {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
+          {{"-c", "2"}, "--check: expected an integer in [0, 1], got '2'"},
+          {{"--no-backward=1"}, "--no-backward takes no value"},
+      });
 }
 
 }  // namespace

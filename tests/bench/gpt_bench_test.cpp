@@ -21,13 +21,13 @@ namespace {
 
 using ::testing::HasSubstr;
 
-const std::vector<std::string> kTiny = {"--hidden", "32", "--heads",   "4",  "--ffn",   "64", "--layers",
-                                        "4",        "--sequence", "16", "--vocab", "64", "--batch", "8",
-                                        "--microbatches", "4", "--warmup", "1", "--steps", "1"};
+const std::vector<std::string> kTiny = {"--hidden",   "32", "--heads", "4",  "--ffn",   "64", "--layers",       "4",
+                                        "--sequence", "16", "--vocab", "64", "--batch", "8",  "--microbatches", "4",
+                                        "--warmup",   "1",  "--steps", "1"};
 
 ProcessResult gpt_bench(int n, std::vector<std::string> args) {
-  std::vector<std::string> argv = {launcher_path(), "-n", std::to_string(n), "--timeout", "60",
-                                   build_path("bin/gpt_bench")};
+  std::vector<std::string> argv = {launcher_path(), "-n", std::to_string(n),
+                                   "--timeout",     "60", build_path("bin/gpt_bench")};
   argv.insert(argv.end(), kTiny.begin(), kTiny.end());
   argv.insert(argv.end(), args.begin(), args.end());
   return run_process(argv, clean_env({{"COMMGRAD_TIMEOUT", "30"}}), std::chrono::seconds(90));
@@ -49,8 +49,8 @@ std::vector<std::vector<std::string>> table(const std::string& out) {
 }
 
 TEST(GptBench, PrintsARowPerLayoutWithTheBubbleBesideTheClosedForm) {
-  const auto r = gpt_bench(2, {"--layout", "1,2,1", "--layout", "1,2,1,interleaved", "--layout", "1,1,2",
-                               "--layout", "2,2,1,gpipe"});
+  const auto r = gpt_bench(
+      2, {"--layout", "1,2,1", "--layout", "1,2,1,interleaved", "--layout", "1,1,2", "--layout", "2,2,1,gpipe"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("[0] gpt_bench: 2 ranks"));
   EXPECT_THAT(r.out, HasSubstr("GPT 4 layers, hidden 32, 4 heads, ffn 64, vocab 64, sequence 16, tied embeddings"));
@@ -123,20 +123,22 @@ TEST(GptBench, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/gpt_bench");
   expect_help_lists(program, {"--layout", "--hidden", "--heads", "--ffn", "--layers", "--sequence", "--vocab",
                               "--batch", "--microbatches", "--warmup", "--steps", "--untie", "--cp", "--cp-mode"});
-  expect_bad_options(program, {
-      {{"--bogus"}, "unknown option '--bogus'"},
-      {{"--microbatches", "0"}, "--microbatches: expected an integer in [1, 2147483647], got '0'"},
-      {{"--steps", "-1"}, "--steps: expected an integer in [1, 2147483647], got '-1'"},
-      {{"--steps", "99999999999"}, "--steps: expected an integer in [1, 2147483647], got '99999999999'"},
-      {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
-      {{"--hidden", "wide"}, "--hidden: expected an integer in [1, 9223372036854775807], got 'wide'"},
-      {{"--batch", "0"}, "--batch: expected an integer in [1, "},
-      {{"--layout", "0,1,1"}, "--layout '0,1,1': sizes are integers of at least 1, got '0'"},
-      {{"--layout", "two,1,1"}, "--layout 'two,1,1': sizes are integers of at least 1, got 'two'"},
-      {{"--layout", "1,2,1,interleaved,-1"}, "--layout '1,2,1,interleaved,-1': sizes are integers of at least 1"},
-      {{"--layout", "1,2,1,1f1b,2"}, "--layout '1,2,1,1f1b,2': V needs the interleaved schedule"},
-      {{"--untie=1"}, "--untie takes no value"},
-  });
+  expect_bad_options(
+      program,
+      {
+          {{"--bogus"}, "unknown option '--bogus'"},
+          {{"--microbatches", "0"}, "--microbatches: expected an integer in [1, 2147483647], got '0'"},
+          {{"--steps", "-1"}, "--steps: expected an integer in [1, 2147483647], got '-1'"},
+          {{"--steps", "99999999999"}, "--steps: expected an integer in [1, 2147483647], got '99999999999'"},
+          {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
+          {{"--hidden", "wide"}, "--hidden: expected an integer in [1, 9223372036854775807], got 'wide'"},
+          {{"--batch", "0"}, "--batch: expected an integer in [1, "},
+          {{"--layout", "0,1,1"}, "--layout '0,1,1': sizes are integers of at least 1, got '0'"},
+          {{"--layout", "two,1,1"}, "--layout 'two,1,1': sizes are integers of at least 1, got 'two'"},
+          {{"--layout", "1,2,1,interleaved,-1"}, "--layout '1,2,1,interleaved,-1': sizes are integers of at least 1"},
+          {{"--layout", "1,2,1,1f1b,2"}, "--layout '1,2,1,1f1b,2': V needs the interleaved schedule"},
+          {{"--untie=1"}, "--untie takes no value"},
+      });
 }
 
 // zero_bench at a tiny size: every variant's bytes meet its formula exactly
@@ -180,34 +182,37 @@ TEST(BenchPrograms, BadOptionsAreNamedBeforeAnyRankStarts) {
   for (const std::string name : {"ddp_bench", "zero_bench"}) {
     const std::string program = build_path("bin/" + name);
     expect_help_lists(program, {"--layers", "--width", "--batch", "--steps", "--bucket-cap-mb"});
-    expect_bad_options(program, {
-        {{"--bogus", "1"}, "unknown option '--bogus'"},
-        {{"--layers", "0"}, "--layers: expected an integer in [1, 2147483647], got '0'"},
-        {{"--width", "-4"}, "--width: expected an integer in [1, 2147483647], got '-4'"},
-        {{"--batch", "many"}, "--batch: expected an integer in [1, 2147483647], got 'many'"},
-        {{"--steps", "-1"}, "--steps: expected an integer in [1, 2147483647], got '-1'"},
-        {{"--steps", "99999999999"}, "--steps: expected an integer in [1, 2147483647], got '99999999999'"},
-        {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb: expected a number > 0, got '0'"},
-        {{"--steps"}, "--steps: 1 required"},
-    });
+    expect_bad_options(
+        program, {
+                     {{"--bogus", "1"}, "unknown option '--bogus'"},
+                     {{"--layers", "0"}, "--layers: expected an integer in [1, 2147483647], got '0'"},
+                     {{"--width", "-4"}, "--width: expected an integer in [1, 2147483647], got '-4'"},
+                     {{"--batch", "many"}, "--batch: expected an integer in [1, 2147483647], got 'many'"},
+                     {{"--steps", "-1"}, "--steps: expected an integer in [1, 2147483647], got '-1'"},
+                     {{"--steps", "99999999999"}, "--steps: expected an integer in [1, 2147483647], got '99999999999'"},
+                     {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb: expected a number > 0, got '0'"},
+                     {{"--steps"}, "--steps: 1 required"},
+                 });
   }
   const std::string program = build_path("bin/tp_mlp_bench");
   expect_help_lists(program, {"--hidden", "--ffn", "--tokens", "--steps", "--warmup", "--threads"});
-  expect_bad_options(program, {
-      {{"--bogus"}, "unknown option '--bogus'"},
-      {{"--hidden", "0"}, "--hidden: expected an integer in [1, 9223372036854775807], got '0'"},
-      {{"--tokens", "x"}, "--tokens: expected an integer in [1, "},
-      {{"--steps", "-1"}, "--steps: expected an integer in [1, 2147483647], got '-1'"},
-      {{"--steps", "99999999999"}, "--steps: expected an integer in [1, 2147483647], got '99999999999'"},
-      {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
-      {{"--threads", "-2"}, "--threads: expected an integer in [0, 2147483647], got '-2'"},
-  });
+  expect_bad_options(
+      program, {
+                   {{"--bogus"}, "unknown option '--bogus'"},
+                   {{"--hidden", "0"}, "--hidden: expected an integer in [1, 9223372036854775807], got '0'"},
+                   {{"--tokens", "x"}, "--tokens: expected an integer in [1, "},
+                   {{"--steps", "-1"}, "--steps: expected an integer in [1, 2147483647], got '-1'"},
+                   {{"--steps", "99999999999"}, "--steps: expected an integer in [1, 2147483647], got '99999999999'"},
+                   {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
+                   {{"--threads", "-2"}, "--threads: expected an integer in [0, 2147483647], got '-2'"},
+               });
   const std::string cp_bench = build_path("bin/cp_attention_bench");
-  expect_help_lists(cp_bench, {"--seq", "--heads", "--head-dim", "--batch", "--mode", "--steps", "--warmup", "--causal"});
+  expect_help_lists(cp_bench,
+                    {"--seq", "--heads", "--head-dim", "--batch", "--mode", "--steps", "--warmup", "--causal"});
   expect_bad_options(cp_bench, {
-      {{"--seq", "0"}, "--seq: expected an integer in [1, 9223372036854775807], got '0'"},
-      {{"--mode", "p2p"}, "--mode"},
-  });
+                                   {{"--seq", "0"}, "--seq: expected an integer in [1, 9223372036854775807], got '0'"},
+                                   {{"--mode", "p2p"}, "--mode"},
+                               });
 }
 
 }  // namespace

@@ -23,8 +23,8 @@ struct ShardedScaleImpl : torch::nn::Cloneable<ShardedScaleImpl>, tp::ShardedMod
   ShardedScaleImpl(Group group, int64_t features) : group_(std::move(group)), features_(features) { reset(); }
   void reset() override {
     auto full = torch::arange(1, features_ + 1, torch::kFloat) / features_;
-    scale = register_parameter("scale", tp::shard_tensor(full, tp::ShardSpec::partitioned(0), group_.rank(),
-                                                         group_.size()));
+    scale = register_parameter("scale",
+                               tp::shard_tensor(full, tp::ShardSpec::partitioned(0), group_.rank(), group_.size()));
     set_shard_spec("scale", tp::ShardSpec::partitioned(0), group_);
   }
   torch::Tensor forward(const torch::Tensor& x) {
@@ -78,9 +78,11 @@ TEST(CheckGradients, AReplicaThatDriftsOnOneRankIsCaught) {
 
 TEST(CheckGradients, CustomLossAndTolerances) {
   spawn_ranks(2, [](Group& g) {
-    auto par = check::subject(tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(3, 4, g).gather_output(true).seed(6)));
+    auto par =
+        check::subject(tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(3, 4, g).gather_output(true).seed(6)));
     auto ref = check::subject(reference_linear(3, 4, true, 6));
-    auto options = check::GradCheckOptions(g).loss([](const at::Tensor& y) { return y.pow(2).mean(); }).atol(0.5).rtol(0);
+    auto options =
+        check::GradCheckOptions(g).loss([](const at::Tensor& y) { return y.pow(2).mean(); }).atol(0.5).rtol(0);
     auto r = check::check_gradients(par, ref, {seeded_randn({5, 3}, 7)}, options);
     EXPECT_TRUE(r.ok()) << r;
     EXPECT_EQ(r.report("output").atol, 0.5);

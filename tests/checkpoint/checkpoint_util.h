@@ -22,8 +22,10 @@ inline at::Tensor global_tensor(at::IntArrayRef shape, at::ScalarType dtype) {
   int64_t n = 1;
   for (const int64_t s : shape) n *= s;
   at::Tensor t = at::arange(n, at::kLong);
-  if (dtype == at::kBool) t = t.remainder(3) == 1;
-  else if (dtype == at::kByte || dtype == at::kChar) t = t.remainder(100);
+  if (dtype == at::kBool)
+    t = t.remainder(3) == 1;
+  else if (dtype == at::kByte || dtype == at::kChar)
+    t = t.remainder(100);
   return t.to(dtype).reshape(shape);
 }
 
@@ -48,6 +50,5 @@ inline checkpoint::TensorPiece row_piece(const std::string& name, const at::Tens
   p.tensor = full.narrow(dim, b, e - b).clone();
   return p;
 }
-
 
 }  // namespace commgrad::testing

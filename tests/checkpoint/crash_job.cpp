@@ -76,7 +76,8 @@ int main(int argc, char** argv) {
     at::Tensor r = at::zeros({3}, at::kLong);
     const auto result = ckpt::load(root, {x_piece(world, x), ckpt::TensorPiece::whole("r", r)}, {}, world);
     const auto piece = x_piece(world, expected_x(result.step));
-    const bool ok = at::equal(x_piece(world, x).tensor, piece.tensor) && at::equal(r, at::full({3}, result.step, at::kLong));
+    const bool ok =
+        at::equal(x_piece(world, x).tensor, piece.tensor) && at::equal(r, at::full({3}, result.step, at::kLong));
     std::cout << "rank " << world.rank() << " loaded step " << result.step << (ok ? " ok" : " MISMATCH") << std::endl;
     status = ok ? 0 : 1;
   } else {

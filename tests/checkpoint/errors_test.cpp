@@ -75,7 +75,8 @@ TEST(CheckpointErrors, MissingStep) {
 TEST(CheckpointErrors, RanksThatFindDifferentSteps) {
   TempRoot root("split");
   spawn_ranks(2, [&](Group& g) {
-    for (int64_t step : {1, 2}) checkpoint::save(root.str(), step, {TensorPiece::whole("x", at::zeros({2}))}, {}, {}, g);
+    for (int64_t step : {1, 2})
+      checkpoint::save(root.str(), step, {TensorPiece::whole("x", at::zeros({2}))}, {}, {}, g);
     auto d = TensorPiece::whole("x", at::ones({2}));
     expect_error([&] { checkpoint::load(root.str(), {d}, checkpoint::LoadOptions().step(g.rank() + 1), g); },
                  {g.rank() == 0 ? "rank 1 found step 2 in " : "rank 0 found step 1 in ",
@@ -90,7 +91,8 @@ TEST(CheckpointErrors, AnotherModelsIndex) {
   // A tensor this rank loads that the checkpoint lacks.
   auto dests = two_dests();
   dests.push_back(TensorPiece::whole("c", at::zeros({2})));
-  load_one_rank_expecting(root.str(), dests, {"has no tensor 'c', which this rank loads (a checkpoint of another model?)"});
+  load_one_rank_expecting(root.str(), dests,
+                          {"has no tensor 'c', which this rank loads (a checkpoint of another model?)"});
   // ... unless it is optional.
   spawn_ranks(1, [&](Group& g) {
     auto d = two_dests();
@@ -105,15 +107,17 @@ TEST(CheckpointErrors, AnotherModelsIndex) {
                           {"holds 1 tensor that no rank loads: 'b' (a checkpoint of another model? "
                            "LoadOptions().strict(false) ignores them)"});
   spawn_ranks(1, [&](Group& g) {
-    checkpoint::load(root.str(), {TensorPiece::whole("a", at::zeros({4, 3}))}, checkpoint::LoadOptions().strict(false), g);
+    checkpoint::load(root.str(), {TensorPiece::whole("a", at::zeros({4, 3}))}, checkpoint::LoadOptions().strict(false),
+                     g);
   });
 }
 
 TEST(CheckpointErrors, DtypeAndGlobalShapeMismatch) {
   TempRoot root("mismatch");
   save_two(root, 1);
-  load_one_rank_expecting(root.str(), {TensorPiece::whole("a", at::zeros({4, 3}, at::kDouble)), two_dests()[1]},
-                          {"tensor 'a' was saved as F32 [4, 3]; the destination is F64 ('a' float64 box [0:4, 0:3] of [4, 3])"});
+  load_one_rank_expecting(
+      root.str(), {TensorPiece::whole("a", at::zeros({4, 3}, at::kDouble)), two_dests()[1]},
+      {"tensor 'a' was saved as F32 [4, 3]; the destination is F64 ('a' float64 box [0:4, 0:3] of [4, 3])"});
   load_one_rank_expecting(root.str(), {TensorPiece::whole("a", at::zeros({4, 4})), two_dests()[1]},
                           {"tensor 'a' has global shape [4, 3] in the checkpoint, but [4, 4] here"});
 }
@@ -219,14 +223,19 @@ TEST(CheckpointErrors, InconsistentIndex) {
     std::ofstream(index_path) << index.dump();
     load_one_rank_expecting(root.str(), dests, parts);
   };
-  with([](nlohmann::json& j) { j["version"] = 2; }, two_dests(), {"index.json has index version 2; this commgrad reads version 1"});
+  with([](nlohmann::json& j) { j["version"] = 2; }, two_dests(),
+       {"index.json has index version 2; this commgrad reads version 1"});
   with([](nlohmann::json& j) { j["tensors"]["a"]["pieces"][0]["file"] = "zzz.safetensors"; }, two_dests(),
        {"a piece of 'a' names file 'zzz.safetensors', which the index does not list"});
-  with([](nlohmann::json& j) { j["tensors"]["a"]["pieces"][0]["box_offset"] = {3, 0}; }, two_dests(),
-       {"a piece of 'a' lies outside the tensor's global shape"});
+  with(
+      [](nlohmann::json& j) {
+        j["tensors"]["a"]["pieces"][0]["box_offset"] = {3, 0};
+      },
+      two_dests(), {"a piece of 'a' lies outside the tensor's global shape"});
   with([](nlohmann::json& j) { j["tensors"]["a"]["dtype"] = "C64"; }, two_dests(),
        {"tensor 'a' has dtype 'C64', which commgrad does not read"});
-  with([](nlohmann::json& j) { j["tensors"]["a"].erase("pieces"); }, two_dests(), {"index.json is a corrupt commgrad checkpoint index: "});
+  with([](nlohmann::json& j) { j["tensors"]["a"].erase("pieces"); }, two_dests(),
+       {"index.json is a corrupt commgrad checkpoint index: "});
   // The index and the shard file disagree: a key, a dtype.
   with([](nlohmann::json& j) { j["tensors"]["a"]["pieces"][1]["key"] = "a2"; }, two_dests(),
        {"rank-00001.safetensors has no entry 'a2' (tensor 'a')"});
@@ -240,10 +249,14 @@ TEST(CheckpointErrors, RootThatIsAFile) {
   fs::create_directories(root.path());
   std::ofstream(root.path() / "plain") << "x";
   spawn_ranks(2, [&](Group& g) {
-    expect_error([&] { checkpoint::save((root.path() / "plain").string(), 1, {TensorPiece::whole("x", at::zeros({1}))}, {}, {}, g); },
-                 {g.rank() == 0 ? "cannot create the checkpoint root " : "rank 0 failed: "});
-    expect_error([&] { checkpoint::load((root.path() / "plain").string(), {TensorPiece::whole("x", at::zeros({1}))}, {}, g); },
-                 {"plain does not exist or is not a directory"});
+    expect_error(
+        [&] {
+          checkpoint::save((root.path() / "plain").string(), 1, {TensorPiece::whole("x", at::zeros({1}))}, {}, {}, g);
+        },
+        {g.rank() == 0 ? "cannot create the checkpoint root " : "rank 0 failed: "});
+    expect_error(
+        [&] { checkpoint::load((root.path() / "plain").string(), {TensorPiece::whole("x", at::zeros({1}))}, {}, g); },
+        {"plain does not exist or is not a directory"});
   });
 }
 
@@ -257,13 +270,15 @@ TEST(CheckpointErrors, BrokenShardFiles) {
   const auto size = fs::file_size(file);
 
   fs::remove(file);
-  load_one_rank_expecting(root.str(), two_dests(),
-                          {"[commgrad] checkpoint::load rank 0/1", "rank-00001.safetensors is missing (rank 1 of the save wrote it)"});
+  load_one_rank_expecting(
+      root.str(), two_dests(),
+      {"[commgrad] checkpoint::load rank 0/1", "rank-00001.safetensors is missing (rank 1 of the save wrote it)"});
 
   fs::copy_file(copy, file);
   fs::resize_file(file, size - 5);
   load_one_rank_expecting(root.str(), two_dests(),
-                          {"rank-00001.safetensors is truncated: ", std::to_string(size - 5) + " bytes, the index records " + std::to_string(size)});
+                          {"rank-00001.safetensors is truncated: ",
+                           std::to_string(size - 5) + " bytes, the index records " + std::to_string(size)});
 
   fs::copy_file(copy, file, fs::copy_options::overwrite_existing);
   std::ofstream(file, std::ios::app | std::ios::binary) << "extra";
@@ -277,9 +292,10 @@ TEST(CheckpointErrors, BrokenShardFiles) {
     f.seekp(static_cast<std::streamoff>(size - 1));
     f.put('\x7f');
   }
-  load_one_rank_expecting(root.str(), two_dests(),
-                          {"checksum mismatch in shard file ", "rank-00001.safetensors, entry 'a' (tensor 'a' box [2:4, 0:3]): crc32 0x",
-                           ", the index records 0x"});
+  load_one_rank_expecting(
+      root.str(), two_dests(),
+      {"checksum mismatch in shard file ", "rank-00001.safetensors, entry 'a' (tensor 'a' box [2:4, 0:3]): crc32 0x",
+       ", the index records 0x"});
 
   fs::copy_file(copy, file, fs::copy_options::overwrite_existing);
   {
@@ -305,10 +321,13 @@ TEST(CheckpointErrors, FailureOnOneRankRaisesOnEveryRankAndChangesNothing) {
     // Rank r loads row r of "a": only rank 1's rows are in the damaged file... and "b" from rank 0's.
     auto a = row_piece("a", at::full({4, 3}, -1.0f), 0, 2, g.rank());
     auto b = TensorPiece::whole("b", at::full({5}, int64_t(-1)));
-    expect_error([&] { checkpoint::load(root.str(), {a, b}, {}, g); },
-                 {g.rank() == 1 ? "checksum mismatch in shard file "
-                                : "[commgrad] checkpoint::load rank 0/2 group 'world' (gloo): rank 1 failed: "
-                                  "[commgrad] checkpoint::load rank 1/2"});
+    expect_error(
+        [&] {
+          checkpoint::load(root.str(), {a, b}, {}, g);
+        },
+        {g.rank() == 1 ? "checksum mismatch in shard file "
+                       : "[commgrad] checkpoint::load rank 0/2 group 'world' (gloo): rank 1 failed: "
+                         "[commgrad] checkpoint::load rank 1/2"});
     EXPECT_TRUE(at::equal(a.tensor, at::full({2, 3}, -1.0f)));
     EXPECT_TRUE(at::equal(b.tensor, at::full({5}, int64_t(-1))));
   });

@@ -47,7 +47,8 @@ TEST(CheckpointModules, SavedAtTp2Dp2LoadsAtEveryOtherLayout) {
     }
     const auto pieces = checkpoint::module_pieces(*net);
     // qkv.weight (stride 3) is three boxes per rank.
-    EXPECT_EQ(std::count_if(pieces.begin(), pieces.end(), [](const auto& p) { return p.name == "model/qkv.weight"; }), 3);
+    EXPECT_EQ(std::count_if(pieces.begin(), pieces.end(), [](const auto& p) { return p.name == "model/qkv.weight"; }),
+              3);
     checkpoint::save(root.str(), 10, pieces, {{"layout", "tp2 x dp2"}}, {}, world);
   });
   // Only DP rank 0 of each TP rank wrote: two shard files.

@@ -42,48 +42,52 @@ std::vector<double> train(const Layout& layout, int from, int to, const std::str
                           const std::string& save_root = "", int save_after = -1) {
   const auto d = data();
   std::vector<double> losses;
-  spawn_ranks(layout.world(), [&](Group& world) {
-    auto state = commgrad::make_model_parallel(layout.tp, 1, world);
-    tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(42));
-    optim::ZeroOptimizer zero(
-        mlp, [](auto shards) { return std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(0.01)); },
-        optim::ZeroOptimizerOptions(dp::DistributedDataParallelOptions(state.data_parallel_group())
-                                        .bucket_cap_mb(0.0002)
-                                        .first_bucket_cap_mb(0.0001))
-            .stage(2)
-            .max_grad_norm(0.5)
-            .tensor_parallel_group(state.tensor_parallel_group()));
-    if (!load_root.empty()) {
-      auto model = checkpoint::module_pieces(*mlp);
-      auto optim = checkpoint::optimizer_load_pieces(zero);
-      auto pieces = model;
-      pieces.insert(pieces.end(), optim.begin(), optim.end());
-      const auto result = checkpoint::load(load_root, pieces);
-      // The load pieces of the optimizer are its own; hand them over.
-      std::vector<checkpoint::TensorPiece> loaded(pieces.begin() + model.size(), pieces.end());
-      checkpoint::restore_optimizer(zero, loaded, result);
-      EXPECT_EQ(result.step, from);
-      EXPECT_EQ(result.metadata.at("layout"), "TP=2 x DP=2");
-      EXPECT_EQ(zero.step_count(), from);
-    }
-    const int dp = state.data_parallel_rank();
-    for (int k = from; k < to; ++k) {
-      zero.zero_grad();
-      auto loss = torch::mse_loss(mlp->forward(d.x[k].chunk(layout.dp, 0)[dp]), d.y[k].chunk(layout.dp, 0)[dp]);
-      loss.backward();
-      zero.step();
-      auto mean = ops::raw::all_reduce(loss.detach().reshape({1}), ops::AllReduceOptions().op(ReduceOp::kAvg),
-                                       state.data_parallel_group())
-                      .wait();
-      if (world.rank() == 0) losses.push_back(mean.item<double>());
-      if (k + 1 == save_after) {
-        auto pieces = checkpoint::module_pieces(*mlp);
-        auto optim = checkpoint::optimizer_pieces(zero);
-        pieces.insert(pieces.end(), optim.begin(), optim.end());
-        checkpoint::save(save_root, k + 1, pieces, {{"layout", layout.str()}});
-      }
-    }
-  }, SpawnOptions().backend("shm"));
+  spawn_ranks(
+      layout.world(),
+      [&](Group& world) {
+        auto state = commgrad::make_model_parallel(layout.tp, 1, world);
+        tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(42));
+        optim::ZeroOptimizer zero(
+            mlp,
+            [](auto shards) { return std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(0.01)); },
+            optim::ZeroOptimizerOptions(dp::DistributedDataParallelOptions(state.data_parallel_group())
+                                            .bucket_cap_mb(0.0002)
+                                            .first_bucket_cap_mb(0.0001))
+                .stage(2)
+                .max_grad_norm(0.5)
+                .tensor_parallel_group(state.tensor_parallel_group()));
+        if (!load_root.empty()) {
+          auto model = checkpoint::module_pieces(*mlp);
+          auto optim = checkpoint::optimizer_load_pieces(zero);
+          auto pieces = model;
+          pieces.insert(pieces.end(), optim.begin(), optim.end());
+          const auto result = checkpoint::load(load_root, pieces);
+          // The load pieces of the optimizer are its own; hand them over.
+          std::vector<checkpoint::TensorPiece> loaded(pieces.begin() + model.size(), pieces.end());
+          checkpoint::restore_optimizer(zero, loaded, result);
+          EXPECT_EQ(result.step, from);
+          EXPECT_EQ(result.metadata.at("layout"), "TP=2 x DP=2");
+          EXPECT_EQ(zero.step_count(), from);
+        }
+        const int dp = state.data_parallel_rank();
+        for (int k = from; k < to; ++k) {
+          zero.zero_grad();
+          auto loss = torch::mse_loss(mlp->forward(d.x[k].chunk(layout.dp, 0)[dp]), d.y[k].chunk(layout.dp, 0)[dp]);
+          loss.backward();
+          zero.step();
+          auto mean = ops::raw::all_reduce(loss.detach().reshape({1}), ops::AllReduceOptions().op(ReduceOp::kAvg),
+                                           state.data_parallel_group())
+                          .wait();
+          if (world.rank() == 0) losses.push_back(mean.item<double>());
+          if (k + 1 == save_after) {
+            auto pieces = checkpoint::module_pieces(*mlp);
+            auto optim = checkpoint::optimizer_pieces(zero);
+            pieces.insert(pieces.end(), optim.begin(), optim.end());
+            checkpoint::save(save_root, k + 1, pieces, {{"layout", layout.str()}});
+          }
+        }
+      },
+      SpawnOptions().backend("shm"));
   return losses;
 }
 
@@ -110,21 +114,25 @@ TEST(ZeroResume, SameLayoutIsBitForBitAndOtherLayoutsFollowTheCurve) {
 
 TEST(ZeroResume, AModelOnlyCheckpointHasNoOptimizerState) {
   TempRoot root("model-only");
-  spawn_ranks(2, [&](Group& world) {
-    auto state = commgrad::make_model_parallel(1, 1, world);
-    tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(42));
-    optim::ZeroOptimizer zero(
-        mlp, [](auto shards) { return std::make_unique<torch::optim::Adam>(shards, torch::optim::AdamOptions(0.01)); },
-        optim::ZeroOptimizerOptions(dp::DistributedDataParallelOptions(world)));
-    checkpoint::save(root.str(), 1, checkpoint::module_pieces(*mlp));
-    auto pieces = checkpoint::optimizer_load_pieces(zero);
-    try {
-      checkpoint::load(root.str(), pieces);
-      ADD_FAILURE() << "loading optimizer state from a model-only checkpoint did not fail";
-    } catch (const std::exception& e) {
-      EXPECT_THAT(e.what(), HasSubstr("has no tensor 'optim/step', which this rank loads"));
-    }
-  }, SpawnOptions().backend("shm"));
+  spawn_ranks(
+      2,
+      [&](Group& world) {
+        auto state = commgrad::make_model_parallel(1, 1, world);
+        tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(42));
+        optim::ZeroOptimizer zero(
+            mlp,
+            [](auto shards) { return std::make_unique<torch::optim::Adam>(shards, torch::optim::AdamOptions(0.01)); },
+            optim::ZeroOptimizerOptions(dp::DistributedDataParallelOptions(world)));
+        checkpoint::save(root.str(), 1, checkpoint::module_pieces(*mlp));
+        auto pieces = checkpoint::optimizer_load_pieces(zero);
+        try {
+          checkpoint::load(root.str(), pieces);
+          ADD_FAILURE() << "loading optimizer state from a model-only checkpoint did not fail";
+        } catch (const std::exception& e) {
+          EXPECT_THAT(e.what(), HasSubstr("has no tensor 'optim/step', which this rank loads"));
+        }
+      },
+      SpawnOptions().backend("shm"));
 }
 
 }  // namespace

@@ -29,7 +29,8 @@ void round_trip_every_dtype(int n) {
   TempRoot root(std::to_string(n));
   spawn_ranks(n, [&](Group& g) {
     std::vector<checkpoint::TensorPiece> pieces;
-    for (const auto dtype : kDtypes) pieces.push_back(row_piece(key(dtype), global_tensor({2 * n + 1, 3}, dtype), 0, n, g.rank()));
+    for (const auto dtype : kDtypes)
+      pieces.push_back(row_piece(key(dtype), global_tensor({2 * n + 1, 3}, dtype), 0, n, g.rank()));
     const auto saved = checkpoint::save(root.str(), 3, pieces, {{"note", "dtypes"}}, {}, g);
     EXPECT_EQ(saved.step, 3);
     std::vector<checkpoint::TensorPiece> dests;
@@ -239,7 +240,8 @@ TEST(CheckpointFormat, PythonSafetensorsReadsAShardFile) {
   TempRoot root("py");
   spawn_ranks(1, [&](Group& g) {
     std::vector<checkpoint::TensorPiece> pieces;
-    for (const auto dtype : kDtypes) pieces.push_back(checkpoint::TensorPiece::whole(key(dtype), global_tensor({3, 4}, dtype)));
+    for (const auto dtype : kDtypes)
+      pieces.push_back(checkpoint::TensorPiece::whole(key(dtype), global_tensor({3, 4}, dtype)));
     // Two flat ranges of one box on one rank: entries "flat#0" and "flat#1", 1-d.
     pieces.push_back(flat_piece("flat", global_tensor({4, 5}, at::kFloat), {0, 0}, {4, 5}, 2, 0));
     pieces.push_back(flat_piece("flat", global_tensor({4, 5}, at::kFloat), {0, 0}, {4, 5}, 2, 1));

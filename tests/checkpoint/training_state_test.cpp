@@ -37,32 +37,35 @@ std::unique_ptr<torch::optim::Optimizer> adamw(std::vector<at::Tensor> shards) {
 std::vector<double> train(int tp, int from, int to, const std::string& load_root, const std::string& save_root) {
   const auto d = data();
   std::vector<double> losses;
-  spawn_ranks(4, [&](Group& world) {
-    ScopedParallelState scope(make_model_parallel(tp, 1, world));
-    const auto state = parallel_state();
-    tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn).seed(42));
-    optim::ZeroOptimizer zero(mlp, adamw, optim::ZeroOptimizerOptions().stage(2).max_grad_norm(0.5));
-    if (!load_root.empty()) {
-      const auto loaded = checkpoint::load_training_state(load_root, *mlp, zero);
-      EXPECT_EQ(loaded.step, from);
-      EXPECT_EQ(loaded.metadata.at("note"), "saved at TP=2");
-      EXPECT_EQ(zero.step_count(), from);
-    }
-    const int dp = state.data_parallel_rank(), n = state.data_parallel_size();
-    for (int k = from; k < to; ++k) {
-      zero.zero_grad();
-      auto loss = torch::mse_loss(mlp->forward(d.x[k].chunk(n, 0)[dp]), d.y[k].chunk(n, 0)[dp]);
-      loss.backward();
-      zero.step();
-      auto mean = ops::raw::all_reduce(loss.detach().reshape({1}), ops::AllReduceOptions().op(ReduceOp::kAvg),
-                                       state.data_parallel_group())
-                      .wait();
-      if (world.rank() == 0) losses.push_back(mean.item<double>());
-      if (k + 1 == kSaveAt && !save_root.empty()) {
-        checkpoint::save_training_state(save_root, k + 1, *mlp, zero, {{"note", "saved at TP=2"}});
-      }
-    }
-  }, SpawnOptions().backend("shm"));
+  spawn_ranks(
+      4,
+      [&](Group& world) {
+        ScopedParallelState scope(make_model_parallel(tp, 1, world));
+        const auto state = parallel_state();
+        tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn).seed(42));
+        optim::ZeroOptimizer zero(mlp, adamw, optim::ZeroOptimizerOptions().stage(2).max_grad_norm(0.5));
+        if (!load_root.empty()) {
+          const auto loaded = checkpoint::load_training_state(load_root, *mlp, zero);
+          EXPECT_EQ(loaded.step, from);
+          EXPECT_EQ(loaded.metadata.at("note"), "saved at TP=2");
+          EXPECT_EQ(zero.step_count(), from);
+        }
+        const int dp = state.data_parallel_rank(), n = state.data_parallel_size();
+        for (int k = from; k < to; ++k) {
+          zero.zero_grad();
+          auto loss = torch::mse_loss(mlp->forward(d.x[k].chunk(n, 0)[dp]), d.y[k].chunk(n, 0)[dp]);
+          loss.backward();
+          zero.step();
+          auto mean = ops::raw::all_reduce(loss.detach().reshape({1}), ops::AllReduceOptions().op(ReduceOp::kAvg),
+                                           state.data_parallel_group())
+                          .wait();
+          if (world.rank() == 0) losses.push_back(mean.item<double>());
+          if (k + 1 == kSaveAt && !save_root.empty()) {
+            checkpoint::save_training_state(save_root, k + 1, *mlp, zero, {{"note", "saved at TP=2"}});
+          }
+        }
+      },
+      SpawnOptions().backend("shm"));
   return losses;
 }
 
@@ -86,31 +89,38 @@ TEST(TrainingState, OneCallResumesAtOtherLayouts) {
 
 TEST(TrainingState, PiecesTakenBeforeTheOptimizerAreAnError) {
   TempRoot root("stale");
-  spawn_ranks(4, [&](Group& world) {
-    const auto state = make_model_parallel(2, 1, world);
-    tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(42));
-    const auto stale = checkpoint::module_pieces(*mlp);  // the natural order: pieces, then the optimizer
-    optim::ZeroOptimizer zero(mlp, adamw, optim::ZeroOptimizerOptions(state.data_parallel_group()));
-    const std::string want = "no longer views the parameter it was taken from";
-    expect_error([&] { checkpoint::save(root.str(), 1, stale); }, {"checkpoint::save", want});
-    checkpoint::save(root.str(), 1, checkpoint::module_pieces(*mlp));  // taken now: fine
-    expect_error([&] { checkpoint::load(root.str(), stale); }, {want, "save_training_state() / load_training_state()"});
-  }, SpawnOptions().backend("shm"));
+  spawn_ranks(
+      4,
+      [&](Group& world) {
+        const auto state = make_model_parallel(2, 1, world);
+        tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(42));
+        const auto stale = checkpoint::module_pieces(*mlp);  // the natural order: pieces, then the optimizer
+        optim::ZeroOptimizer zero(mlp, adamw, optim::ZeroOptimizerOptions(state.data_parallel_group()));
+        const std::string want = "no longer views the parameter it was taken from";
+        expect_error([&] { checkpoint::save(root.str(), 1, stale); }, {"checkpoint::save", want});
+        checkpoint::save(root.str(), 1, checkpoint::module_pieces(*mlp));  // taken now: fine
+        expect_error([&] { checkpoint::load(root.str(), stale); },
+                     {want, "save_training_state() / load_training_state()"});
+      },
+      SpawnOptions().backend("shm"));
 }
 
 TEST(TrainingState, WeightsOnlyLoadOfATrainingCheckpoint) {
   TempRoot root("weights-only");
   torch::OrderedDict<std::string, at::Tensor> saved;
-  spawn_ranks(4, [&](Group& world) {
-    ScopedParallelState scope(make_model_parallel(2, 1, world));
-    tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn).seed(7));
-    optim::ZeroOptimizer zero(mlp, adamw);
-    mlp->forward(torch::ones({2, kModel})).sum().backward();
-    zero.step();
-    checkpoint::save_training_state(root.str(), 1, *mlp, zero);
-    const auto full = tp::gather_full_state_dict(*mlp);
-    if (world.rank() == 0) saved = full;
-  }, SpawnOptions().backend("shm"));
+  spawn_ranks(
+      4,
+      [&](Group& world) {
+        ScopedParallelState scope(make_model_parallel(2, 1, world));
+        tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn).seed(7));
+        optim::ZeroOptimizer zero(mlp, adamw);
+        mlp->forward(torch::ones({2, kModel})).sum().backward();
+        zero.step();
+        checkpoint::save_training_state(root.str(), 1, *mlp, zero);
+        const auto full = tp::gather_full_state_dict(*mlp);
+        if (world.rank() == 0) saved = full;
+      },
+      SpawnOptions().backend("shm"));
   spawn_ranks(1, [&](Group&) {
     tp::ParallelMLP fresh(tp::ParallelMLPOptions(kModel, kFfn, self_group()).seed(1));
     checkpoint::load_model_weights(root.str(), *fresh);

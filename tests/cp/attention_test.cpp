@@ -154,20 +154,23 @@ TEST(CpUlysses, SequenceToHeadsClosedFormRoundTripAndGradients) {
 TEST(CpErrors, NameTheLayerTheGroupAndTheSizes) {
   spawn_ranks(2, [](Group& g) {
     const std::string where = g.describe() + ": ";
-    EXPECT_THAT(error_of([&] { shard_sequence(at::zeros({30, 2}), 0, SequenceLayout::kHeadTail, g); }),
+    EXPECT_THAT(error_of([&] {
+                  shard_sequence(at::zeros({30, 2}), 0, SequenceLayout::kHeadTail, g);
+                }),
                 HasSubstr("[commgrad] cp::shard_sequence " + where +
                           "a sequence of 30 tokens does not split into 4 equal chunks"));
     const at::Tensor odd = at::zeros({1, 4, 3, 8});  // 3 tokens a rank: 6 do not split into 4 chunks
     EXPECT_THAT(error_of([&] { attention(odd, odd, odd, ContextParallelOptions(g)); }),
-                HasSubstr("[commgrad] cp::attention " + where + "the sequence of 6 tokens (3 on each of 2 ranks) "
+                HasSubstr("[commgrad] cp::attention " + where +
+                          "the sequence of 6 tokens (3 on each of 2 ranks) "
                           "does not split into 4 equal chunks for the head-tail layout"));
     const at::Tensor three = at::zeros({1, 3, 4, 8});
     EXPECT_THAT(error_of([&] { attention(three, three, three, ContextParallelOptions(g, AttentionMode::kUlysses)); }),
                 HasSubstr("[commgrad] cp::attention " + where +
                           "ulysses: 3 heads (float32[1, 3, 4, 8]) are not divisible by the context-parallel size 2"));
-    EXPECT_THAT(error_of([&] { sequence_to_heads(three, g); }),
-                HasSubstr("[commgrad] cp::sequence_to_heads " + where + "dim 1 of float32[1, 3, 4, 8] (heads) is not "
-                          "divisible by the context-parallel size 2"));
+    EXPECT_THAT(error_of([&] { sequence_to_heads(three, g); }), HasSubstr("[commgrad] cp::sequence_to_heads " + where +
+                                                                          "dim 1 of float32[1, 3, 4, 8] (heads) is not "
+                                                                          "divisible by the context-parallel size 2"));
     EXPECT_THAT(error_of([] { parse_mode("p2p"); }), HasSubstr("unknown context-parallel mode 'p2p'"));
   });
 }

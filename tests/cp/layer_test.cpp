@@ -96,19 +96,24 @@ TEST(CpSelfAttention, Errors) {
     const std::string where = g.describe() + ": ";
     const Group alone = self_group();
     EXPECT_THAT(error_of([&] {
-                  tp::ParallelSelfAttention(tp::ParallelSelfAttentionOptions(8, 2, alone).attention_dropout(0.1).context_parallel(
-                      ContextParallelOptions(g)));
+                  tp::ParallelSelfAttention(tp::ParallelSelfAttentionOptions(8, 2, alone)
+                                                .attention_dropout(0.1)
+                                                .context_parallel(ContextParallelOptions(g)));
                 }),
                 HasSubstr("attention_dropout (0.1) is not supported under context parallelism (cp=2, ring)"));
     EXPECT_THAT(error_of([&] {
-                  tp::ParallelSelfAttention(
-                      tp::ParallelSelfAttentionOptions(9, 3, alone).context_parallel(ContextParallelOptions(g, AttentionMode::kUlysses)));
+                  tp::ParallelSelfAttention(tp::ParallelSelfAttentionOptions(9, 3, alone)
+                                                .context_parallel(ContextParallelOptions(g, AttentionMode::kUlysses)));
                 }),
                 HasSubstr("context-parallel mode ulysses splits the 3 heads of each tensor-parallel rank (3 heads over "
                           "TP=1) over CP=2, which does not divide them; use allgather or ring"));
-    tp::ParallelSelfAttention layer(tp::ParallelSelfAttentionOptions(8, 2, alone).context_parallel(ContextParallelOptions(g)));
-    EXPECT_THAT(error_of([&] { layer(at::zeros({3, 1, 8})); }),
-                HasSubstr("[commgrad] cp::attention " + where + "the sequence of 6 tokens (3 on each of 2 ranks) does "
+    tp::ParallelSelfAttention layer(
+        tp::ParallelSelfAttentionOptions(8, 2, alone).context_parallel(ContextParallelOptions(g)));
+    EXPECT_THAT(error_of([&] {
+                  layer(at::zeros({3, 1, 8}));
+                }),
+                HasSubstr("[commgrad] cp::attention " + where +
+                          "the sequence of 6 tokens (3 on each of 2 ranks) does "
                           "not split into 4 equal chunks for the head-tail layout"));
     std::ostringstream printed;
     layer->pretty_print(printed);

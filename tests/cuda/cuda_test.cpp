@@ -19,8 +19,8 @@ using ::testing::HasSubstr;
 using testing::spawn_ranks;
 using testing::SpawnOptions;
 
-#define SKIP_WITHOUT_CUDA()                                                                   \
-  if (cuda_device_count() == 0)                                                               \
+#define SKIP_WITHOUT_CUDA()                                                              \
+  if (cuda_device_count() == 0)                                                          \
   GTEST_SKIP() << "no CUDA device visible to this process (" << build_info().to_string() \
                << "); scripts/gpu_check.sh runs these tests on a GPU machine"
 
@@ -41,27 +41,33 @@ TEST(Cuda, EachRankUsesTheGpuOfItsLocalRank) {
 
 TEST(Cuda, CudaTensorsHaveTheirOwnTransportNextToShm) {
   SKIP_WITHOUT_CUDA();
-  spawn_ranks(2, [](Group& g) {
-    EXPECT_EQ(g.backend_name(), "shm");
-    EXPECT_EQ(g.cuda_backend_name(), expected_cuda_backend(2));
-    EXPECT_NE(&g.transport(c10::DeviceType::CUDA), &g.transport());
-    EXPECT_THAT(g.describe(), HasSubstr("(shm, cuda: " + expected_cuda_backend(2) + ")"));
-    // CPU tensors keep the CPU transport.
-    auto cpu = ops::all_reduce(at::full({3}, 1.0f));
-    EXPECT_TRUE(cpu.is_cpu());
-    EXPECT_TRUE(at::equal(cpu, at::full({3}, 2.0f)));
-  }, SpawnOptions().backend("auto"));
+  spawn_ranks(
+      2,
+      [](Group& g) {
+        EXPECT_EQ(g.backend_name(), "shm");
+        EXPECT_EQ(g.cuda_backend_name(), expected_cuda_backend(2));
+        EXPECT_NE(&g.transport(c10::DeviceType::CUDA), &g.transport());
+        EXPECT_THAT(g.describe(), HasSubstr("(shm, cuda: " + expected_cuda_backend(2) + ")"));
+        // CPU tensors keep the CPU transport.
+        auto cpu = ops::all_reduce(at::full({3}, 1.0f));
+        EXPECT_TRUE(cpu.is_cpu());
+        EXPECT_TRUE(at::equal(cpu, at::full({3}, 2.0f)));
+      },
+      SpawnOptions().backend("auto"));
 }
 
 TEST(Cuda, NcclCarriesCudaTensorsInAWorldOfOne) {
   SKIP_WITHOUT_CUDA();
   if (!COMMGRAD_HAVE_NCCL) GTEST_SKIP() << "this LibTorch has no NCCL (" << build_info().to_string() << ")";
-  spawn_ranks(1, [](Group& g) {
-    EXPECT_EQ(g.cuda_backend_name(), "nccl");
-    std::vector<at::Tensor> t{at::full({5}, 3.0f, at::TensorOptions().device(device()))};
-    g.transport(c10::DeviceType::CUDA).allreduce(t)->wait();  // the raw call: world-of-one ops skip the wire
-    EXPECT_TRUE(at::equal(t[0].cpu(), at::full({5}, 3.0f)));
-  }, SpawnOptions().backend("nccl"));
+  spawn_ranks(
+      1,
+      [](Group& g) {
+        EXPECT_EQ(g.cuda_backend_name(), "nccl");
+        std::vector<at::Tensor> t{at::full({5}, 3.0f, at::TensorOptions().device(device()))};
+        g.transport(c10::DeviceType::CUDA).allreduce(t)->wait();  // the raw call: world-of-one ops skip the wire
+        EXPECT_TRUE(at::equal(t[0].cpu(), at::full({5}, 3.0f)));
+      },
+      SpawnOptions().backend("nccl"));
 }
 
 class CudaWorlds : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
@@ -71,26 +77,29 @@ class CudaWorlds : public ::testing::TestWithParam<std::tuple<int, std::string>>
 TEST_P(CudaWorlds, FamilyOneOpsOnCudaTensorsEqualTheCpuOps) {
   SKIP_WITHOUT_CUDA();
   const auto [n, backend] = GetParam();
-  spawn_ranks(n, [n](Group& g) {
-    const auto cpu_x = at::arange(6 * n, at::kFloat).view({2 * n, 3}) + g.rank();
-    auto run = [&](const at::Device& dev) {
-      auto x = cpu_x.to(dev).requires_grad_(true);
-      std::vector<at::Tensor> outs{ops::all_reduce(x), ops::all_gather(x), ops::reduce_scatter(x),
-                                   ops::broadcast(x, ops::BroadcastOptions().src(n - 1))};
-      at::Tensor loss = at::zeros({}, x.options());
-      for (size_t i = 0; i < outs.size(); ++i) loss = loss + (outs[i] * static_cast<double>(i + 1)).sum();
-      loss.backward();
-      outs.push_back(x.grad());
-      return outs;
-    };
-    const auto on_cpu = run(at::Device(at::kCPU));
-    const auto on_gpu = run(device());
-    ASSERT_EQ(on_cpu.size(), on_gpu.size());
-    for (size_t i = 0; i < on_cpu.size(); ++i) {
-      EXPECT_TRUE(on_gpu[i].is_cuda()) << i;
-      EXPECT_TRUE(at::allclose(on_gpu[i].detach().cpu(), on_cpu[i].detach())) << "output " << i;
-    }
-  }, SpawnOptions().backend(backend));
+  spawn_ranks(
+      n,
+      [n](Group& g) {
+        const auto cpu_x = at::arange(6 * n, at::kFloat).view({2 * n, 3}) + g.rank();
+        auto run = [&](const at::Device& dev) {
+          auto x = cpu_x.to(dev).requires_grad_(true);
+          std::vector<at::Tensor> outs{ops::all_reduce(x), ops::all_gather(x), ops::reduce_scatter(x),
+                                       ops::broadcast(x, ops::BroadcastOptions().src(n - 1))};
+          at::Tensor loss = at::zeros({}, x.options());
+          for (size_t i = 0; i < outs.size(); ++i) loss = loss + (outs[i] * static_cast<double>(i + 1)).sum();
+          loss.backward();
+          outs.push_back(x.grad());
+          return outs;
+        };
+        const auto on_cpu = run(at::Device(at::kCPU));
+        const auto on_gpu = run(device());
+        ASSERT_EQ(on_cpu.size(), on_gpu.size());
+        for (size_t i = 0; i < on_cpu.size(); ++i) {
+          EXPECT_TRUE(on_gpu[i].is_cuda()) << i;
+          EXPECT_TRUE(at::allclose(on_gpu[i].detach().cpu(), on_cpu[i].detach())) << "output " << i;
+        }
+      },
+      SpawnOptions().backend(backend));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaWorlds,

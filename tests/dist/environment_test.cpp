@@ -40,8 +40,12 @@ TEST(Environment, NoVariablesMeansWorldOfOne) {
 }
 
 TEST(Environment, Torchrun) {
-  auto env = parse({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
-                    {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "1234"}});
+  auto env = parse({{"RANK", "5"},
+                    {"WORLD_SIZE", "8"},
+                    {"LOCAL_RANK", "1"},
+                    {"LOCAL_WORLD_SIZE", "4"},
+                    {"MASTER_ADDR", "10.1.2.3"},
+                    {"MASTER_PORT", "1234"}});
   EXPECT_EQ(env.launcher, Launcher::kTorchrun);
   EXPECT_EQ(env.rank, 5);
   EXPECT_EQ(env.world_size, 8);
@@ -61,9 +65,12 @@ TEST(Environment, TorchrunWithoutLocalVariablesAssumesOneHost) {
 }
 
 TEST(Environment, Mpirun) {
-  auto env = parse({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
-                    {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
-                    {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29501"}});
+  auto env = parse({{"OMPI_COMM_WORLD_RANK", "3"},
+                    {"OMPI_COMM_WORLD_SIZE", "4"},
+                    {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                    {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                    {"MASTER_ADDR", "127.0.0.1"},
+                    {"MASTER_PORT", "29501"}});
   EXPECT_EQ(env.launcher, Launcher::kMpirun);
   EXPECT_EQ(env.rank, 3);
   EXPECT_EQ(env.world_size, 4);
@@ -72,8 +79,12 @@ TEST(Environment, Mpirun) {
 }
 
 TEST(Environment, Slurm) {
-  auto env = parse({{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "2"},
-                    {"SLURM_NTASKS_PER_NODE", "4"}, {"MASTER_ADDR", "node1"}, {"MASTER_PORT", "29500"}});
+  auto env = parse({{"SLURM_PROCID", "6"},
+                    {"SLURM_NTASKS", "8"},
+                    {"SLURM_LOCALID", "2"},
+                    {"SLURM_NTASKS_PER_NODE", "4"},
+                    {"MASTER_ADDR", "node1"},
+                    {"MASTER_PORT", "29500"}});
   EXPECT_EQ(env.launcher, Launcher::kSlurm);
   EXPECT_EQ(env.rank, 6);
   EXPECT_EQ(env.world_size, 8);
@@ -82,15 +93,23 @@ TEST(Environment, Slurm) {
 }
 
 TEST(Environment, SlurmIrregularLayoutKeepsLocalRank) {
-  auto env = parse({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "3"}, {"SLURM_LOCALID", "1"},
-                    {"SLURM_NTASKS_PER_NODE", "2(x1),1"}, {"MASTER_ADDR", "n"}, {"MASTER_PORT", "1"}});
+  auto env = parse({{"SLURM_PROCID", "1"},
+                    {"SLURM_NTASKS", "3"},
+                    {"SLURM_LOCALID", "1"},
+                    {"SLURM_NTASKS_PER_NODE", "2(x1),1"},
+                    {"MASTER_ADDR", "n"},
+                    {"MASTER_PORT", "1"}});
   EXPECT_EQ(env.local_rank, 1);
 }
 
 TEST(Environment, TorchrunTakesPrecedenceOverSlurm) {
   // commgrad-run or torchrun started inside a Slurm allocation.
-  auto env = parse({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"},
-                    {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
+  auto env = parse({{"RANK", "1"},
+                    {"WORLD_SIZE", "2"},
+                    {"SLURM_PROCID", "0"},
+                    {"SLURM_NTASKS", "1"},
+                    {"MASTER_ADDR", "127.0.0.1"},
+                    {"MASTER_PORT", "29500"}});
   EXPECT_EQ(env.launcher, Launcher::kTorchrun);
   EXPECT_EQ(env.rank, 1);
 }
@@ -122,14 +141,23 @@ TEST(Environment, HalfSetAndInvalidCasesEachSayWhat) {
   EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "x1"}}),
               ::testing::HasSubstr("MASTER_PORT='x1' is not a non-negative integer"));
   EXPECT_THAT(error_of({{"LOCAL_RANK", "0"}}), ::testing::HasSubstr("LOCAL_RANK is set but RANK and WORLD_SIZE"));
-  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
+  EXPECT_THAT(
+      error_of(
+          {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
+      ::testing::HasSubstr("LOCAL_WORLD_SIZE is set but LOCAL_RANK is not"));
+  EXPECT_THAT(error_of({{"RANK", "0"},
+                        {"WORLD_SIZE", "4"},
+                        {"LOCAL_RANK", "2"},
+                        {"LOCAL_WORLD_SIZE", "2"},
+                        {"MASTER_ADDR", "h"},
                         {"MASTER_PORT", "1"}}),
-              ::testing::HasSubstr("LOCAL_WORLD_SIZE is set but LOCAL_RANK is not"));
-  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"},
-                        {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
               ::testing::HasSubstr("LOCAL_RANK=2 is out of range for a local world of 2"));
-  EXPECT_THAT(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "3"},
-                        {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
+  EXPECT_THAT(error_of({{"RANK", "0"},
+                        {"WORLD_SIZE", "2"},
+                        {"LOCAL_RANK", "0"},
+                        {"LOCAL_WORLD_SIZE", "3"},
+                        {"MASTER_ADDR", "h"},
+                        {"MASTER_PORT", "1"}}),
               ::testing::HasSubstr("LOCAL_WORLD_SIZE=3 must be between 1 and WORLD_SIZE=2"));
   EXPECT_THAT(error_of({{"OMPI_COMM_WORLD_RANK", "0"}}),
               ::testing::HasSubstr("OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not"));

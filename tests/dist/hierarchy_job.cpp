@@ -76,7 +76,8 @@ void compare_raw(const Group& world, const Group& flat) {
       }
       const auto ro = ops::ReduceScatterOptions().sizes(sizes);
       const auto whole = pattern({n * k + n / 2, 3}, r, 5, dtype);
-      check(at::equal(ops::raw::reduce_scatter(whole, ro, world).wait(), ops::raw::reduce_scatter(whole, ro, flat).wait()),
+      check(at::equal(ops::raw::reduce_scatter(whole, ro, world).wait(),
+                      ops::raw::reduce_scatter(whole, ro, flat).wait()),
             "uneven reduce_scatter of " + commgrad::tensor_name(whole));
     }
   }
@@ -100,8 +101,9 @@ void compare_grads(const Group& world, const Group& flat) {
   namespace tp = commgrad::tp;
   const int n = world.size(), r = world.rank();
   const auto part = pattern({5, 2 * n}, r, 7, at::kFloat);
-  compare_grad("ops::all_gather", part, world, flat,
-               [](const at::Tensor& x, const Group& g) { return ops::all_gather(x, ops::AllGatherOptions().dim(1), g); });
+  compare_grad("ops::all_gather", part, world, flat, [](const at::Tensor& x, const Group& g) {
+    return ops::all_gather(x, ops::AllGatherOptions().dim(1), g);
+  });
   compare_grad("ops::reduce_scatter AVG", part.t(), world, flat, [](const at::Tensor& x, const Group& g) {
     return ops::reduce_scatter(x, ops::ReduceScatterOptions().op(ReduceOp::kAvg), g);
   });
@@ -141,18 +143,25 @@ void check_transport_calls(const Group& world) {
       at::Tensor want = full(0);
       for (int q = 1; q < n; ++q) {
         switch (op) {
-          case c10d::ReduceOp::MAX: want = at::maximum(want, full(q)); break;
-          case c10d::ReduceOp::MIN: want = at::minimum(want, full(q)); break;
-          case c10d::ReduceOp::PRODUCT: want = want * full(q); break;
-          default: want = want + full(q);
+          case c10d::ReduceOp::MAX:
+            want = at::maximum(want, full(q));
+            break;
+          case c10d::ReduceOp::MIN:
+            want = at::minimum(want, full(q));
+            break;
+          case c10d::ReduceOp::PRODUCT:
+            want = want * full(q);
+            break;
+          default:
+            want = want + full(q);
         }
       }
       if (op == c10d::ReduceOp::AVG) want = at::is_floating_point(want) ? want / n : at::div(want, n, "trunc");
       want = want.narrow(0, r * c, c);
       c10d::ReduceScatterOptions opts;
       opts.reduceOp = op;
-      const std::string what = "reduce_scatter " + std::to_string(static_cast<int>(op)) + " of " +
-                               commgrad::tensor_name(full(r));
+      const std::string what =
+          "reduce_scatter " + std::to_string(static_cast<int>(op)) + " of " + commgrad::tensor_name(full(r));
       auto x = full(r);
       auto out = at::zeros({c, 2}, dtype).select(1, 0);  // not contiguous
       t._reduce_scatter_base(out, x, opts)->wait();
@@ -202,10 +211,18 @@ int main() {
         if (op == ReduceOp::kProduct && n > 3) continue;  // keep products exact in bfloat16
         at::Tensor want;
         switch (op) {
-          case ReduceOp::kSum: want = base * (n * (n + 1) / 2); break;
-          case ReduceOp::kAvg: want = base * ((n + 1) / 2.0); break;
-          case ReduceOp::kMax: want = base * n; break;
-          case ReduceOp::kMin: want = base.clone(); break;
+          case ReduceOp::kSum:
+            want = base * (n * (n + 1) / 2);
+            break;
+          case ReduceOp::kAvg:
+            want = base * ((n + 1) / 2.0);
+            break;
+          case ReduceOp::kMax:
+            want = base * n;
+            break;
+          case ReduceOp::kMin:
+            want = base.clone();
+            break;
           case ReduceOp::kProduct: {
             int64_t f = 1;
             for (int q = 1; q <= n; ++q) f *= q;
@@ -233,7 +250,8 @@ int main() {
   std::vector<ops::raw::Pending> pending;
   for (int i = 0; i < 4; ++i) pending.push_back(ops::raw::all_reduce(at::full({3}, (r + 1.0) * (i + 1))));
   for (int i = 3; i >= 0; --i) {
-    check(at::equal(pending[i].wait(), at::full({3}, n * (n + 1) / 2.0 * (i + 1))), "async all_reduce " + std::to_string(i));
+    check(at::equal(pending[i].wait(), at::full({3}, n * (n + 1) / 2.0 * (i + 1))),
+          "async all_reduce " + std::to_string(i));
   }
   // Data movements (flat Gloo).
   const auto gathered = ops::raw::all_gather(at::full({2}, static_cast<float>(r))).wait();

@@ -59,15 +59,15 @@ std::string layout_name(const ::testing::TestParamInfo<std::vector<int>>& info) 
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, HierarchyLayouts,
-                         ::testing::Values(std::vector<int>{0, 0, 1, 1},           // 2 + 2
-                                           std::vector<int>{0, 1, 1},              // 1 + 2
-                                           std::vector<int>{0, 1, 1, 1},           // 1 + 3
-                                           std::vector<int>{0, 0, 0, 1},           // 3 + 1
-                                           std::vector<int>{0, 0, 1, 2},           // 2 + 1 + 1
-                                           std::vector<int>{0, 0, 0, 1, 2, 2},     // 3 + 1 + 2
-                                           std::vector<int>{0, 1, 0, 1},           // interleaved 2 + 2
-                                           std::vector<int>{0, 1, 0, 0, 2, 1},     // interleaved 3 + 2 + 1
-                                           std::vector<int>{0, 1}),                // 1 + 1 (flat Gloo)
+                         ::testing::Values(std::vector<int>{0, 0, 1, 1},        // 2 + 2
+                                           std::vector<int>{0, 1, 1},           // 1 + 2
+                                           std::vector<int>{0, 1, 1, 1},        // 1 + 3
+                                           std::vector<int>{0, 0, 0, 1},        // 3 + 1
+                                           std::vector<int>{0, 0, 1, 2},        // 2 + 1 + 1
+                                           std::vector<int>{0, 0, 0, 1, 2, 2},  // 3 + 1 + 2
+                                           std::vector<int>{0, 1, 0, 1},        // interleaved 2 + 2
+                                           std::vector<int>{0, 1, 0, 0, 2, 1},  // interleaved 3 + 2 + 1
+                                           std::vector<int>{0, 1}),             // 1 + 1 (flat Gloo)
                          layout_name);
 
 }  // namespace

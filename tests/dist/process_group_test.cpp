@@ -27,10 +27,9 @@
 namespace commgrad {
 namespace {
 
+using testing::error_of;
 using ::testing::HasSubstr;
 using testing::spawn_ranks;
-using testing::error_of;
-
 
 class WorldSizes : public ::testing::TestWithParam<int> {};
 
@@ -75,9 +74,9 @@ TEST_P(WorldSizes, SubGroupsOfEvenAndOddRanks) {
       EXPECT_EQ(other.rank(), -1);
       EXPECT_THAT(error_of([&] { check_member("all_reduce", other); }),
                   HasSubstr("this rank is not a member of the group"));
-      EXPECT_THAT(error_of([&] { check_member("all_reduce", other); }),
-                  HasSubstr(c10::str("[commgrad] all_reduce rank ", g.rank(), " (not a member) group '",
-                                     other.name(), "'")));
+      EXPECT_THAT(
+          error_of([&] { check_member("all_reduce", other); }),
+          HasSubstr(c10::str("[commgrad] all_reduce rank ", g.rank(), " (not a member) group '", other.name(), "'")));
     }
   });
 }
@@ -125,8 +124,8 @@ TEST(ProcessGroup, EmptyGroupHandleIsAClearError) {
 // The handler is process-wide: ctest runs each case in a process of its own.
 TEST(ProcessGroup, TerminateHandlerIsInstalledByInitUnlessTurnedOff) {
   if (terminate_handler_installed()) GTEST_SKIP() << "installed by an earlier test in this process";
-  make_world_group(InitOptions().store(c10::make_intrusive<c10d::HashStore>()).rank(0).world_size(1)
-                       .terminate_handler(false));
+  make_world_group(
+      InitOptions().store(c10::make_intrusive<c10d::HashStore>()).rank(0).world_size(1).terminate_handler(false));
   EXPECT_FALSE(terminate_handler_installed());
   make_world_group(InitOptions().store(c10::make_intrusive<c10d::HashStore>()).rank(0).world_size(1));
   EXPECT_TRUE(terminate_handler_installed());
@@ -134,22 +133,25 @@ TEST(ProcessGroup, TerminateHandlerIsInstalledByInitUnlessTurnedOff) {
 
 TEST(ProcessGroup, TransportsSayWhatTheyOfferBeyondC10d) {
   for (const std::string backend : {"gloo", "shm"}) {
-    spawn_ranks(2, [&](Group& g) {
-      const auto& caps = g.capabilities();
-      const bool shm = backend == "shm";
-      EXPECT_EQ(static_cast<bool>(caps.allreduce_out), shm) << backend;
-      EXPECT_EQ(static_cast<bool>(caps.reduce_out), shm) << backend;
-      EXPECT_EQ(static_cast<bool>(caps.reduce_scatter), shm) << backend;
-      EXPECT_EQ(caps.reduces_16bit, shm) << backend;
-      EXPECT_EQ(caps.completes_on_call_below > 0, shm) << backend;
-      if (!shm) return;
-      // The table reaches the transport it came with.
-      auto in = at::full({4}, g.rank() + 1.0f);
-      auto out = at::empty({4});
-      caps.allreduce_out(in, out, c10d::AllreduceOptions())->wait();
-      EXPECT_TRUE(at::equal(out, at::full({4}, 3.0f)));
-      EXPECT_TRUE(at::equal(in, at::full({4}, g.rank() + 1.0f)));
-    }, testing::SpawnOptions().backend(backend));
+    spawn_ranks(
+        2,
+        [&](Group& g) {
+          const auto& caps = g.capabilities();
+          const bool shm = backend == "shm";
+          EXPECT_EQ(static_cast<bool>(caps.allreduce_out), shm) << backend;
+          EXPECT_EQ(static_cast<bool>(caps.reduce_out), shm) << backend;
+          EXPECT_EQ(static_cast<bool>(caps.reduce_scatter), shm) << backend;
+          EXPECT_EQ(caps.reduces_16bit, shm) << backend;
+          EXPECT_EQ(caps.completes_on_call_below > 0, shm) << backend;
+          if (!shm) return;
+          // The table reaches the transport it came with.
+          auto in = at::full({4}, g.rank() + 1.0f);
+          auto out = at::empty({4});
+          caps.allreduce_out(in, out, c10d::AllreduceOptions())->wait();
+          EXPECT_TRUE(at::equal(out, at::full({4}, 3.0f)));
+          EXPECT_TRUE(at::equal(in, at::full({4}, g.rank() + 1.0f)));
+        },
+        testing::SpawnOptions().backend(backend));
   }
 }
 
@@ -279,9 +281,8 @@ TEST(ProcessGroup, NcclHeaderMatchesTheLibraryLibTorchLoads) {
 TEST(ProcessGroup, CheckMacroNamesOpRankGroupAndShapes) {
   spawn_ranks(2, [](Group& g) {
     auto x = at::zeros({3, 5});
-    const auto msg = error_of([&] {
-      COMMGRAD_CHECK(x.size(0) % 2 == 0, "all_gather", g, "expected dim 0 divisible by 2, got ", x.sizes());
-    });
+    const auto msg = error_of(
+        [&] { COMMGRAD_CHECK(x.size(0) % 2 == 0, "all_gather", g, "expected dim 0 divisible by 2, got ", x.sizes()); });
     EXPECT_THAT(msg, HasSubstr(c10::str("[commgrad] all_gather rank ", g.rank(),
                                         "/2 group 'world' (gloo): expected dim 0 divisible by 2, got [3, 5]")));
   });

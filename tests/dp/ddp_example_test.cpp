@@ -48,16 +48,17 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, DdpTrainExample,
 TEST(DdpTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/ddp_train");
   expect_help_lists(program, {"--epochs", "--bucket-cap-mb", "--device"});
-  expect_bad_options(program, {
-      {{"--bogus", "1"}, "unknown option '--bogus'"},
-      {{"--epochs", "0"}, "--epochs: expected an integer in [1, 2147483647], got '0'"},
-      {{"--epochs", "-1"}, "--epochs: expected an integer in [1, 2147483647], got '-1'"},
-      {{"--epochs", "five"}, "--epochs: expected an integer in [1, 2147483647], got 'five'"},
-      {{"--epochs", "99999999999"}, "--epochs: expected an integer in [1, 2147483647], got '99999999999'"},
-      {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb: expected a number > 0, got '0'"},
-      {{"--bucket-cap-mb", "big"}, "--bucket-cap-mb: expected a number > 0, got 'big'"},
-      {{"--device", "gpu"}, "--device: expected one of cpu, cuda, got 'gpu'"},
-  });
+  expect_bad_options(
+      program, {
+                   {{"--bogus", "1"}, "unknown option '--bogus'"},
+                   {{"--epochs", "0"}, "--epochs: expected an integer in [1, 2147483647], got '0'"},
+                   {{"--epochs", "-1"}, "--epochs: expected an integer in [1, 2147483647], got '-1'"},
+                   {{"--epochs", "five"}, "--epochs: expected an integer in [1, 2147483647], got 'five'"},
+                   {{"--epochs", "99999999999"}, "--epochs: expected an integer in [1, 2147483647], got '99999999999'"},
+                   {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb: expected a number > 0, got '0'"},
+                   {{"--bucket-cap-mb", "big"}, "--bucket-cap-mb: expected a number > 0, got 'big'"},
+                   {{"--device", "gpu"}, "--device: expected one of cpu, cuda, got 'gpu'"},
+               });
 }
 
 }  // namespace

@@ -128,7 +128,6 @@ void expect_same_state(const torch::nn::Module& got, const torch::nn::Module& wa
   }
 }
 
-
 // ---------------------------------------------------------------------------
 // K steps of DDP == K steps of one process on the full batch.
 
@@ -159,18 +158,21 @@ TEST_P(DdpMatchesSingleProcess, SgdMomentumAndAdamForMlpAndBufferedModel) {
       // Each rank starts from different values: DDP must broadcast rank 0's.
       std::vector<std::shared_ptr<Net>> nets;
       for (int r = 0; r < n; ++r) nets.push_back(make_net(model, 100 + r));
-      spawn_ranks(n, [&](Group& group) {
-        auto& net = nets[group.rank()];
-        DistributedDataParallel ddp(net, DistributedDataParallelOptions(group)
-                                             .bucket_cap_mb(0.0002)
-                                             .first_bucket_cap_mb(0.0001)
-                                             .gradient_as_bucket_view(views));
-        EXPECT_GT(ddp.buckets().size(), 2u);
-        auto opt = make_optimizer(optim, net->parameters());
-        train(*net, *opt, data, group.rank(), group.size(), !views);
-        expect_same_state(*net, *reference);
-        EXPECT_EQ(ddp.last_step().buckets, static_cast<int64_t>(ddp.buckets().size()));
-      }, SpawnOptions().backend(backend));
+      spawn_ranks(
+          n,
+          [&](Group& group) {
+            auto& net = nets[group.rank()];
+            DistributedDataParallel ddp(net, DistributedDataParallelOptions(group)
+                                                 .bucket_cap_mb(0.0002)
+                                                 .first_bucket_cap_mb(0.0001)
+                                                 .gradient_as_bucket_view(views));
+            EXPECT_GT(ddp.buckets().size(), 2u);
+            auto opt = make_optimizer(optim, net->parameters());
+            train(*net, *opt, data, group.rank(), group.size(), !views);
+            expect_same_state(*net, *reference);
+            EXPECT_EQ(ddp.last_step().buckets, static_cast<int64_t>(ddp.buckets().size()));
+          },
+          SpawnOptions().backend(backend));
     }
   }
 }
@@ -213,8 +215,7 @@ TEST(DdpTest, BroadcastsParametersAndBuffersFromTheFirstRank) {
 
 TEST(DdpTest, DifferentShapesAreAnErrorNamingTheParameterOnEachRank) {
   torch::manual_seed(0);
-  std::vector<std::shared_ptr<Net>> nets{std::make_shared<Mlp>(8), std::make_shared<Mlp>(8),
-                                         std::make_shared<Mlp>(9)};
+  std::vector<std::shared_ptr<Net>> nets{std::make_shared<Mlp>(8), std::make_shared<Mlp>(8), std::make_shared<Mlp>(9)};
   spawn_ranks(3, [&](Group& group) {
     const auto message = error_of([&] { DistributedDataParallel ddp(nets[group.rank()], group); });
     EXPECT_THAT(message, HasSubstr("DistributedDataParallel rank " + std::to_string(group.rank()) + "/3"));
@@ -290,8 +291,9 @@ TEST(DdpTest, OwnBucketParametersSitAlone) {
     EXPECT_EQ(buckets[0].names, (std::vector<std::string>{"fc3.bias", "fc3.weight", "fc2.bias"}));
     EXPECT_EQ(buckets[1].names, std::vector<std::string>{"fc2.weight"});
     EXPECT_EQ(buckets[2].names, (std::vector<std::string>{"fc1.bias", "fc1.weight"}));
-    EXPECT_THAT(error_of([&] { DistributedDataParallel(net, DistributedDataParallelOptions(group).own_bucket({"fc9"})); }),
-                HasSubstr("own_bucket names 'fc9', which is not a trainable parameter of the module"));
+    EXPECT_THAT(
+        error_of([&] { DistributedDataParallel(net, DistributedDataParallelOptions(group).own_bucket({"fc9"})); }),
+        HasSubstr("own_bucket names 'fc9', which is not a trainable parameter of the module"));
   });
 }
 
@@ -349,11 +351,14 @@ TEST(DdpTest, PaddedBucketsAndReleasedGradientsLiveOnlyInTheHook) {
         std::vector<Tensor> want;
         for (const auto& name : buckets[b].names) want.push_back(plain_params[name].grad().reshape({-1}));
         EXPECT_TRUE(torch::equal(sums[b].narrow(0, 0, buckets[b].numel), torch::cat(want))) << "bucket " << b;
-        EXPECT_EQ(sums[b].narrow(0, buckets[b].numel, buckets[b].padded_numel - buckets[b].numel).abs().sum().item<float>(), 0);
+        EXPECT_EQ(
+            sums[b].narrow(0, buckets[b].numel, buckets[b].padded_numel - buckets[b].numel).abs().sum().item<float>(),
+            0);
       }
     }
-    EXPECT_THAT(error_of([&] { DistributedDataParallel(plain_net, DistributedDataParallelOptions(group).bucket_multiple(0)); }),
-                HasSubstr("bucket_multiple must be at least 1"));
+    EXPECT_THAT(
+        error_of([&] { DistributedDataParallel(plain_net, DistributedDataParallelOptions(group).bucket_multiple(0)); }),
+        HasSubstr("bucket_multiple must be at least 1"));
   });
 }
 
@@ -415,8 +420,7 @@ TEST(DdpTest, NoSyncAccumulationEqualsOneBigBatch) {
 // completes while backward is still inside the model overlaps with it.
 struct WaitForBucket : torch::autograd::Function<WaitForBucket> {
   static Tensor forward(torch::autograd::AutogradContext*, const Tensor& x) { return x.clone(); }
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*,
-                                               torch::autograd::tensor_list grads);
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*, torch::autograd::tensor_list grads);
 };
 thread_local std::function<bool()> bucket0_done;
 thread_local bool overlapped = false;
@@ -571,26 +575,29 @@ TEST_P(DdpHooks, CompressionHooksMatchThePlainAllReduce) {
       plain_nets.push_back(make_net(Model::kMlp, 8, torch::kFloat));
       nets.push_back(make_net(Model::kMlp, 8, torch::kFloat));
     }
-    spawn_ranks(3, [&](Group& group) {
-      const int r = group.rank();
-      DistributedDataParallel plain(plain_nets[r], group);
-      DistributedDataParallel compressed(nets[r], DistributedDataParallelOptions(group).bucket_cap_mb(0.0002));
-      compressed.register_comm_hook(hook == 0 ? fp16_compress_hook() : bf16_compress_hook());
-      for (auto* net : {plain_nets[r].get(), nets[r].get()}) {
-        torch::mse_loss(net->forward(shard(data.x[0], r, 3)), shard(data.y[0], r, 3)).backward();
-      }
-      auto want = plain_nets[r]->named_parameters();
-      // Relative to the largest gradient of the tensor: 16-bit rounding of
-      // each rank's terms (2^-11 for fp16, 2^-8 for bf16), a few terms each.
-      const double tol = hook == 0 ? 2e-3 : 1.5e-2;
-      for (const auto& p : nets[r]->named_parameters()) {
-        const auto& g = p.value().grad();
-        const auto& w = want[p.key()].grad();
-        EXPECT_EQ(g.scalar_type(), torch::kFloat);
-        EXPECT_LE((g - w).abs().max().item<double>(), tol * w.abs().max().item<double>())
-            << (hook == 0 ? "fp16 " : "bf16 ") << p.key();
-      }
-    }, SpawnOptions().backend(backend));
+    spawn_ranks(
+        3,
+        [&](Group& group) {
+          const int r = group.rank();
+          DistributedDataParallel plain(plain_nets[r], group);
+          DistributedDataParallel compressed(nets[r], DistributedDataParallelOptions(group).bucket_cap_mb(0.0002));
+          compressed.register_comm_hook(hook == 0 ? fp16_compress_hook() : bf16_compress_hook());
+          for (auto* net : {plain_nets[r].get(), nets[r].get()}) {
+            torch::mse_loss(net->forward(shard(data.x[0], r, 3)), shard(data.y[0], r, 3)).backward();
+          }
+          auto want = plain_nets[r]->named_parameters();
+          // Relative to the largest gradient of the tensor: 16-bit rounding of
+          // each rank's terms (2^-11 for fp16, 2^-8 for bf16), a few terms each.
+          const double tol = hook == 0 ? 2e-3 : 1.5e-2;
+          for (const auto& p : nets[r]->named_parameters()) {
+            const auto& g = p.value().grad();
+            const auto& w = want[p.key()].grad();
+            EXPECT_EQ(g.scalar_type(), torch::kFloat);
+            EXPECT_LE((g - w).abs().max().item<double>(), tol * w.abs().max().item<double>())
+                << (hook == 0 ? "fp16 " : "bf16 ") << p.key();
+          }
+        },
+        SpawnOptions().backend(backend));
   }
 }
 
@@ -601,19 +608,23 @@ INSTANTIATE_TEST_SUITE_P(Transports, DdpHooks, ::testing::Values("gloo", "shm"))
 TEST(DdpTest, SixteenBitBucketsSumExactlyOnEveryTransport) {
   for (const char* backend : {"gloo", "shm"}) {
     for (int n : {2, 3}) {
-      spawn_ranks(n, [&](Group& group) {
-        for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
-          for (int64_t numel : {1, 5, 17}) {
-            auto values = (torch::arange(numel) % 7 + group.rank()).to(dtype);
-            GradBucket bucket(0, 1, values, {values}, {"v"}, group);
-            auto work = allreduce_hook()(bucket);
-            if (work.pending.defined()) work.pending.wait();
-            if (work.then) work.then();
-            const auto want = (torch::arange(numel) % 7) * n + n * (n - 1) / 2;
-            EXPECT_TRUE(torch::equal(values.to(torch::kLong), want)) << backend << " " << dtype << " numel " << numel;
-          }
-        }
-      }, SpawnOptions().backend(backend));
+      spawn_ranks(
+          n,
+          [&](Group& group) {
+            for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+              for (int64_t numel : {1, 5, 17}) {
+                auto values = (torch::arange(numel) % 7 + group.rank()).to(dtype);
+                GradBucket bucket(0, 1, values, {values}, {"v"}, group);
+                auto work = allreduce_hook()(bucket);
+                if (work.pending.defined()) work.pending.wait();
+                if (work.then) work.then();
+                const auto want = (torch::arange(numel) % 7) * n + n * (n - 1) / 2;
+                EXPECT_TRUE(torch::equal(values.to(torch::kLong), want))
+                    << backend << " " << dtype << " numel " << numel;
+              }
+            }
+          },
+          SpawnOptions().backend(backend));
     }
   }
 }

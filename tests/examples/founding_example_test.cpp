@@ -26,7 +26,6 @@ using ::testing::HasSubstr;
 
 std::string example() { return build_path("bin/tp_autograd_comm"); }
 
-
 std::string n_times(int n) {
   std::string v = std::to_string(n) + ".";
   return "tensor([" + v + ", " + v + ", " + v + ", " + v + "])";
@@ -73,9 +72,8 @@ void expect_hand_launch_works(int n, const std::function<std::map<std::string, s
     auto env = vars_of(r);
     env["MASTER_ADDR"] = "127.0.0.1";
     env["MASTER_PORT"] = port;
-    futures.push_back(std::async(std::launch::async, [env] {
-      return run_process({example()}, clean_env(env), std::chrono::seconds(60));
-    }));
+    futures.push_back(std::async(std::launch::async,
+                                 [env] { return run_process({example()}, clean_env(env), std::chrono::seconds(60)); }));
   }
   std::vector<ProcessResult> results;
   for (auto& f : futures) results.push_back(f.get());
@@ -85,29 +83,34 @@ void expect_hand_launch_works(int n, const std::function<std::map<std::string, s
 
 TEST(FoundingExampleHandLaunched, TorchrunVariables) {
   expect_hand_launch_works(3, [](int r) {
-    return std::map<std::string, std::string>{{"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"},
-                                              {"LOCAL_RANK", std::to_string(r)}, {"LOCAL_WORLD_SIZE", "3"}};
+    return std::map<std::string, std::string>{
+        {"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"}, {"LOCAL_RANK", std::to_string(r)}, {"LOCAL_WORLD_SIZE", "3"}};
   });
 }
 
 TEST(FoundingExampleHandLaunched, MpirunVariables) {
   expect_hand_launch_works(2, [](int r) {
-    return std::map<std::string, std::string>{
-        {"OMPI_COMM_WORLD_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_SIZE", "2"},
-        {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
+    return std::map<std::string, std::string>{{"OMPI_COMM_WORLD_RANK", std::to_string(r)},
+                                              {"OMPI_COMM_WORLD_SIZE", "2"},
+                                              {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(r)},
+                                              {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
   });
 }
 
 TEST(FoundingExampleHandLaunched, SlurmVariables) {
   expect_hand_launch_works(2, [](int r) {
-    return std::map<std::string, std::string>{{"SLURM_PROCID", std::to_string(r)}, {"SLURM_NTASKS", "2"},
-                                              {"SLURM_LOCALID", std::to_string(r)}, {"SLURM_NTASKS_PER_NODE", "2"}};
+    return std::map<std::string, std::string>{{"SLURM_PROCID", std::to_string(r)},
+                                              {"SLURM_NTASKS", "2"},
+                                              {"SLURM_LOCALID", std::to_string(r)},
+                                              {"SLURM_NTASKS_PER_NODE", "2"}};
   });
 }
 
 TEST(Rendezvous, TimeoutNamesTheMissingRanks) {
   // Rank 0 of 3 alone: it hosts the store, nobody else comes.
-  auto r = run_process({example()}, clean_env({{"RANK", "0"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"},
+  auto r = run_process({example()}, clean_env({{"RANK", "0"},
+                                               {"WORLD_SIZE", "3"},
+                                               {"MASTER_ADDR", "127.0.0.1"},
                                                {"MASTER_PORT", std::to_string(free_port())},
                                                {"COMMGRAD_TIMEOUT", "1.5"}}));
   EXPECT_EQ(r.exit_code, 1);
@@ -116,11 +119,14 @@ TEST(Rendezvous, TimeoutNamesTheMissingRanks) {
 }
 
 TEST(Rendezvous, UnreachableStoreIsAClearError) {
-  auto r = run_process({example()}, clean_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+  auto r = run_process({example()}, clean_env({{"RANK", "1"},
+                                               {"WORLD_SIZE", "2"},
+                                               {"MASTER_ADDR", "127.0.0.1"},
                                                {"MASTER_PORT", std::to_string(free_port())},
                                                {"COMMGRAD_TIMEOUT", "1.5"}}));
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.err, HasSubstr("[commgrad] init_process_group rank 1/2: could not reach the rendezvous store at 127.0.0.1:"));
+  EXPECT_THAT(r.err,
+              HasSubstr("[commgrad] init_process_group rank 1/2: could not reach the rendezvous store at 127.0.0.1:"));
   EXPECT_LT(r.seconds, 20);
 }
 
@@ -134,9 +140,9 @@ TEST(Rendezvous, HalfSetEnvironmentFailsBeforeAnyNetworking) {
 TEST(Rendezvous, DeadRankEndsTheJobThroughTheLauncher) {
   // Rank 1 of a 2-rank job is not a commgrad program at all and exits 3:
   // the launcher stops rank 0 (waiting in the rendezvous) and reports rank 1.
-  auto r = run_process({launcher_path(), "-n", "2", "--", "/bin/sh", "-c",
-                        "if [ \"$RANK\" = 1 ]; then exit 3; fi; exec " + example()},
-                       clean_env({{"COMMGRAD_TIMEOUT", "30"}}));
+  auto r = run_process(
+      {launcher_path(), "-n", "2", "--", "/bin/sh", "-c", "if [ \"$RANK\" = 1 ]; then exit 3; fi; exec " + example()},
+      clean_env({{"COMMGRAD_TIMEOUT", "30"}}));
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_THAT(r.err, HasSubstr("rank 1"));
   EXPECT_LT(r.seconds, 15);
@@ -146,11 +152,11 @@ TEST(Rendezvous, DeadRankEndsTheJobThroughTheLauncher) {
 TEST(FoundingExample, BadOptionsAreNamedBeforeAnyRankStarts) {
   expect_help_lists(example(), {"--device"});
   expect_bad_options(example(), {
-      {{"--bogus"}, "unknown option '--bogus'"},
-      {{"extra"}, "unexpected argument 'extra'"},
-      {{"--device", "gpu"}, "--device: expected one of cpu, cuda, got 'gpu'"},
-      {{"--device"}, "--device: 1 required"},
-  });
+                                    {{"--bogus"}, "unknown option '--bogus'"},
+                                    {{"extra"}, "unexpected argument 'extra'"},
+                                    {{"--device", "gpu"}, "--device: expected one of cpu, cuda, got 'gpu'"},
+                                    {{"--device"}, "--device: 1 required"},
+                                });
 }
 
 }  // namespace

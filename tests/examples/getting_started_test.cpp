@@ -17,8 +17,8 @@ namespace {
 using ::testing::HasSubstr;
 
 ProcessResult run(int ranks, const std::vector<std::string>& args) {
-  std::vector<std::string> argv = {launcher_path(), "-n", std::to_string(ranks), "--timeout", "120",
-                                   build_path("bin/getting_started")};
+  std::vector<std::string> argv = {launcher_path(), "-n",  std::to_string(ranks),
+                                   "--timeout",     "120", build_path("bin/getting_started")};
   argv.insert(argv.end(), args.begin(), args.end());
   return run_process(argv, clean_env(), std::chrono::seconds(180));
 }

@@ -80,8 +80,8 @@ struct Fsdp {
     auto all = model;
     all.insert(all.end(), optim.begin(), optim.end());
     const auto result = checkpoint::load(dir, all, {}, g);
-    checkpoint::restore_fsdp_optimizer(sharded, *opt,
-                                       std::vector<checkpoint::TensorPiece>(all.begin() + model.size(), all.end()), result);
+    checkpoint::restore_fsdp_optimizer(
+        sharded, *opt, std::vector<checkpoint::TensorPiece>(all.begin() + model.size(), all.end()), result);
   }
   Net net;
   fsdp::FullyShardedModule sharded;
@@ -91,8 +91,9 @@ struct Fsdp {
 struct Zero {
   explicit Zero(const Group& g, uint64_t seed = 77)
       : net(seed),
-        zero(net, [](auto shards) { return std::make_unique<torch::optim::Adam>(shards, adam()); },
-             optim::ZeroOptimizerOptions(dp::DistributedDataParallelOptions(g)).stage(2)) {}
+        zero(
+            net, [](auto shards) { return std::make_unique<torch::optim::Adam>(shards, adam()); },
+            optim::ZeroOptimizerOptions(dp::DistributedDataParallelOptions(g)).stage(2)) {}
   void train(int from, int to, const Group& g) {
     for (int k = from; k < to; ++k) {
       zero.zero_grad();
@@ -113,7 +114,8 @@ struct Zero {
   optim::ZeroOptimizer zero;
 };
 
-void expect_near(const std::map<std::string, at::Tensor>& want, const torch::OrderedDict<std::string, at::Tensor>& got) {
+void expect_near(const std::map<std::string, at::Tensor>& want,
+                 const torch::OrderedDict<std::string, at::Tensor>& got) {
   ASSERT_EQ(got.size(), want.size());
   for (const auto& [name, value] : want) {
     EXPECT_TRUE(torch::allclose(got[name], value, 1e-5, 1e-6))

@@ -22,7 +22,6 @@ namespace {
 using ::testing::HasSubstr;
 namespace fsdp = commgrad::fsdp;
 
-
 // ~~~ PyTorch's test_train_parity_single_group ~~~
 
 struct MlpImpl : torch::nn::Module {
@@ -64,40 +63,43 @@ TEST_P(TrainParity, OneUnitFollowsDdpWithAdam) {
   const bool bitwise = backend == "shm" || n <= 2;
   for (const Shapes s : {Shapes{16, 15, 8}, Shapes{7, 15, 3}, Shapes{16, 17, 8}}) {
     SCOPED_TRACE(c10::str("shapes (", s.in, ",", s.hidden, ")(", s.hidden, ",", s.out, ")"));
-    spawn_ranks(n, [&](Group& world) {
-      Mlp ref(s.in, s.hidden, s.out, 1), model(s.in, s.hidden, s.out, 1);
-      dp::DistributedDataParallel ddp(ref, world);
-      torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
-      auto sharded = fsdp::fully_shard(model, world);
-      torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
-      for (int iter = 0; iter < 10; ++iter) {
-        const auto x = seeded_randn({4, s.in}, 1000 + 17 * iter + world.rank());
-        const auto ref_loss = ref->forward(x).sum();
-        const auto loss = fsdp::call(model, x).sum();
-        if (bitwise) {
-          EXPECT_EQ(loss.item<float>(), ref_loss.item<float>()) << "iteration " << iter;
-        } else {
-          EXPECT_NEAR(loss.item<float>(), ref_loss.item<float>(), 1e-5 * std::abs(ref_loss.item<float>()) + 1e-6)
-              << "iteration " << iter;
-        }
-        ref_loss.backward();
-        loss.backward();
-        ref_opt.step();
-        opt.step();
-        // Alternate between zeroing and dropping the gradients.
-        zero_or_drop(ref->parameters(), iter % 2 == 0);
-        zero_or_drop(model->parameters(), iter % 2 == 0);
-      }
-      const auto full = sharded.full_state_dict();
-      for (const auto& item : ref->named_parameters()) {
-        if (bitwise) {
-          EXPECT_TRUE(torch::equal(full[item.key()], item.value())) << item.key();
-        } else {
-          EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 1e-5, 1e-6))
-              << item.key() << ": max difference " << (full[item.key()] - item.value()).abs().max().item<double>();
-        }
-      }
-    }, SpawnOptions().backend(backend));
+    spawn_ranks(
+        n,
+        [&](Group& world) {
+          Mlp ref(s.in, s.hidden, s.out, 1), model(s.in, s.hidden, s.out, 1);
+          dp::DistributedDataParallel ddp(ref, world);
+          torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
+          auto sharded = fsdp::fully_shard(model, world);
+          torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+          for (int iter = 0; iter < 10; ++iter) {
+            const auto x = seeded_randn({4, s.in}, 1000 + 17 * iter + world.rank());
+            const auto ref_loss = ref->forward(x).sum();
+            const auto loss = fsdp::call(model, x).sum();
+            if (bitwise) {
+              EXPECT_EQ(loss.item<float>(), ref_loss.item<float>()) << "iteration " << iter;
+            } else {
+              EXPECT_NEAR(loss.item<float>(), ref_loss.item<float>(), 1e-5 * std::abs(ref_loss.item<float>()) + 1e-6)
+                  << "iteration " << iter;
+            }
+            ref_loss.backward();
+            loss.backward();
+            ref_opt.step();
+            opt.step();
+            // Alternate between zeroing and dropping the gradients.
+            zero_or_drop(ref->parameters(), iter % 2 == 0);
+            zero_or_drop(model->parameters(), iter % 2 == 0);
+          }
+          const auto full = sharded.full_state_dict();
+          for (const auto& item : ref->named_parameters()) {
+            if (bitwise) {
+              EXPECT_TRUE(torch::equal(full[item.key()], item.value())) << item.key();
+            } else {
+              EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 1e-5, 1e-6))
+                  << item.key() << ": max difference " << (full[item.key()] - item.value()).abs().max().item<double>();
+            }
+          }
+        },
+        SpawnOptions().backend(backend));
   }
 }
 
@@ -117,9 +119,8 @@ struct TransformerImpl : torch::nn::Module {
     for (int64_t i = 0; i < kLayers; ++i) {
       layers.push_back(register_module(
           "layer" + std::to_string(i),
-          torch::nn::TransformerEncoderLayer(torch::nn::TransformerEncoderLayerOptions(kModel, kHeads)
-                                                 .dim_feedforward(2 * kModel)
-                                                 .dropout(0.0))));
+          torch::nn::TransformerEncoderLayer(
+              torch::nn::TransformerEncoderLayerOptions(kModel, kHeads).dim_feedforward(2 * kModel).dropout(0.0))));
     }
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kModel})));
     // The same values in every thread (the global generator is shared).
@@ -149,47 +150,56 @@ class PerLayerUnits : public ::testing::TestWithParam<bool> {};
 TEST_P(PerLayerUnits, FollowDdpWithDelaysAndCountTheCollectives) {
   const bool reshard = GetParam();
   const int n = 3;
-  spawn_ranks(n, [&](Group& world) {
-    Transformer ref, model;
-    dp::DistributedDataParallel ddp(ref, world);
-    torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
-    for (auto& layer : model->layers) fsdp::fully_shard(layer, fsdp::FullyShardOptions(world).reshard_after_forward(reshard));
-    auto sharded = fsdp::fully_shard(model, fsdp::FullyShardOptions(world).reshard_after_forward(reshard));
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
-    ASSERT_EQ(sharded.units().size(), static_cast<size_t>(kLayers + 1));
-    const int slow = 1;
-    for (int step = 0; step < 4; ++step) {
-      const auto x = seeded_randn({kSeq, kBatch, kModel}, 50 + 3 * step + world.rank());
-      const auto ref_loss = ref->forward(x).pow(2).mean();
-      // Delays before the all-gathers (each layer), the reduce-scatters (backward) and the step.
-      const auto loss = fsdp::call(model, x, [&] { if (world.rank() == (step + slow) % n) sleep_ms(3); }).pow(2).mean();
-      EXPECT_EQ(loss.item<float>(), ref_loss.item<float>()) << "step " << step;
-      ref_loss.backward();
-      if (world.rank() == step % n) sleep_ms(5);
-      loss.backward();
-      if (world.rank() == (step + 2) % n) sleep_ms(5);
-      ref_opt.step();
-      opt.step();
-      ref_opt.zero_grad();
-      opt.zero_grad();
-      // Closed form: every unit gathered in forward; in backward again all
-      // but the root when resharding; one reduce-scatter per unit.
-      const auto stats = sharded.last_step();
-      EXPECT_EQ(stats.all_gathers, reshard ? 2 * kLayers + 1 : kLayers + 1);
-      EXPECT_EQ(stats.reduce_scatters, kLayers + 1);
-      if (step > 0) EXPECT_GT(stats.prefetched, 0);
-    }
-    // shm reduces in DDP's order: the same parameters bit for bit.
-    const auto full = sharded.full_state_dict();
-    for (const auto& item : ref->named_parameters()) {
-      EXPECT_TRUE(torch::equal(full[item.key()], item.value()))
-          << item.key() << ": max difference " << (full[item.key()] - item.value()).abs().max().item<double>();
-    }
-    // After the step nothing gathered is alive: the shards and the pieces' gradients only.
-    int64_t shard_bytes = 0;
-    for (const auto& u : sharded.units()) shard_bytes += u.shard_numel * 4;
-    EXPECT_EQ(sharded.parameter_bytes(), shard_bytes);
-  }, SpawnOptions().backend("shm"));
+  spawn_ranks(
+      n,
+      [&](Group& world) {
+        Transformer ref, model;
+        dp::DistributedDataParallel ddp(ref, world);
+        torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+        for (auto& layer : model->layers)
+          fsdp::fully_shard(layer, fsdp::FullyShardOptions(world).reshard_after_forward(reshard));
+        auto sharded = fsdp::fully_shard(model, fsdp::FullyShardOptions(world).reshard_after_forward(reshard));
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+        ASSERT_EQ(sharded.units().size(), static_cast<size_t>(kLayers + 1));
+        const int slow = 1;
+        for (int step = 0; step < 4; ++step) {
+          const auto x = seeded_randn({kSeq, kBatch, kModel}, 50 + 3 * step + world.rank());
+          const auto ref_loss = ref->forward(x).pow(2).mean();
+          // Delays before the all-gathers (each layer), the reduce-scatters (backward) and the step.
+          const auto loss = fsdp::call(model, x,
+                                       [&] {
+                                         if (world.rank() == (step + slow) % n) sleep_ms(3);
+                                       })
+                                .pow(2)
+                                .mean();
+          EXPECT_EQ(loss.item<float>(), ref_loss.item<float>()) << "step " << step;
+          ref_loss.backward();
+          if (world.rank() == step % n) sleep_ms(5);
+          loss.backward();
+          if (world.rank() == (step + 2) % n) sleep_ms(5);
+          ref_opt.step();
+          opt.step();
+          ref_opt.zero_grad();
+          opt.zero_grad();
+          // Closed form: every unit gathered in forward; in backward again all
+          // but the root when resharding; one reduce-scatter per unit.
+          const auto stats = sharded.last_step();
+          EXPECT_EQ(stats.all_gathers, reshard ? 2 * kLayers + 1 : kLayers + 1);
+          EXPECT_EQ(stats.reduce_scatters, kLayers + 1);
+          if (step > 0) EXPECT_GT(stats.prefetched, 0);
+        }
+        // shm reduces in DDP's order: the same parameters bit for bit.
+        const auto full = sharded.full_state_dict();
+        for (const auto& item : ref->named_parameters()) {
+          EXPECT_TRUE(torch::equal(full[item.key()], item.value()))
+              << item.key() << ": max difference " << (full[item.key()] - item.value()).abs().max().item<double>();
+        }
+        // After the step nothing gathered is alive: the shards and the pieces' gradients only.
+        int64_t shard_bytes = 0;
+        for (const auto& u : sharded.units()) shard_bytes += u.shard_numel * 4;
+        EXPECT_EQ(sharded.parameter_bytes(), shard_bytes);
+      },
+      SpawnOptions().backend("shm"));
 }
 
 INSTANTIATE_TEST_SUITE_P(ReshardAfterForward, PerLayerUnits, ::testing::Bool(),
@@ -291,9 +301,9 @@ TEST(FullyShard, Bfloat16ComputeWithFloat32ReductionMatchesAnEmulation) {
   const int n = 2, steps = 4;
   spawn_ranks(n, [&](Group& world) {
     Mlp net(8, 12, 4, 5), emulated(8, 12, 4, 5);
-    auto sharded = fsdp::fully_shard(
-        net, fsdp::FullyShardOptions(world).mixed_precision(
-                 dp::MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)));
+    auto sharded =
+        fsdp::fully_shard(net, fsdp::FullyShardOptions(world).mixed_precision(
+                                   dp::MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)));
     torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05));
     // The emulation: float32 masters, a bfloat16 copy for compute, the
     // gradients averaged in float32.

@@ -27,8 +27,12 @@ inline std::string program_name(const std::string& path) { return path.substr(pa
 
 inline ProcessResult run_alone_in_a_job_of_two(const std::vector<std::string>& argv) {
   return run_process(argv,
-                     clean_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "2"},
-                                {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(free_port())}}),
+                     clean_env({{"RANK", "0"},
+                                {"WORLD_SIZE", "2"},
+                                {"LOCAL_RANK", "0"},
+                                {"LOCAL_WORLD_SIZE", "2"},
+                                {"MASTER_ADDR", "127.0.0.1"},
+                                {"MASTER_PORT", std::to_string(free_port())}}),
                      std::chrono::seconds(30));
 }
 

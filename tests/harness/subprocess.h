@@ -11,7 +11,7 @@ namespace commgrad::testing {
 
 /// What a finished (or killed) command left behind.
 struct ProcessResult {
-  int exit_code = -1;     // 128+signal when killed by a signal
+  int exit_code = -1;      // 128+signal when killed by a signal
   bool timed_out = false;  // killed by run_process's own timeout
   std::string out;
   std::string err;

@@ -150,8 +150,7 @@ class ChildProcess {
     return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
   }
 
-  bool wait_for(const std::string& sink, const std::vector<std::string>& needles,
-                double timeout_s) {
+  bool wait_for(const std::string& sink, const std::vector<std::string>& needles, double timeout_s) {
     const auto deadline = Clock::now() + to_duration(timeout_s);
     for (;;) {
       bool all = true;
@@ -214,8 +213,7 @@ inline std::vector<pid_t> processes_with(const std::string& marker, bool exact =
     if (*end != '\0' || pid <= 0 || pid == getpid()) continue;
     // Plain read(): iostreams throw when the process vanishes mid-read.
     std::string cmdline;
-    const int fd = open((std::string("/proc/") + entry->d_name + "/cmdline").c_str(),
-                        O_RDONLY | O_CLOEXEC);
+    const int fd = open((std::string("/proc/") + entry->d_name + "/cmdline").c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) continue;
     char buf[4096];
     for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) cmdline.append(buf, n);
@@ -234,8 +232,7 @@ inline std::vector<pid_t> processes_with(const std::string& marker, bool exact =
 inline bool wait_for_processes(const std::string& cmdline, std::size_t count, double timeout_s) {
   const auto deadline =
       std::chrono::steady_clock::now() +
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-          std::chrono::duration<double>(timeout_s));
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
   while (processes_with(cmdline, /*exact=*/true).size() < count) {
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -249,8 +246,7 @@ inline bool wait_for_processes(const std::string& cmdline, std::size_t count, do
 inline std::vector<pid_t> leftovers(const std::string& marker, double timeout_s) {
   const auto deadline =
       std::chrono::steady_clock::now() +
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-          std::chrono::duration<double>(timeout_s));
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
   std::vector<pid_t> found = processes_with(marker);
   while (!found.empty() && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -68,14 +68,13 @@ struct Case {
 };
 
 MoELayer make_layer(const Case& c, const Group& group, double aux) {
-  MoELayer layer(MoELayerOptions(kHidden, kFfn, kExperts, c.top_k, group)
-                     .routing(RoutingOptions()
-                                  .aux_loss_coeff(aux)
-                                  .z_loss_coeff(aux > 0 ? 1e-3 : 0.0)
-                                  .expert_bias_rate(c.bias_rate))
-                     .capacity_factor(c.capacity_factor)
-                     .dispatcher(c.dispatcher)
-                     .seed(17));
+  MoELayer layer(
+      MoELayerOptions(kHidden, kFfn, kExperts, c.top_k, group)
+          .routing(
+              RoutingOptions().aux_loss_coeff(aux).z_loss_coeff(aux > 0 ? 1e-3 : 0.0).expert_bias_rate(c.bias_rate))
+          .capacity_factor(c.capacity_factor)
+          .dispatcher(c.dispatcher)
+          .seed(17));
   layer->to(c.dtype);
   return layer;
 }
@@ -128,9 +127,9 @@ void run_case(const Case& c, Group& world) {
   const double tol = tolerance(c.dtype);
   const at::Tensor& logits_mine = c.capacity_factor > 0 ? logits_ref[rank] : logits_ref[0];
   expect_close(layer->last_routing().logits, logits_mine, tol, "router logits");
-  EXPECT_TRUE(at::equal(layer->last_routing().experts,
-                        c.capacity_factor > 0 ? layer->last_routing().experts
-                                              : reference->last_routing().experts.narrow(0, first, mine)))
+  EXPECT_TRUE(at::equal(layer->last_routing().experts, c.capacity_factor > 0
+                                                           ? layer->last_routing().experts
+                                                           : reference->last_routing().experts.narrow(0, first, mine)))
       << "the ranks chose other experts than the reference";
   if (c.verify) c.verify(layer->last_tokens_per_expert(), rank);
   expect_close(y, y_ref.narrow(0, first, mine), tol, "output");

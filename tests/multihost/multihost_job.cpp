@@ -51,8 +51,8 @@ int main() {
       std::vector<int> ranks;
       for (int r = h * per_host; r < (h + 1) * per_host; ++r) ranks.push_back(r);
       host.push_back(commgrad::new_group(ranks, commgrad::NewGroupOptions().name("host" + std::to_string(h))));
-      local.push_back(commgrad::new_group(
-          ranks, commgrad::NewGroupOptions().name("local" + std::to_string(h)).backend("auto")));
+      local.push_back(
+          commgrad::new_group(ranks, commgrad::NewGroupOptions().name("local" + std::to_string(h)).backend("auto")));
     }
     auto across = commgrad::new_group(leaders, commgrad::NewGroupOptions().name("across").backend("auto"));
     const int h = me / per_host;

@@ -37,9 +37,9 @@ std::unique_ptr<VirtualHosts> make_hosts(int n, std::string* why_not) {
   return hosts;
 }
 
-#define MAKE_HOSTS_OR_SKIP(var, n)                    \
-  std::string why_not_##var;                          \
-  auto var = make_hosts(n, &why_not_##var);           \
+#define MAKE_HOSTS_OR_SKIP(var, n)          \
+  std::string why_not_##var;                \
+  auto var = make_hosts(n, &why_not_##var); \
   if (!var) GTEST_SKIP() << why_not_##var
 
 // commgrad-run's command line on host k of `hosts`, with host 0 (or
@@ -121,8 +121,8 @@ TEST_P(FoundingExampleAcrossHosts, EveryRankAgrees) {
   // on host 0, prints.
   const auto& out = results[0].out;
   EXPECT_THAT(out, HasSubstr("[0] x.grad = " + n_times(n) + "\n")) << describe(results);
-  EXPECT_THAT(out, HasSubstr("[0] y = " + n_times(n).substr(0, n_times(n).size() - 1) +
-                             ", grad_fn=<AllReduceBackward>)\n"));
+  EXPECT_THAT(out,
+              HasSubstr("[0] y = " + n_times(n).substr(0, n_times(n).size() - 1) + ", grad_fn=<AllReduceBackward>)\n"));
   EXPECT_THAT(out, HasSubstr("[0] x = tensor([1., 1., 1., 1.])\n"));
   // The world spans hosts: "auto" picks Gloo (shm only within one host).
   // A world across hosts with two ranks on each: hierarchical (shm inside a host, Gloo between them).
@@ -147,10 +147,12 @@ TEST(GroupsAcrossHosts, AutoPicksShmInsideAHostAndGlooAcross) {
     const int leader = 2 * k;
     EXPECT_THAT(out, HasSubstr("[" + std::to_string(leader) + "] rank " + std::to_string(leader) + " host "))
         << describe(results);
-    EXPECT_THAT(out, ::testing::ContainsRegex("\\[" + std::to_string(leader) + "\\] rank [0-9] host shm, local shm, "
+    EXPECT_THAT(out, ::testing::ContainsRegex("\\[" + std::to_string(leader) +
+                                              "\\] rank [0-9] host shm, local shm, "
                                               "across gloo ok\n"))
         << describe(results);
-    EXPECT_THAT(out, ::testing::ContainsRegex("\\[" + std::to_string(leader + 1) + "\\] rank [0-9] host shm, local shm "
+    EXPECT_THAT(out, ::testing::ContainsRegex("\\[" + std::to_string(leader + 1) +
+                                              "\\] rank [0-9] host shm, local shm "
                                               "ok\n"))
         << describe(results);
   }
@@ -258,8 +260,7 @@ TEST(HostFailure, KilledHostIsNamedByItsRanks) {
   auto results = kill_host_1_mid_job(*hosts);
   ASSERT_EQ(results.size(), 2u) << "no temporary directory";
   ASSERT_THAT(results[0].out, HasSubstr("[0] epoch 2/")) << describe(results);
-  EXPECT_THAT(results[0].err, HasSubstr(" is ranks [2, 3] of this group)"))
-      << describe(results);
+  EXPECT_THAT(results[0].err, HasSubstr(" is ranks [2, 3] of this group)")) << describe(results);
 }
 
 TEST(HostFailure, PartitionedHostEndsTheJobWithinTheTimeout) {
@@ -304,8 +305,7 @@ TEST(HostFailure, HostThatNeverJoinsIsNamed) {
                       clean_env({{"COMMGRAD_TIMEOUT", "3"}}), std::chrono::seconds(60));
   EXPECT_FALSE(r.timed_out) << r.out << r.err;
   EXPECT_NE(r.exit_code, 0) << r.out << r.err;
-  EXPECT_THAT(r.err, HasSubstr("rendezvous timed out after 3s: 2 of 4 ranks joined; missing ranks: [2, 3]"))
-      << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rendezvous timed out after 3s: 2 of 4 ranks joined; missing ranks: [2, 3]")) << r.err;
   EXPECT_LT(r.seconds, 30);
   std::printf("host 0 alone:\n%s", r.err.c_str());
 }

@@ -142,9 +142,9 @@ void VirtualHosts::set_up(const VirtualHostsOptions& options) {
                           "exec 3<>/dev/tcp/" + addresses_[0] + "/9"},
                          {}, kCommandTimeout);
     if (r.err.find("refused") == std::string::npos) {
-      throw std::runtime_error("host " + std::to_string(k) + " cannot reach host 0 (" + addresses_[0] +
-                               ") through bridge " + bridge_ + " (is bridged traffic filtered? br_netfilter): " +
-                               (r.err.empty() ? "no answer within 5 s" : r.err));
+      throw std::runtime_error(
+          "host " + std::to_string(k) + " cannot reach host 0 (" + addresses_[0] + ") through bridge " + bridge_ +
+          " (is bridged traffic filtered? br_netfilter): " + (r.err.empty() ? "no answer within 5 s" : r.err));
     }
   }
 }
@@ -216,8 +216,8 @@ int VirtualHosts::remove_stale() {
 std::string VirtualHosts::unused_address() const { return subnet_ + "200"; }
 
 std::vector<std::string> VirtualHosts::command(int k, const std::vector<std::string>& argv) const {
-  std::vector<std::string> cmd = {"ip",      "netns", "exec", netns(k), "unshare", "--uts", "sh",
-                                  "-c",      "hostname \"$0\" && exec \"$@\"", hostname(k)};
+  std::vector<std::string> cmd = {
+      "ip", "netns", "exec", netns(k), "unshare", "--uts", "sh", "-c", "hostname \"$0\" && exec \"$@\"", hostname(k)};
   cmd.insert(cmd.end(), argv.begin(), argv.end());
   return cmd;
 }

@@ -29,10 +29,14 @@ enum class Layout { kContiguous, kTransposed, kSliced, kExpanded };
 
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::kContiguous: return "contiguous";
-    case Layout::kTransposed: return "transposed";
-    case Layout::kSliced: return "sliced";
-    case Layout::kExpanded: return "expanded";
+    case Layout::kContiguous:
+      return "contiguous";
+    case Layout::kTransposed:
+      return "transposed";
+    case Layout::kSliced:
+      return "sliced";
+    case Layout::kExpanded:
+      return "expanded";
   }
   return "?";
 }
@@ -124,8 +128,8 @@ using Op = std::function<at::Tensor(const at::Tensor& x, Group& g)>;
 using ShapeOf = std::function<Shape(int r, int n)>;
 
 struct CaseOptions {
-  bool replicated = false;       // results bitwise equal on every rank
-  bool integer_valued = false;   // inputs with ties (MAX/MIN)
+  bool replicated = false;      // results bitwise equal on every rank
+  bool integer_valued = false;  // inputs with ties (MAX/MIN)
   std::vector<at::ScalarType> dtypes{at::kFloat, at::kDouble};
 };
 
@@ -195,7 +199,8 @@ void check_op(int n, const std::vector<ShapeOf>& shapes, const Op& op, const Ref
     for (int r = 1; r < n; ++r) {
       ASSERT_EQ(outputs[r].size(), outputs[0].size());
       for (size_t i = 0; i < outputs[0].size(); ++i) {
-        EXPECT_TRUE(at::equal(outputs[r][i], outputs[0][i])) << "case " << i << ": rank " << r << " differs from rank 0";
+        EXPECT_TRUE(at::equal(outputs[r][i], outputs[0][i]))
+            << "case " << i << ": rank " << r << " differs from rank 0";
       }
     }
   }
@@ -224,14 +229,16 @@ class Collectives : public ::testing::TestWithParam<int> {};
 const std::vector<ShapeOf> kAnyShapes{fixed({5, 3}), fixed({7}), fixed({0}), fixed({2, 0, 3}), fixed({})};
 
 TEST_P(Collectives, AllReduceSum) {
-  check_op(GetParam(), kAnyShapes, [](const at::Tensor& x, Group& g) { return all_reduce(x, {}, g); },
-           [](const std::vector<at::Tensor>& xs, int, int) { return sum_of(xs); }, replicated());
+  check_op(
+      GetParam(), kAnyShapes, [](const at::Tensor& x, Group& g) { return all_reduce(x, {}, g); },
+      [](const std::vector<at::Tensor>& xs, int, int) { return sum_of(xs); }, replicated());
 }
 
 TEST_P(Collectives, AllReduceAvg) {
-  check_op(GetParam(), kAnyShapes,
-           [](const at::Tensor& x, Group& g) { return all_reduce(x, AllReduceOptions().op(ReduceOp::kAvg), g); },
-           [](const std::vector<at::Tensor>& xs, int, int n) { return sum_of(xs) / n; }, replicated());
+  check_op(
+      GetParam(), kAnyShapes,
+      [](const at::Tensor& x, Group& g) { return all_reduce(x, AllReduceOptions().op(ReduceOp::kAvg), g); },
+      [](const std::vector<at::Tensor>& xs, int, int n) { return sum_of(xs) / n; }, replicated());
 }
 
 TEST_P(Collectives, AllReduceMaxMin) {
@@ -239,12 +246,14 @@ TEST_P(Collectives, AllReduceMaxMin) {
     SCOPED_TRACE(ties ? "with ties" : "without ties");
     CaseOptions o = replicated();
     o.integer_valued = ties;
-    check_op(GetParam(), kAnyShapes,
-             [](const at::Tensor& x, Group& g) { return all_reduce(x, AllReduceOptions().op(ReduceOp::kMax), g); },
-             [](const std::vector<at::Tensor>& xs, int, int) { return at::stack(xs).amax(0); }, o);
-    check_op(GetParam(), {fixed({4, 3})},
-             [](const at::Tensor& x, Group& g) { return all_reduce(x, AllReduceOptions().op(ReduceOp::kMin), g); },
-             [](const std::vector<at::Tensor>& xs, int, int) { return at::stack(xs).amin(0); }, o);
+    check_op(
+        GetParam(), kAnyShapes,
+        [](const at::Tensor& x, Group& g) { return all_reduce(x, AllReduceOptions().op(ReduceOp::kMax), g); },
+        [](const std::vector<at::Tensor>& xs, int, int) { return at::stack(xs).amax(0); }, o);
+    check_op(
+        GetParam(), {fixed({4, 3})},
+        [](const at::Tensor& x, Group& g) { return all_reduce(x, AllReduceOptions().op(ReduceOp::kMin), g); },
+        [](const std::vector<at::Tensor>& xs, int, int) { return at::stack(xs).amin(0); }, o);
   }
 }
 
@@ -264,9 +273,10 @@ TEST_P(Collectives, AllReduceProductForward) {
 TEST_P(Collectives, AllGather) {
   for (int64_t dim : {0, 1, -1}) {
     SCOPED_TRACE(c10::str("dim ", dim));
-    check_op(GetParam(), {fixed({3, 5}), fixed({0, 3}), fixed({2, 3, 1})},
-             [dim](const at::Tensor& x, Group& g) { return all_gather(x, AllGatherOptions().dim(dim), g); },
-             [dim](const std::vector<at::Tensor>& xs, int, int) { return at::cat(xs, dim); }, replicated());
+    check_op(
+        GetParam(), {fixed({3, 5}), fixed({0, 3}), fixed({2, 3, 1})},
+        [dim](const at::Tensor& x, Group& g) { return all_gather(x, AllGatherOptions().dim(dim), g); },
+        [dim](const std::vector<at::Tensor>& xs, int, int) { return at::cat(xs, dim); }, replicated());
   }
 }
 
@@ -279,13 +289,14 @@ TEST_P(Collectives, AllGatherUneven) {
       s[dim] = r == 1 ? 0 : size_of(r);  // rank 1 brings nothing
       return s;
     };
-    check_op(GetParam(), {shape},
-             [dim, shape](const at::Tensor& x, Group& g) {
-               std::vector<int64_t> sizes;
-               for (int r = 0; r < g.size(); ++r) sizes.push_back(shape(r, g.size())[dim]);
-               return all_gather(x, AllGatherOptions().dim(dim).sizes(sizes), g);
-             },
-             [dim](const std::vector<at::Tensor>& xs, int, int) { return at::cat(xs, dim); }, replicated());
+    check_op(
+        GetParam(), {shape},
+        [dim, shape](const at::Tensor& x, Group& g) {
+          std::vector<int64_t> sizes;
+          for (int r = 0; r < g.size(); ++r) sizes.push_back(shape(r, g.size())[dim]);
+          return all_gather(x, AllGatherOptions().dim(dim).sizes(sizes), g);
+        },
+        [dim](const std::vector<at::Tensor>& xs, int, int) { return at::cat(xs, dim); }, replicated());
   }
 }
 
@@ -298,15 +309,16 @@ TEST_P(Collectives, ReduceScatter) {
         s[dim < 0 ? dim + 2 : dim] = 3 * n;
         return s;
       };
-      check_op(GetParam(), {shape, fixed({0, 0})},
-               [dim, op](const at::Tensor& x, Group& g) {
-                 return reduce_scatter(x, ReduceScatterOptions().dim(dim).op(op), g);
-               },
-               [dim, op](const std::vector<at::Tensor>& xs, int r, int n) {
-                 auto s = sum_of(xs);
-                 if (op == ReduceOp::kAvg) s = s / n;
-                 return s.chunk(n, dim)[r];
-               });
+      check_op(
+          GetParam(), {shape, fixed({0, 0})},
+          [dim, op](const at::Tensor& x, Group& g) {
+            return reduce_scatter(x, ReduceScatterOptions().dim(dim).op(op), g);
+          },
+          [dim, op](const std::vector<at::Tensor>& xs, int r, int n) {
+            auto s = sum_of(xs);
+            if (op == ReduceOp::kAvg) s = s / n;
+            return s.chunk(n, dim)[r];
+          });
     }
   }
 }
@@ -325,13 +337,14 @@ TEST_P(Collectives, ReduceScatterUneven) {
       s[dim] = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
       return s;
     };
-    check_op(GetParam(), {shape},
-             [dim, sizes_of](const at::Tensor& x, Group& g) {
-               return reduce_scatter(x, ReduceScatterOptions().dim(dim).sizes(sizes_of(g.size())), g);
-             },
-             [dim, sizes_of](const std::vector<at::Tensor>& xs, int r, int n) {
-               return sum_of(xs).split_with_sizes(sizes_of(n), dim)[r];
-             });
+    check_op(
+        GetParam(), {shape},
+        [dim, sizes_of](const at::Tensor& x, Group& g) {
+          return reduce_scatter(x, ReduceScatterOptions().dim(dim).sizes(sizes_of(g.size())), g);
+        },
+        [dim, sizes_of](const std::vector<at::Tensor>& xs, int r, int n) {
+          return sum_of(xs).split_with_sizes(sizes_of(n), dim)[r];
+        });
   }
 }
 
@@ -341,9 +354,9 @@ TEST_P(Collectives, Broadcast) {
   const int n = GetParam();
   for (int src : {0, n - 1}) {
     SCOPED_TRACE(c10::str("src ", src));
-    check_op(n, kAnyShapes,
-             [src](const at::Tensor& x, Group& g) { return broadcast(x, BroadcastOptions().src(src), g); },
-             [src](const std::vector<at::Tensor>& xs, int, int) { return xs[src] * 1; }, replicated());
+    check_op(
+        n, kAnyShapes, [src](const at::Tensor& x, Group& g) { return broadcast(x, BroadcastOptions().src(src), g); },
+        [src](const std::vector<at::Tensor>& xs, int, int) { return xs[src] * 1; }, replicated());
   }
 }
 
@@ -352,12 +365,13 @@ TEST_P(Collectives, Reduce) {
   for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
     const int dst = n - 1;
     SCOPED_TRACE(c10::str(op, " dst ", dst));
-    check_op(n, {fixed({4, 3}), fixed({0})},
-             [dst, op](const at::Tensor& x, Group& g) { return reduce(x, ReduceOptions().dst(dst).op(op), g); },
-             [dst, op](const std::vector<at::Tensor>& xs, int r, int n) {
-               if (r != dst) return at::zeros_like(xs[0]);
-               return op == ReduceOp::kAvg ? sum_of(xs) / n : sum_of(xs);
-             });
+    check_op(
+        n, {fixed({4, 3}), fixed({0})},
+        [dst, op](const at::Tensor& x, Group& g) { return reduce(x, ReduceOptions().dst(dst).op(op), g); },
+        [dst, op](const std::vector<at::Tensor>& xs, int r, int n) {
+          if (r != dst) return at::zeros_like(xs[0]);
+          return op == ReduceOp::kAvg ? sum_of(xs) / n : sum_of(xs);
+        });
   }
 }
 
@@ -371,15 +385,17 @@ TEST_P(Collectives, ScatterGather) {
       s[dim] = 3 * n;
       return s;
     };
-    check_op(n, {full},
-             [root, dim](const at::Tensor& x, Group& g) { return scatter(x, ScatterOptions().src(root).dim(dim), g); },
-             [root, dim](const std::vector<at::Tensor>& xs, int r, int n) { return xs[root].chunk(n, dim)[r]; });
-    check_op(n, {fixed({3, 5}), fixed({0, 2})},
-             [root, dim](const at::Tensor& x, Group& g) { return gather(x, GatherOptions().dst(root).dim(dim), g); },
-             [root, dim](const std::vector<at::Tensor>& xs, int r, int) {
-               auto full = at::cat(xs, dim);
-               return r == root ? full : at::zeros_like(full);
-             });
+    check_op(
+        n, {full},
+        [root, dim](const at::Tensor& x, Group& g) { return scatter(x, ScatterOptions().src(root).dim(dim), g); },
+        [root, dim](const std::vector<at::Tensor>& xs, int r, int n) { return xs[root].chunk(n, dim)[r]; });
+    check_op(
+        n, {fixed({3, 5}), fixed({0, 2})},
+        [root, dim](const at::Tensor& x, Group& g) { return gather(x, GatherOptions().dst(root).dim(dim), g); },
+        [root, dim](const std::vector<at::Tensor>& xs, int r, int) {
+          auto full = at::cat(xs, dim);
+          return r == root ? full : at::zeros_like(full);
+        });
   }
 }
 
@@ -393,13 +409,18 @@ TEST_P(Collectives, AllToAllEqual) {
       s[dim] = 2 * n;
       return s;
     };
-    check_op(GetParam(), {shape, [](int, int n) { return Shape{0, 2 * n}; }},
-             [dim](const at::Tensor& x, Group& g) { return all_to_all(x, AllToAllOptions().dim(dim), g); },
-             [dim](const std::vector<at::Tensor>& xs, int r, int n) {
-               std::vector<at::Tensor> parts;
-               for (int s = 0; s < n; ++s) parts.push_back(xs[s].chunk(n, dim)[r]);
-               return at::cat(parts, dim);
-             });
+    check_op(
+        GetParam(),
+        {shape,
+         [](int, int n) {
+           return Shape{0, 2 * n};
+         }},
+        [dim](const at::Tensor& x, Group& g) { return all_to_all(x, AllToAllOptions().dim(dim), g); },
+        [dim](const std::vector<at::Tensor>& xs, int r, int n) {
+          std::vector<at::Tensor> parts;
+          for (int s = 0; s < n; ++s) parts.push_back(xs[s].chunk(n, dim)[r]);
+          return at::cat(parts, dim);
+        });
   }
 }
 
@@ -416,26 +437,27 @@ TEST_P(Collectives, AllToAllSplits) {
         for (int r = 0; r < n; ++r) sh[dim] += split(s, r);
         return sh;
       };
-      check_op(GetParam(), {shape},
-               [dim, give_output](const at::Tensor& x, Group& g) {
-                 std::vector<int64_t> in, out;
-                 for (int r = 0; r < g.size(); ++r) {
-                   in.push_back(split(g.rank(), r));
-                   out.push_back(split(r, g.rank()));
-                 }
-                 auto o = AllToAllOptions().dim(dim).input_splits(in);
-                 if (give_output) o.output_splits(out);
-                 return all_to_all(x, o, g);
-               },
-               [dim](const std::vector<at::Tensor>& xs, int r, int n) {
-                 std::vector<at::Tensor> parts;
-                 for (int s = 0; s < n; ++s) {
-                   std::vector<int64_t> splits;
-                   for (int t = 0; t < n; ++t) splits.push_back(split(s, t));
-                   parts.push_back(xs[s].split_with_sizes(splits, dim)[r]);
-                 }
-                 return at::cat(parts, dim);
-               });
+      check_op(
+          GetParam(), {shape},
+          [dim, give_output](const at::Tensor& x, Group& g) {
+            std::vector<int64_t> in, out;
+            for (int r = 0; r < g.size(); ++r) {
+              in.push_back(split(g.rank(), r));
+              out.push_back(split(r, g.rank()));
+            }
+            auto o = AllToAllOptions().dim(dim).input_splits(in);
+            if (give_output) o.output_splits(out);
+            return all_to_all(x, o, g);
+          },
+          [dim](const std::vector<at::Tensor>& xs, int r, int n) {
+            std::vector<at::Tensor> parts;
+            for (int s = 0; s < n; ++s) {
+              std::vector<int64_t> splits;
+              for (int t = 0; t < n; ++t) splits.push_back(split(s, t));
+              parts.push_back(xs[s].split_with_sizes(splits, dim)[r]);
+            }
+            return at::cat(parts, dim);
+          });
     }
   }
 }
@@ -444,28 +466,32 @@ TEST_P(Collectives, AllToAllSplits) {
 
 TEST_P(Collectives, Chains) {
   // all_gather then reduce_scatter; all_to_all twice; all_reduce of a broadcast.
-  check_op(GetParam(), {fixed({2, 3})},
-           [](const at::Tensor& x, Group& g) {
-             auto a = all_gather(x, AllGatherOptions().dim(1), g);
-             return reduce_scatter(a * a, ReduceScatterOptions().dim(1), g);
-           },
-           [](const std::vector<at::Tensor>& xs, int r, int n) {
-             // every rank contributes the same a * a
-             return (at::cat(xs, 1).pow(2) * n).chunk(n, 1)[r];
-           });
-  check_op(GetParam(), {[](int, int n) { return Shape{2 * n, 3}; }},
-           [](const at::Tensor& x, Group& g) { return all_to_all(all_to_all(x, {}, g).sin(), {}, g); },
-           [](const std::vector<at::Tensor>& xs, int r, int n) {
-             std::vector<at::Tensor> first(n);
-             for (int t = 0; t < n; ++t) {
-               std::vector<at::Tensor> parts;
-               for (int s = 0; s < n; ++s) parts.push_back(xs[s].chunk(n, 0)[t]);
-               first[t] = at::cat(parts, 0).sin();
-             }
-             std::vector<at::Tensor> parts;
-             for (int s = 0; s < n; ++s) parts.push_back(first[s].chunk(n, 0)[r]);
-             return at::cat(parts, 0);
-           });
+  check_op(
+      GetParam(), {fixed({2, 3})},
+      [](const at::Tensor& x, Group& g) {
+        auto a = all_gather(x, AllGatherOptions().dim(1), g);
+        return reduce_scatter(a * a, ReduceScatterOptions().dim(1), g);
+      },
+      [](const std::vector<at::Tensor>& xs, int r, int n) {
+        // every rank contributes the same a * a
+        return (at::cat(xs, 1).pow(2) * n).chunk(n, 1)[r];
+      });
+  check_op(
+      GetParam(), {[](int, int n) {
+        return Shape{2 * n, 3};
+      }},
+      [](const at::Tensor& x, Group& g) { return all_to_all(all_to_all(x, {}, g).sin(), {}, g); },
+      [](const std::vector<at::Tensor>& xs, int r, int n) {
+        std::vector<at::Tensor> first(n);
+        for (int t = 0; t < n; ++t) {
+          std::vector<at::Tensor> parts;
+          for (int s = 0; s < n; ++s) parts.push_back(xs[s].chunk(n, 0)[t]);
+          first[t] = at::cat(parts, 0).sin();
+        }
+        std::vector<at::Tensor> parts;
+        for (int s = 0; s < n; ++s) parts.push_back(first[s].chunk(n, 0)[r]);
+        return at::cat(parts, 0);
+      });
 }
 
 TEST_P(Collectives, SubGroups) {
@@ -563,7 +589,6 @@ TEST_P(Collectives, SendRecvPipeline) {
   });
 }
 
-
 // Deferred gradients: an op's backward starts its gradient collective and
 // the engine runs other ready work before waiting for it. Probe's node is
 // created before the all_reduce, so a backward that waited on the spot
@@ -571,8 +596,7 @@ TEST_P(Collectives, SendRecvPipeline) {
 // a collective below the transport's async_bytes (1 MiB) finishes on the
 // call, so there is nothing to overlap and the op waits on the spot.
 struct Probe : torch::autograd::Function<Probe> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            std::vector<std::string>* log) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, std::vector<std::string>* log) {
     ctx->saved_data["log"] = reinterpret_cast<int64_t>(log);
     return x.clone();
   }
@@ -586,30 +610,30 @@ struct Probe : torch::autograd::Function<Probe> {
 TEST(Overlap, BackwardRunsOtherReadyWorkWhileAGradientCollectiveIsInFlight) {
   testing::spawn_ranks(2, [](Group& g) {
     for (const int64_t numel : {int64_t{4}, int64_t{1} << 18})
-    for (const char* op : {"all_reduce", "all_gather", "broadcast", "all_to_all"}) {
-      SCOPED_TRACE(c10::str(op, " of ", numel, " floats over ", g.backend_name()));
-      const bool finishes_on_call = g.backend_name() == "shm" && numel == 4;
-      const auto order = finishes_on_call ? std::vector<std::string>{"a.grad", "probe"}
-                                          : std::vector<std::string>{"probe", "a.grad"};
-      std::vector<std::string> log;
-      auto a = at::ones({numel}).requires_grad_(true);
-      auto b = at::ones({numel}).requires_grad_(true);
-      auto probed = Probe::apply(b, &log);
-      at::Tensor y;
-      if (std::string(op) == "all_reduce") y = all_reduce(a, {}, g);
-      if (std::string(op) == "all_gather") y = all_gather(a, {}, g);
-      if (std::string(op) == "broadcast") y = broadcast(a, BroadcastOptions().src(1), g);
-      if (std::string(op) == "all_to_all") y = all_to_all(a, {}, g);
-      a.register_hook([&log](const at::Tensor&) { log.push_back("a.grad"); });
-      ((y * 2).sum() + probed.sum()).backward();
-      EXPECT_EQ(log, order);
-      EXPECT_TRUE(b.grad().equal(at::ones({numel})));
-      // d(2y)/dy = 2 on every rank; all_to_all only routes it back, the others sum over the 2 ranks.
-      double want = 4.0;
-      if (std::string(op) == "all_to_all") want = 2.0;
-      if (std::string(op) == "broadcast" && g.rank() != 1) want = 0.0;
-      EXPECT_TRUE(a.grad().equal(at::full({numel}, want))) << a.grad();
-    }
+      for (const char* op : {"all_reduce", "all_gather", "broadcast", "all_to_all"}) {
+        SCOPED_TRACE(c10::str(op, " of ", numel, " floats over ", g.backend_name()));
+        const bool finishes_on_call = g.backend_name() == "shm" && numel == 4;
+        const auto order = finishes_on_call ? std::vector<std::string>{"a.grad", "probe"}
+                                            : std::vector<std::string>{"probe", "a.grad"};
+        std::vector<std::string> log;
+        auto a = at::ones({numel}).requires_grad_(true);
+        auto b = at::ones({numel}).requires_grad_(true);
+        auto probed = Probe::apply(b, &log);
+        at::Tensor y;
+        if (std::string(op) == "all_reduce") y = all_reduce(a, {}, g);
+        if (std::string(op) == "all_gather") y = all_gather(a, {}, g);
+        if (std::string(op) == "broadcast") y = broadcast(a, BroadcastOptions().src(1), g);
+        if (std::string(op) == "all_to_all") y = all_to_all(a, {}, g);
+        a.register_hook([&log](const at::Tensor&) { log.push_back("a.grad"); });
+        ((y * 2).sum() + probed.sum()).backward();
+        EXPECT_EQ(log, order);
+        EXPECT_TRUE(b.grad().equal(at::ones({numel})));
+        // d(2y)/dy = 2 on every rank; all_to_all only routes it back, the others sum over the 2 ranks.
+        double want = 4.0;
+        if (std::string(op) == "all_to_all") want = 2.0;
+        if (std::string(op) == "broadcast" && g.rank() != 1) want = 0.0;
+        EXPECT_TRUE(a.grad().equal(at::full({numel}, want))) << a.grad();
+      }
   });
 }
 

@@ -48,11 +48,17 @@ void expect_group_usable(Group& g) {
 
 TEST(OpsErrors, DimOutOfRange) {
   testing::spawn_ranks(2, [](Group& g) {
-    expect_error([&] { all_gather(at::ones({2, 3}), AllGatherOptions().dim(2), g); },
-                 {"[commgrad] all_gather rank ", "/2 group 'world' (gloo)", "dim 2 is out of range for float32[2, 3]",
-                  "expected -2..1"});
-    expect_error([&] { reduce_scatter(at::ones({2, 4}), ReduceScatterOptions().dim(-3), g); },
-                 {"reduce_scatter", "dim -3 is out of range"});
+    expect_error(
+        [&] {
+          all_gather(at::ones({2, 3}), AllGatherOptions().dim(2), g);
+        },
+        {"[commgrad] all_gather rank ", "/2 group 'world' (gloo)", "dim 2 is out of range for float32[2, 3]",
+         "expected -2..1"});
+    expect_error(
+        [&] {
+          reduce_scatter(at::ones({2, 4}), ReduceScatterOptions().dim(-3), g);
+        },
+        {"reduce_scatter", "dim -3 is out of range"});
     expect_error([&] { all_gather(at::ones({}), {}, g); }, {"the tensor is a scalar"});
     expect_group_usable(g);
   });
@@ -60,8 +66,11 @@ TEST(OpsErrors, DimOutOfRange) {
 
 TEST(OpsErrors, IndivisibleSplit) {
   testing::spawn_ranks(2, [](Group& g) {
-    expect_error([&] { reduce_scatter(at::ones({5, 2}), {}, g); },
-                 {"reduce_scatter", "dim 0 of float32[5, 2] has size 5, which is not divisible by the group size 2"});
+    expect_error(
+        [&] {
+          reduce_scatter(at::ones({5, 2}), {}, g);
+        },
+        {"reduce_scatter", "dim 0 of float32[5, 2] has size 5, which is not divisible by the group size 2"});
     expect_error([&] { scatter(at::ones({2, 3}), ScatterOptions().dim(1), g); }, {"scatter", "not divisible"});
     expect_error([&] { all_to_all(at::ones({3}), {}, g); }, {"all_to_all", "not divisible"});
     expect_group_usable(g);
@@ -70,17 +79,32 @@ TEST(OpsErrors, IndivisibleSplit) {
 
 TEST(OpsErrors, SplitSizesDoNotAddUp) {
   testing::spawn_ranks(2, [](Group& g) {
-    expect_error([&] { all_to_all(at::ones({3, 2}), AllToAllOptions().input_splits({1, 1}).output_splits({1, 1}), g); },
-                 {"all_to_all", "input_splits [1, 1] add up to 2, but dim 0 of float32[3, 2] has size 3"});
-    expect_error([&] { all_to_all(at::ones({2}), AllToAllOptions().input_splits({1, 1, 0}), g); },
-                 {"input_splits [1, 1, 0] has 3 entries; expected one per rank (2)"});
-    expect_error([&] { all_to_all(at::ones({2}), AllToAllOptions().output_splits({1, 1}), g); },
-                 {"output_splits [1, 1] were given without input_splits"});
-    expect_error([&] { reduce_scatter(at::ones({4}), ReduceScatterOptions().sizes({1, 2}), g); },
-                 {"reduce_scatter", "sizes [1, 2] add up to 3, but dim 0 of float32[4] has size 4"});
+    expect_error(
+        [&] {
+          all_to_all(at::ones({3, 2}), AllToAllOptions().input_splits({1, 1}).output_splits({1, 1}), g);
+        },
+        {"all_to_all", "input_splits [1, 1] add up to 2, but dim 0 of float32[3, 2] has size 3"});
+    expect_error(
+        [&] {
+          all_to_all(at::ones({2}), AllToAllOptions().input_splits({1, 1, 0}), g);
+        },
+        {"input_splits [1, 1, 0] has 3 entries; expected one per rank (2)"});
+    expect_error(
+        [&] {
+          all_to_all(at::ones({2}), AllToAllOptions().output_splits({1, 1}), g);
+        },
+        {"output_splits [1, 1] were given without input_splits"});
+    expect_error(
+        [&] {
+          reduce_scatter(at::ones({4}), ReduceScatterOptions().sizes({1, 2}), g);
+        },
+        {"reduce_scatter", "sizes [1, 2] add up to 3, but dim 0 of float32[4] has size 4"});
     expect_error([&] { all_gather(at::ones({2}), AllGatherOptions().sizes({2, -1}), g); }, {"negative entry"});
-    expect_error([&] { all_gather(at::ones({2}), AllGatherOptions().sizes({3, 3}), g); },
-                 {"sizes [3, 3] say this rank brings 3 along dim 0, but its tensor is float32[2]"});
+    expect_error(
+        [&] {
+          all_gather(at::ones({2}), AllGatherOptions().sizes({3, 3}), g);
+        },
+        {"sizes [3, 3] say this rank brings 3 along dim 0, but its tensor is float32[2]"});
     expect_group_usable(g);
   });
 }
@@ -265,11 +289,17 @@ TEST_F(OpsDebug, ListMismatches) {
 TEST_F(OpsDebug, SendRecvMismatch) {
   testing::spawn_ranks(2, [](Group& g) {
     if (g.rank() == 0) {
-      expect_error([&] { send(at::ones({4, 3}), SendOptions(1), g); },
-                   {"send rank 0/2", "send/recv mismatch with rank 1", "sends float32[4, 3]", "receives float32[3, 4]"});
+      expect_error(
+          [&] {
+            send(at::ones({4, 3}), SendOptions(1), g);
+          },
+          {"send rank 0/2", "send/recv mismatch with rank 1", "sends float32[4, 3]", "receives float32[3, 4]"});
     } else {
-      expect_error([&] { recv({3, 4}, RecvOptions(0), g); },
-                   {"recv rank 1/2", "this rank (1) receives float32[3, 4]", "rank 0 sends float32[4, 3]"});
+      expect_error(
+          [&] {
+            recv({3, 4}, RecvOptions(0), g);
+          },
+          {"recv rank 1/2", "this rank (1) receives float32[3, 4]", "rank 0 sends float32[4, 3]"});
     }
     // A matching pair still goes through.
     if (g.rank() == 0) {

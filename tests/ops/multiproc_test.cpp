@@ -40,10 +40,10 @@ TEST(OpsMultiProcess, DebugMismatchFailsEveryRank) {
 // aborted by Gloo's I/O thread (nothing can catch it); the process still
 // says which collective was in flight and what to do.
 TEST(OpsMultiProcess, GlooAbortOnASizeMismatchNamesTheCollective) {
-  auto result = testing::run_process({testing::launcher_path(), "-n", "2", "--timeout", "60",
-                                      testing::build_path("tests/ops/ops_check"), "--mismatch", "1000", "2000"},
-                                     testing::clean_env({{"COMMGRAD_BACKEND", "gloo"}, {"COMMGRAD_DEBUG", ""}}),
-                                     seconds(90));
+  auto result =
+      testing::run_process({testing::launcher_path(), "-n", "2", "--timeout", "60",
+                            testing::build_path("tests/ops/ops_check"), "--mismatch", "1000", "2000"},
+                           testing::clean_env({{"COMMGRAD_BACKEND", "gloo"}, {"COMMGRAD_DEBUG", ""}}), seconds(90));
   EXPECT_NE(result.exit_code, 0);
   EXPECT_NE(result.err.find("[0] [commgrad] all_reduce rank 0/2 group 'world' (gloo): the process is terminating ("),
             std::string::npos)
@@ -56,10 +56,10 @@ TEST(OpsMultiProcess, GlooAbortOnASizeMismatchNamesTheCollective) {
 // the last collective completed: the terminate handler blames no collective
 // (it used to name the finished all_reduce) and the error itself is printed.
 TEST(OpsMultiProcess, UncaughtErrorAfterACollectiveBlamesNoCollective) {
-  auto result = testing::run_process({testing::launcher_path(), "-n", "2", "--timeout", "60",
-                                      testing::build_path("tests/ops/ops_check"), "--uncaught-error"},
-                                     testing::clean_env({{"COMMGRAD_BACKEND", "gloo"}, {"COMMGRAD_DEBUG", ""}}),
-                                     seconds(90));
+  auto result =
+      testing::run_process({testing::launcher_path(), "-n", "2", "--timeout", "60",
+                            testing::build_path("tests/ops/ops_check"), "--uncaught-error"},
+                           testing::clean_env({{"COMMGRAD_BACKEND", "gloo"}, {"COMMGRAD_DEBUG", ""}}), seconds(90));
   EXPECT_NE(result.exit_code, 0);
   EXPECT_NE(result.err.find("cannot be multiplied"), std::string::npos) << result.err;
   EXPECT_EQ(result.err.find("the process is terminating"), std::string::npos) << result.err;

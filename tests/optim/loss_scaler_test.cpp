@@ -27,12 +27,8 @@ using ::testing::HasSubstr;
 
 // Options whose scale needs a few steps to move.
 optim::DynamicLossScalerOptions small(const Group& group) {
-  return optim::DynamicLossScalerOptions()
-      .initial_scale(1024)
-      .min_scale(128)
-      .growth_interval(3)
-      .hysteresis(2)
-      .groups({group});
+  return optim::DynamicLossScalerOptions().initial_scale(1024).min_scale(128).growth_interval(3).hysteresis(2).groups(
+      {group});
 }
 
 struct Expected {
@@ -291,8 +287,7 @@ TEST(DynamicLossScaler, BadOptionsAndInputsAreErrors) {
                       "initial_scale must be positive and finite, got 0");
   expect_option_error(optim::DynamicLossScalerOptions(ok).initial_scale(-2),
                       "initial_scale must be positive and finite, got -2");
-  expect_option_error(optim::DynamicLossScalerOptions(ok).backoff_factor(1),
-                      "backoff_factor must be in (0, 1), got 1");
+  expect_option_error(optim::DynamicLossScalerOptions(ok).backoff_factor(1), "backoff_factor must be in (0, 1), got 1");
   expect_option_error(optim::DynamicLossScalerOptions(ok).growth_factor(1), "growth_factor must be above 1");
   expect_option_error(optim::DynamicLossScalerOptions(ok).hysteresis(0), "hysteresis must be at least 1, got 0");
   expect_option_error(optim::DynamicLossScalerOptions(ok).growth_interval(0),

@@ -38,9 +38,12 @@ torch::nn::Linear head(int64_t in, uint64_t seed) {
 at::Tensor stage_loss(int s, int stages, const at::Tensor& w, torch::nn::Linear& lin, const at::Tensor& x,
                       const at::Tensor& y) {
   at::Tensor h;
-  if (s == 0) h = torch::tanh(x.narrow(1, 0, kWidth).matmul(w.t()));
-  else if (s == stages - 1) h = torch::tanh(x.narrow(1, 0, kVocab).matmul(w));
-  else h = torch::tanh(x.narrow(1, 0, 4));
+  if (s == 0)
+    h = torch::tanh(x.narrow(1, 0, kWidth).matmul(w.t()));
+  else if (s == stages - 1)
+    h = torch::tanh(x.narrow(1, 0, kVocab).matmul(w));
+  else
+    h = torch::tanh(x.narrow(1, 0, 4));
   return torch::mse_loss(lin(h), y);
 }
 int64_t stage_input(int s, int stages) { return s == 0 ? kVocab : s == stages - 1 ? kWidth : 4; }
@@ -123,8 +126,7 @@ TEST_P(ZeroTied, BothCopiesFollowTheOneModel) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(StagesAndZero, ZeroTied,
-                         ::testing::Combine(::testing::Values(2, 3), ::testing::Values(1, 2)),
+INSTANTIATE_TEST_SUITE_P(StagesAndZero, ZeroTied, ::testing::Combine(::testing::Values(2, 3), ::testing::Values(1, 2)),
                          [](const auto& info) {
                            return "pp" + std::to_string(std::get<0>(info.param)) + "_zero" +
                                   std::to_string(std::get<1>(info.param));
@@ -144,10 +146,10 @@ TEST(ZeroTied, CopiesThatDifferAreErrorsOnEveryRank) {
       ADD_FAILURE() << "copies of different shapes were accepted";
     } catch (const c10::Error& e) {
       EXPECT_THAT(e.what_without_backtrace(),
-                  HasSubstr("the tied parameters ('tied', ...) are not split like group rank " +
-                            std::to_string(1 - s) + "'s copies: this rank has data-parallel rank 0/1 and [" +
-                            (s == 0 ? "12" : "8") + "] elements, rank " + std::to_string(1 - s) + " has 0/1 and [" +
-                            (s == 0 ? "8" : "12") + "] elements"));
+                  HasSubstr("the tied parameters ('tied', ...) are not split like group rank " + std::to_string(1 - s) +
+                            "'s copies: this rank has data-parallel rank 0/1 and [" + (s == 0 ? "12" : "8") +
+                            "] elements, rank " + std::to_string(1 - s) + " has 0/1 and [" + (s == 0 ? "8" : "12") +
+                            "] elements"));
     }
   });
 }
@@ -166,7 +168,8 @@ TEST(ZeroTied, BadNamesAndAMissingGroupAreErrors) {
       optim::ZeroOptimizer zero(module, adamw, optim::ZeroOptimizerOptions(world).tied_parameters({"w"}));
       ADD_FAILURE() << "tied parameters without a tied group were accepted";
     } catch (const c10::Error& e) {
-      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("tied_parameters are named ('w', ...) but tied_group is not set"));
+      EXPECT_THAT(e.what_without_backtrace(),
+                  HasSubstr("tied_parameters are named ('w', ...) but tied_group is not set"));
     }
   });
 }

@@ -53,10 +53,11 @@ TEST(WiringChecks, DataParallelWrappersRejectAGroupHoldingTensorParallelPeers) {
     const auto state = make_model_parallel(2, 1, world);
     tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(1));
     const auto want = world_holds_tp_peers(world);
-    EXPECT_THAT(error_of([&] { dp::DistributedDataParallel(mlp.ptr(), dp::DistributedDataParallelOptions(world)); }),
-                AllOf(HasSubstr("DistributedDataParallel rank " + std::to_string(world.rank()) + "/4 group 'world'"),
-                      HasSubstr(want), HasSubstr("over which parameter 'fc1.weight' is split"),
-                      HasSubstr("Pass the data-parallel group of the layout to DistributedDataParallelOptions(group)")));
+    EXPECT_THAT(
+        error_of([&] { dp::DistributedDataParallel(mlp.ptr(), dp::DistributedDataParallelOptions(world)); }),
+        AllOf(HasSubstr("DistributedDataParallel rank " + std::to_string(world.rank()) + "/4 group 'world'"),
+              HasSubstr(want), HasSubstr("over which parameter 'fc1.weight' is split"),
+              HasSubstr("Pass the data-parallel group of the layout to DistributedDataParallelOptions(group)")));
     EXPECT_THAT(error_of([&] { optim::ZeroOptimizer(mlp.ptr(), sgd, optim::ZeroOptimizerOptions(world)); }),
                 AllOf(HasSubstr("ZeroOptimizer"), HasSubstr(want), HasSubstr("ZeroOptimizerOptions(group)")));
     EXPECT_THAT(error_of([&] { fsdp::fully_shard(mlp.ptr(), fsdp::FullyShardOptions(world)); }),

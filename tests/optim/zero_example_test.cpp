@@ -29,8 +29,8 @@ class ZeroTrainExample : public ::testing::TestWithParam<Case> {};
 TEST_P(ZeroTrainExample, MatchesDdpUnderCommgradRun) {
   const auto& c = GetParam();
   const auto env = clean_env({{"COMMGRAD_BACKEND", c.backend}});
-  std::vector<std::string> cmd{launcher_path(), "-n", std::to_string(c.ranks), "--timeout", "90",
-                               build_path("bin/zero_train")};
+  std::vector<std::string> cmd{launcher_path(), "-n", std::to_string(c.ranks),
+                               "--timeout",     "90", build_path("bin/zero_train")};
   cmd.insert(cmd.end(), c.args.begin(), c.args.end());
   auto r = run_process(cmd, env, std::chrono::seconds(120));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
@@ -51,9 +51,9 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return info.param.name; });
 
 TEST(ZeroTrainExample, BadArgumentsExitNonZeroWithTheReason) {
-  auto r = run_process({launcher_path(), "-n", "2", "--timeout", "30", build_path("bin/zero_train"), "--accumulate",
-                        "5"},
-                       clean_env({}), std::chrono::seconds(60));
+  auto r =
+      run_process({launcher_path(), "-n", "2", "--timeout", "30", build_path("bin/zero_train"), "--accumulate", "5"},
+                  clean_env({}), std::chrono::seconds(60));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_THAT(r.out + r.err, HasSubstr("zero_train: --accumulate must divide the batch of 24"));
 }
@@ -63,18 +63,19 @@ TEST(ZeroTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/zero_train");
   expect_help_lists(program,
                     {"--stage", "--optimizer", "--epochs", "--accumulate", "--max-grad-norm", "--bucket-cap-mb"});
-  expect_bad_options(program, {
-      {{"--bogus"}, "unknown option '--bogus'"},
-      {{"--stage", "3"}, "--stage: expected an integer in [1, 2], got '3'"},
-      {{"--optimizer", "lamb"}, "--optimizer: expected one of adam, adamw, sgd, got 'lamb'"},
-      {{"--epochs", "0"}, "--epochs: expected an integer in [1, 2147483647], got '0'"},
-      {{"--epochs", "-1"}, "--epochs: expected an integer in [1, 2147483647], got '-1'"},
-      {{"--accumulate", "0"}, "--accumulate: expected an integer in [1, 2147483647], got '0'"},
-      {{"--accumulate", "two"}, "--accumulate: expected an integer in [1, 2147483647], got 'two'"},
-      {{"--accumulate", "5"}, "--accumulate must divide the batch of 24"},
-      {{"--max-grad-norm", "-1"}, "--max-grad-norm: expected a number >= 0, got '-1'"},
-      {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb: expected a number > 0, got '0'"},
-  });
+  expect_bad_options(program,
+                     {
+                         {{"--bogus"}, "unknown option '--bogus'"},
+                         {{"--stage", "3"}, "--stage: expected an integer in [1, 2], got '3'"},
+                         {{"--optimizer", "lamb"}, "--optimizer: expected one of adam, adamw, sgd, got 'lamb'"},
+                         {{"--epochs", "0"}, "--epochs: expected an integer in [1, 2147483647], got '0'"},
+                         {{"--epochs", "-1"}, "--epochs: expected an integer in [1, 2147483647], got '-1'"},
+                         {{"--accumulate", "0"}, "--accumulate: expected an integer in [1, 2147483647], got '0'"},
+                         {{"--accumulate", "two"}, "--accumulate: expected an integer in [1, 2147483647], got 'two'"},
+                         {{"--accumulate", "5"}, "--accumulate must divide the batch of 24"},
+                         {{"--max-grad-norm", "-1"}, "--max-grad-norm: expected a number >= 0, got '-1'"},
+                         {{"--bucket-cap-mb", "0"}, "--bucket-cap-mb: expected a number > 0, got '0'"},
+                     });
 }
 
 }  // namespace

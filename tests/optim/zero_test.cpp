@@ -53,7 +53,8 @@ std::string kind_name(Kind k) { return k == Kind::kSgd ? "SGD" : k == Kind::kAda
 std::unique_ptr<torch::optim::Optimizer> make(Kind kind, std::vector<at::Tensor> params) {
   switch (kind) {
     case Kind::kSgd:
-      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-3));
+      return std::make_unique<torch::optim::SGD>(params,
+                                                 torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-3));
     case Kind::kAdam:
       return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
     case Kind::kAdamW:
@@ -120,46 +121,54 @@ TEST_P(ZeroMatchesDdp, TenStepsWithAccumulationAndClippingEqualDdpBitForBit) {
   const std::string backend = std::get<2>(GetParam());
   const int steps = 10;
   const auto data = batches(steps);
-  spawn_ranks(n, [&](Group& world) {
-    for (Kind kind : {Kind::kSgd, Kind::kAdam, Kind::kAdamW}) {
-      SCOPED_TRACE(kind_name(kind));
-      Net ref_net, zero_net;
-      dp::DistributedDataParallel ddp(ref_net, small_buckets(world));
-      auto ref_opt = make(kind, ref_net->parameters());
-      optim::ZeroOptimizer zero(zero_net, [&](auto shards) { return make(kind, shards); },
-                                optim::ZeroOptimizerOptions(small_buckets(world)).stage(stage).max_grad_norm(0.05));
-      EXPECT_GT(zero.shards().size(), 2u);
-      for (int k = 0; k < steps; ++k) {
-        train_step(ref_net, data, k, world.rank(), n, [&] { return ddp.no_sync(); }, [&] {
-          optim::clip_grad_norm_(ref_net->parameters(), 0.05);
-          ref_opt->step();
-          ref_opt->zero_grad();
-        });
-        double norm = 0;
-        train_step(zero_net, data, k, world.rank(), n, [&] { return zero.no_sync(); }, [&] {
-          norm = zero.step();
-          zero.zero_grad();
-        });
-        EXPECT_GT(norm, 0.05) << "the clipping is not exercised at step " << k;
-      }
-      // shm sums all-reduce and reduce-scatter in rank order; Gloo's ring
-      // all-reduce sums 3 or 4 ranks in another order than its reduce-scatter.
-      expect_equal_parameters(zero_net, ref_net, /*bitwise=*/backend == "shm" || n <= 2);
-      if (stage == 2) {
-        for (const auto& p : zero_net->parameters()) EXPECT_FALSE(p.grad().defined());
-      }
-      // The gathered state is the unsharded optimizer's.
-      const auto full = zero.full_state_dict();
-      const auto ref = optim::unsharded_state_dict(*ref_net, *ref_opt);
-      ASSERT_EQ(full.size(), ref.size());
-      for (const auto& item : ref) {
-        ASSERT_TRUE(full.contains(item.key())) << item.key();
-        EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 1e-5, 1e-7))
-            << item.key() << ": max difference " << (full[item.key()] - item.value()).abs().max().item<double>()
-            << " of max " << item.value().abs().max().item<double>();
-      }
-    }
-  }, SpawnOptions().backend(backend));
+  spawn_ranks(
+      n,
+      [&](Group& world) {
+        for (Kind kind : {Kind::kSgd, Kind::kAdam, Kind::kAdamW}) {
+          SCOPED_TRACE(kind_name(kind));
+          Net ref_net, zero_net;
+          dp::DistributedDataParallel ddp(ref_net, small_buckets(world));
+          auto ref_opt = make(kind, ref_net->parameters());
+          optim::ZeroOptimizer zero(
+              zero_net, [&](auto shards) { return make(kind, shards); },
+              optim::ZeroOptimizerOptions(small_buckets(world)).stage(stage).max_grad_norm(0.05));
+          EXPECT_GT(zero.shards().size(), 2u);
+          for (int k = 0; k < steps; ++k) {
+            train_step(
+                ref_net, data, k, world.rank(), n, [&] { return ddp.no_sync(); },
+                [&] {
+                  optim::clip_grad_norm_(ref_net->parameters(), 0.05);
+                  ref_opt->step();
+                  ref_opt->zero_grad();
+                });
+            double norm = 0;
+            train_step(
+                zero_net, data, k, world.rank(), n, [&] { return zero.no_sync(); },
+                [&] {
+                  norm = zero.step();
+                  zero.zero_grad();
+                });
+            EXPECT_GT(norm, 0.05) << "the clipping is not exercised at step " << k;
+          }
+          // shm sums all-reduce and reduce-scatter in rank order; Gloo's ring
+          // all-reduce sums 3 or 4 ranks in another order than its reduce-scatter.
+          expect_equal_parameters(zero_net, ref_net, /*bitwise=*/backend == "shm" || n <= 2);
+          if (stage == 2) {
+            for (const auto& p : zero_net->parameters()) EXPECT_FALSE(p.grad().defined());
+          }
+          // The gathered state is the unsharded optimizer's.
+          const auto full = zero.full_state_dict();
+          const auto ref = optim::unsharded_state_dict(*ref_net, *ref_opt);
+          ASSERT_EQ(full.size(), ref.size());
+          for (const auto& item : ref) {
+            ASSERT_TRUE(full.contains(item.key())) << item.key();
+            EXPECT_TRUE(torch::allclose(full[item.key()], item.value(), 1e-5, 1e-7))
+                << item.key() << ": max difference " << (full[item.key()] - item.value()).abs().max().item<double>()
+                << " of max " << item.value().abs().max().item<double>();
+          }
+        }
+      },
+      SpawnOptions().backend(backend));
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldsAndStages, ZeroMatchesDdp,
@@ -179,58 +188,62 @@ TEST_P(ZeroMixedPrecision, Bfloat16WithFloat32MastersMatchesDdp) {
   const std::string backend = GetParam();
   const int steps = 6;
   const auto data = batches(steps);
-  spawn_ranks(3, [&](Group& world) {
-    Net ref_net, zero_net;
-    ref_net->to(at::kBFloat16);
-    zero_net->to(at::kBFloat16);
-    dp::DistributedDataParallel ddp(ref_net, small_buckets(world));
-    const auto ref_params = ref_net->parameters();
-    std::vector<at::Tensor> masters;
-    for (const auto& p : ref_params) masters.push_back(p.detach().to(at::kFloat));
-    auto ref_opt = make(Kind::kAdamW, masters);
-    optim::ZeroOptimizer zero(zero_net, [](auto shards) { return make(Kind::kAdamW, shards); },
-                              optim::ZeroOptimizerOptions(small_buckets(world)).stage(2).max_grad_norm(0.05));
-    for (int k = 0; k < steps; ++k) {
-      // Forward in bfloat16, the loss in float32 (1.13 has no bfloat16 mse on CPU).
-      auto loss = [&](Net& net, int mb) {
-        auto x = data.x[k][mb].chunk(3, 0)[world.rank()].to(at::kBFloat16);
-        auto y = data.y[k][mb].chunk(3, 0)[world.rank()];
-        return (net->forward(x).to(at::kFloat) - y).pow(2).mean();
-      };
-      for (int mb = 0; mb < kMicro; ++mb) {
-        if (mb + 1 < kMicro) {
-          auto g1 = ddp.no_sync();
-          auto g2 = zero.no_sync();
-          loss(ref_net, mb).backward();
-          loss(zero_net, mb).backward();
-        } else {
-          loss(ref_net, mb).backward();
-          loss(zero_net, mb).backward();
+  spawn_ranks(
+      3,
+      [&](Group& world) {
+        Net ref_net, zero_net;
+        ref_net->to(at::kBFloat16);
+        zero_net->to(at::kBFloat16);
+        dp::DistributedDataParallel ddp(ref_net, small_buckets(world));
+        const auto ref_params = ref_net->parameters();
+        std::vector<at::Tensor> masters;
+        for (const auto& p : ref_params) masters.push_back(p.detach().to(at::kFloat));
+        auto ref_opt = make(Kind::kAdamW, masters);
+        optim::ZeroOptimizer zero(
+            zero_net, [](auto shards) { return make(Kind::kAdamW, shards); },
+            optim::ZeroOptimizerOptions(small_buckets(world)).stage(2).max_grad_norm(0.05));
+        for (int k = 0; k < steps; ++k) {
+          // Forward in bfloat16, the loss in float32 (1.13 has no bfloat16 mse on CPU).
+          auto loss = [&](Net& net, int mb) {
+            auto x = data.x[k][mb].chunk(3, 0)[world.rank()].to(at::kBFloat16);
+            auto y = data.y[k][mb].chunk(3, 0)[world.rank()];
+            return (net->forward(x).to(at::kFloat) - y).pow(2).mean();
+          };
+          for (int mb = 0; mb < kMicro; ++mb) {
+            if (mb + 1 < kMicro) {
+              auto g1 = ddp.no_sync();
+              auto g2 = zero.no_sync();
+              loss(ref_net, mb).backward();
+              loss(zero_net, mb).backward();
+            } else {
+              loss(ref_net, mb).backward();
+              loss(zero_net, mb).backward();
+            }
+          }
+          torch::NoGradGuard no_grad;
+          for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = ref_params[i].grad().to(at::kFloat);
+          optim::clip_grad_norm_(masters, 0.05);
+          ref_opt->step();
+          for (size_t i = 0; i < masters.size(); ++i) {
+            ref_params[i].copy_(masters[i]);
+            ref_params[i].mutable_grad() = at::Tensor();
+          }
+          zero.step();
         }
-      }
-      torch::NoGradGuard no_grad;
-      for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = ref_params[i].grad().to(at::kFloat);
-      optim::clip_grad_norm_(masters, 0.05);
-      ref_opt->step();
-      for (size_t i = 0; i < masters.size(); ++i) {
-        ref_params[i].copy_(masters[i]);
-        ref_params[i].mutable_grad() = at::Tensor();
-      }
-      zero.step();
-    }
-    expect_equal_parameters(zero_net, ref_net, /*bitwise=*/backend == "shm");
-    // The float32 masters travel with the state.
-    const auto full = zero.full_state_dict();
-    const auto names = ref_net->named_parameters();
-    for (size_t i = 0; i < names.size(); ++i) {
-      const auto key = names[i].key() + "/master";
-      ASSERT_TRUE(full.contains(key)) << key;
-      EXPECT_EQ(full[key].scalar_type(), at::kFloat);
-      EXPECT_TRUE(backend == "shm" ? torch::equal(full[key], masters[i])
-                                   : torch::allclose(full[key], masters[i], 1e-2, 1e-3))
-          << key;
-    }
-  }, SpawnOptions().backend(backend));
+        expect_equal_parameters(zero_net, ref_net, /*bitwise=*/backend == "shm");
+        // The float32 masters travel with the state.
+        const auto full = zero.full_state_dict();
+        const auto names = ref_net->named_parameters();
+        for (size_t i = 0; i < names.size(); ++i) {
+          const auto key = names[i].key() + "/master";
+          ASSERT_TRUE(full.contains(key)) << key;
+          EXPECT_EQ(full[key].scalar_type(), at::kFloat);
+          EXPECT_TRUE(backend == "shm" ? torch::equal(full[key], masters[i])
+                                       : torch::allclose(full[key], masters[i], 1e-2, 1e-3))
+              << key;
+        }
+      },
+      SpawnOptions().backend(backend));
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ZeroMixedPrecision, ::testing::Values("shm", "gloo"));
@@ -247,10 +260,12 @@ TEST(ZeroOptimizer, StateAndGradientsAreShardedOneNth) {
     spawn_ranks(4, [&](Group& world) {
       Net net;
       const int64_t psi = parameter_count(net);
-      optim::ZeroOptimizer zero(net, [](auto shards) { return make(Kind::kAdam, shards); },
-                                optim::ZeroOptimizerOptions(small_buckets(world)).stage(stage));
+      optim::ZeroOptimizer zero(
+          net, [](auto shards) { return make(Kind::kAdam, shards); },
+          optim::ZeroOptimizerOptions(small_buckets(world)).stage(stage));
       EXPECT_EQ(zero.state_bytes(), 0);
-      train_step(net, data, 0, world.rank(), 4, [&] { return zero.no_sync(); }, [&] { zero.step(); });
+      train_step(
+          net, data, 0, world.rank(), 4, [&] { return zero.no_sync(); }, [&] { zero.step(); });
       // Adam: exp_avg + exp_avg_sq, 8 bytes per element of this rank's ranges.
       int64_t mine = 0;
       for (const auto& s : zero.shards()) mine += s.end - s.begin;
@@ -291,15 +306,18 @@ TEST(ZeroOptimizer, ResumesFromAFullStateDictAtAnotherWorldSize) {
       torch::NoGradGuard no_grad;
       for (auto& p : net->named_parameters()) p.value().copy_(params_at_3[p.key()]);
     }
-    optim::ZeroOptimizer zero(net, [](auto shards) { return make(Kind::kAdam, shards); },
-                              optim::ZeroOptimizerOptions(small_buckets(world)).stage(2));
+    optim::ZeroOptimizer zero(
+        net, [](auto shards) { return make(Kind::kAdam, shards); },
+        optim::ZeroOptimizerOptions(small_buckets(world)).stage(2));
     zero.load_full_state_dict(state_at_3);
     EXPECT_EQ(zero.step_count(), 3);
     for (int k = 3; k < 6; ++k) {
-      train_step(net, data, k, world.rank(), 3, [&] { return zero.no_sync(); }, [&] {
-        zero.step();
-        zero.zero_grad();
-      });
+      train_step(
+          net, data, k, world.rank(), 3, [&] { return zero.no_sync(); },
+          [&] {
+            zero.step();
+            zero.zero_grad();
+          });
     }
     // The mean over each rank's rows averaged over ranks is the full
     // batch's mean up to rounding.
@@ -314,20 +332,25 @@ TEST(ZeroOptimizer, LearningRateSchedulesDriveTheShardOptimizer) {
     dp::DistributedDataParallel ddp(ref_net, small_buckets(world));
     auto ref_opt = make(Kind::kSgd, ref_net->parameters());
     torch::optim::StepLR ref_sched(*ref_opt, 1, 0.5);
-    optim::ZeroOptimizer zero(zero_net, [](auto shards) { return make(Kind::kSgd, shards); },
-                              optim::ZeroOptimizerOptions(small_buckets(world)));
+    optim::ZeroOptimizer zero(
+        zero_net, [](auto shards) { return make(Kind::kSgd, shards); },
+        optim::ZeroOptimizerOptions(small_buckets(world)));
     torch::optim::StepLR sched(zero.optimizer(), 1, 0.5);
     for (int k = 0; k < 4; ++k) {
-      train_step(ref_net, data, k, world.rank(), 2, [&] { return ddp.no_sync(); }, [&] {
-        ref_opt->step();
-        ref_opt->zero_grad();
-        ref_sched.step();
-      });
-      train_step(zero_net, data, k, world.rank(), 2, [&] { return zero.no_sync(); }, [&] {
-        zero.step();
-        zero.zero_grad();
-        sched.step();
-      });
+      train_step(
+          ref_net, data, k, world.rank(), 2, [&] { return ddp.no_sync(); },
+          [&] {
+            ref_opt->step();
+            ref_opt->zero_grad();
+            ref_sched.step();
+          });
+      train_step(
+          zero_net, data, k, world.rank(), 2, [&] { return zero.no_sync(); },
+          [&] {
+            zero.step();
+            zero.zero_grad();
+            sched.step();
+          });
     }
     expect_equal_parameters(zero_net, ref_net, /*bitwise=*/true);
   });
@@ -372,11 +395,13 @@ void train_two_by_two(bool sp, Groups groups) {
     if (groups_from_layout) scope.emplace(state);
     tp::ParallelMLP mlp(
         tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).sequence_parallel(sp).seed(42));
-    auto options = optim::ZeroOptimizerOptions(small_buckets(groups_from_layout ? Group() : state.data_parallel_group()))
-                       .stage(2)
-                       .max_grad_norm(0.1);
+    auto options =
+        optim::ZeroOptimizerOptions(small_buckets(groups_from_layout ? Group() : state.data_parallel_group()))
+            .stage(2)
+            .max_grad_norm(0.1);
     if (groups == Groups::kExplicit) options.tensor_parallel_group(state.tensor_parallel_group());
-    optim::ZeroOptimizer zero(mlp, [](auto shards) { return make(Kind::kAdamW, shards); }, options);
+    optim::ZeroOptimizer zero(
+        mlp, [](auto shards) { return make(Kind::kAdamW, shards); }, options);
     EXPECT_EQ(zero.group(), state.data_parallel_group());
     const int dp = state.data_parallel_rank();
     const int tp = state.tensor_parallel_rank();
@@ -403,9 +428,7 @@ void train_two_by_two(bool sp, Groups groups) {
 
 TEST_P(ZeroTensorParallel, TwoByTwoMatchesTheUnsplitModel) { train_two_by_two(GetParam(), Groups::kExplicit); }
 TEST_P(ZeroTensorParallel, GroupsComeFromTheCurrentLayout) { train_two_by_two(GetParam(), Groups::kFromLayout); }
-TEST_P(ZeroTensorParallel, NormGroupComesFromTheModulesShards) {
-  train_two_by_two(GetParam(), Groups::kTpFromModule);
-}
+TEST_P(ZeroTensorParallel, NormGroupComesFromTheModulesShards) { train_two_by_two(GetParam(), Groups::kTpFromModule); }
 
 INSTANTIATE_TEST_SUITE_P(SequenceParallel, ZeroTensorParallel, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "sp" : "no_sp"; });
@@ -414,14 +437,15 @@ TEST(ZeroOptimizer, StepWithoutASynchronisedBackwardIsAnError) {
   const auto data = batches(1);
   spawn_ranks(2, [&](Group& world) {
     Net net;
-    optim::ZeroOptimizer zero(net, [](auto shards) { return make(Kind::kAdam, shards); },
-                              optim::ZeroOptimizerOptions(small_buckets(world)));
+    optim::ZeroOptimizer zero(
+        net, [](auto shards) { return make(Kind::kAdam, shards); }, optim::ZeroOptimizerOptions(small_buckets(world)));
     try {
       zero.step();
       ADD_FAILURE() << "step() before any backward did not throw";
     } catch (const c10::Error& e) {
       EXPECT_THAT(e.what_without_backtrace(),
-                  HasSubstr("ZeroOptimizer rank " + std::to_string(world.rank()) + "/2 group 'world' (gloo): step() "
+                  HasSubstr("ZeroOptimizer rank " + std::to_string(world.rank()) +
+                            "/2 group 'world' (gloo): step() "
                             "without a synchronised backward since the last step (bucket 0 of"));
     }
     {

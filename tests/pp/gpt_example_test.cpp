@@ -29,8 +29,8 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* out) { *out << c.name; }
 
 ProcessResult gpt_train(int ranks, std::vector<std::string> args) {
-  std::vector<std::string> cmd{launcher_path(), "-n", std::to_string(ranks), "--timeout", "150",
-                               build_path("bin/gpt_train")};
+  std::vector<std::string> cmd{launcher_path(), "-n",  std::to_string(ranks),
+                               "--timeout",     "150", build_path("bin/gpt_train")};
   cmd.insert(cmd.end(), args.begin(), args.end());
   return run_process(cmd, clean_env(), std::chrono::seconds(170));
 }
@@ -66,37 +66,40 @@ TEST_P(GptTrainExample, FollowsTheOneRankCurve) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, GptTrainExample,
-    ::testing::Values(Case{1, {}, "one_rank"}, Case{2, {"--pp", "2"}, "pp2"},
-                      Case{4, {"--pp", "4"}, "pp4_tied_over_an_embedding_group"},
-                      Case{4, {"--tp", "2", "--pp", "2", "--schedule", "gpipe"}, "tp2_pp2_gpipe"},
-                      Case{4, {"--tp", "2", "--pp", "2", "--sp"}, "tp2_pp2_sp"},
-                      Case{4, {"--pp", "2", "--dp", "2", "--microbatches", "2"}, "pp2_dp2"},
-                      Case{2, {"--pp", "2", "--schedule", "interleaved"}, "pp2_interleaved"},
-                      Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}, "tp2_pp2_sp_interleaved"},
-                      Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--sp"}, "tp2_pp2_dp2_sp"},
-                      Case{4, {"--pp", "2", "--dp", "2", "--schedule", "zbh1"}, "pp2_dp2_zero_bubble"},
-                      Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1"}, "tp2_pp2_sp_zero_bubble"},
-                      Case{4, {"--tp", "2", "--dp", "2", "--sp", "--fsdp"}, "tp2_dp2_sp_fsdp"},
-                      Case{4, {"--pp", "2", "--dp", "2", "--schedule", "interleaved", "--fsdp"}, "pp2_dp2_interleaved_fsdp"},
-                      Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--fsdp"}, "tp2_pp2_dp2_fsdp"},
-                      Case{4, {"--tp", "2", "--dp", "2", "--sp", "--recompute", "full"}, "tp2_dp2_sp_recompute_full"},
-                      Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved", "--recompute", "full"},
-                           "tp2_pp2_sp_interleaved_recompute_full"},
-                      Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1", "--recompute", "selective"},
-                           "tp2_pp2_sp_zero_bubble_recompute_selective"},
-                      Case{4, {"--tp", "2", "--dp", "2", "--fsdp", "--recompute", "full"}, "tp2_dp2_fsdp_recompute_full"},
-                      // Context parallelism: the logged loss is the one-rank loss (not 1/CP of it).
-                      Case{2, {"--cp", "2"}, "cp2_ring"},
-                      Case{4, {"--cp", "2", "--tp", "2", "--sp", "--cp-mode", "allgather"}, "cp2_tp2_sp_allgather"},
-                      Case{4, {"--cp", "2", "--dp", "2", "--cp-mode", "ulysses"}, "cp2_dp2_ulysses"}),
+    ::testing::Values(
+        Case{1, {}, "one_rank"}, Case{2, {"--pp", "2"}, "pp2"},
+        Case{4, {"--pp", "4"}, "pp4_tied_over_an_embedding_group"},
+        Case{4, {"--tp", "2", "--pp", "2", "--schedule", "gpipe"}, "tp2_pp2_gpipe"},
+        Case{4, {"--tp", "2", "--pp", "2", "--sp"}, "tp2_pp2_sp"},
+        Case{4, {"--pp", "2", "--dp", "2", "--microbatches", "2"}, "pp2_dp2"},
+        Case{2, {"--pp", "2", "--schedule", "interleaved"}, "pp2_interleaved"},
+        Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}, "tp2_pp2_sp_interleaved"},
+        Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--sp"}, "tp2_pp2_dp2_sp"},
+        Case{4, {"--pp", "2", "--dp", "2", "--schedule", "zbh1"}, "pp2_dp2_zero_bubble"},
+        Case{4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1"}, "tp2_pp2_sp_zero_bubble"},
+        Case{4, {"--tp", "2", "--dp", "2", "--sp", "--fsdp"}, "tp2_dp2_sp_fsdp"},
+        Case{4, {"--pp", "2", "--dp", "2", "--schedule", "interleaved", "--fsdp"}, "pp2_dp2_interleaved_fsdp"},
+        Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--fsdp"}, "tp2_pp2_dp2_fsdp"},
+        Case{4, {"--tp", "2", "--dp", "2", "--sp", "--recompute", "full"}, "tp2_dp2_sp_recompute_full"},
+        Case{4,
+             {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved", "--recompute", "full"},
+             "tp2_pp2_sp_interleaved_recompute_full"},
+        Case{4,
+             {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1", "--recompute", "selective"},
+             "tp2_pp2_sp_zero_bubble_recompute_selective"},
+        Case{4, {"--tp", "2", "--dp", "2", "--fsdp", "--recompute", "full"}, "tp2_dp2_fsdp_recompute_full"},
+        // Context parallelism: the logged loss is the one-rank loss (not 1/CP of it).
+        Case{2, {"--cp", "2"}, "cp2_ring"},
+        Case{4, {"--cp", "2", "--tp", "2", "--sp", "--cp-mode", "allgather"}, "cp2_tp2_sp_allgather"},
+        Case{4, {"--cp", "2", "--dp", "2", "--cp-mode", "ulysses"}, "cp2_dp2_ulysses"}),
     [](const auto& info) { return info.param.name; });
 
 // 16-bit compute against one rank computing in the same dtype (tolerance
 // 5e-3 for bfloat16, 1e-3 for float16: their rounding); float16 with the
 // loss scaler, saved and resumed with its state.
 TEST(GptTrainExample, Bfloat16FollowsTheOneRankCurveInItsDtype) {
-  auto bf16 = gpt_train(4, {"--tp", "2", "--dp", "2", "--fsdp", "--precision", "bf16", "--steps", "4", "--check",
-                            "--curve", "none"});
+  auto bf16 = gpt_train(
+      4, {"--tp", "2", "--dp", "2", "--fsdp", "--precision", "bf16", "--steps", "4", "--check", "--curve", "none"});
   ASSERT_EQ(bf16.exit_code, 0) << bf16.out << bf16.err;
   EXPECT_THAT(bf16.out, HasSubstr("(tolerance 5e-03): ok\n"));
 }
@@ -120,8 +123,8 @@ TEST(GptTrainExample, Float16WithTheLossScalerFollowsTheOneRankCurveAndResumes) 
 TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
   TempRoot root("gpt");
   const std::string dir = root.str();
-  auto saved = gpt_train(4, {"--tp", "2", "--pp", "2", "--steps", "3", "--save", dir, "--save-every", "2", "--curve",
-                             "none"});
+  auto saved =
+      gpt_train(4, {"--tp", "2", "--pp", "2", "--steps", "3", "--save", dir, "--save-every", "2", "--curve", "none"});
   ASSERT_EQ(saved.exit_code, 0) << saved.out << saved.err;
   EXPECT_THAT(saved.out, HasSubstr("[0] saved step 3 in " + dir));
   EXPECT_TRUE(fs::exists(root.path() / "step-00000002"));  // --save-every 2, and the end
@@ -140,14 +143,16 @@ TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
   for (int step = 4; step <= 6; ++step) EXPECT_EQ(got.at(step), want.at(step)) << "step " << step;
 
   // No more steps than the checkpoint holds: an error before any rank starts, not a run that does nothing.
-  expect_bad_options(build_path("bin/gpt_train"),
-                     {{{"--steps", "2", "--resume", dir},
-                       "--steps 2: the checkpoint in " + dir + " already holds step 3"},
-                      {{"--steps", "3", "--resume", dir}, "already holds step 3; nothing to train"}});
+  expect_bad_options(
+      build_path("bin/gpt_train"),
+      {{{"--steps", "2", "--resume", dir}, "--steps 2: the checkpoint in " + dir + " already holds step 3"},
+       {{"--steps", "3", "--resume", dir}, "already holds step 3; nothing to train"}});
 
   // Other layouts: the one-rank curve from step 1, compared on steps 4-6.
   for (const auto& [ranks, layout] : std::vector<std::pair<int, std::vector<std::string>>>{
-           {4, {"--pp", "2", "--dp", "2"}}, {1, {}}, {4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}},
+           {4, {"--pp", "2", "--dp", "2"}},
+           {1, {}},
+           {4, {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"}},
            {4, {"--dp", "4", "--microbatches", "2", "--fsdp"}}}) {
     std::vector<std::string> args{"--steps", "6", "--resume", dir, "--check", "--curve", "none"};
     args.insert(args.end(), layout.begin(), layout.end());
@@ -239,7 +244,8 @@ TEST(GptTrainExample, ExpertParallelFollowsTheOneRankCurve) {
 TEST(GptTrainExample, LayoutsThatDoNotFitAreErrors) {
   const std::vector<std::pair<std::pair<int, std::vector<std::string>>, std::string>> cases{
       {{3, {"--pp", "3"}}, "gpt_train: 4 layers do not split into 3 stages"},
-      {{2, {"--pp", "2", "--schedule", "interleaved", "--stages-per-rank", "4"}}, "4 layers do not split into 8 stages"},
+      {{2, {"--pp", "2", "--schedule", "interleaved", "--stages-per-rank", "4"}},
+       "4 layers do not split into 8 stages"},
       {{2, {"--pp", "2", "--stages-per-rank", "2"}}, "--stages-per-rank 2 needs --schedule interleaved"},
       {{2, {"--dp", "2", "--microbatches", "8"}}, "does not split into 2 replicas x 8 microbatches"},
       {{2, {"--tp", "2", "--pp", "2"}}, "--tp 2 x --pp 2 x --dp 1 is not the world size 2"},
@@ -258,36 +264,38 @@ TEST(GptTrainExample, LayoutsThatDoNotFitAreErrors) {
 TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/gpt_train");
   expect_help_lists(program, {"--tp", "--pp", "--dp", "--sp", "--microbatches", "--steps", "--schedule",
-                              "--stages-per-rank", "--save", "--save-every", "--resume", "--text", "--curve",
-                              "--check", "--recompute", "--cp", "--cp-mode"});
+                              "--stages-per-rank", "--save", "--save-every", "--resume", "--text", "--curve", "--check",
+                              "--recompute", "--cp", "--cp-mode"});
   const std::string positive = "expected an integer in [1, 2147483647]";
-  expect_bad_options(program, {
-      {{"--bogus"}, "unknown option '--bogus'"},
-      {{"--tp", "2", "--bogus", "1"}, "unknown option '--bogus'"},
-      {{"extra"}, "unexpected argument 'extra'"},
-      {{"--microbatches", "0"}, "--microbatches: " + positive + ", got '0'"},
-      {{"--dp", "0"}, "--dp: " + positive + ", got '0'"},
-      {{"--tp", "0"}, "--tp: " + positive + ", got '0'"},
-      {{"--pp", "0"}, "--pp: " + positive + ", got '0'"},
-      {{"--tp", "two"}, "--tp: " + positive + ", got 'two'"},
-      {{"--tp", "2x"}, "--tp: " + positive + ", got '2x'"},
-      {{"--steps", "99999999999"}, "--steps: " + positive + ", got '99999999999'"},
-      {{"--steps", "-1"}, "--steps: " + positive + ", got '-1'"},
-      {{"--steps", "0"}, "--steps: " + positive + ", got '0'"},
-      {{"--steps"}, "--steps: 1 required"},
-      {{"--schedule", "interleaved", "--stages-per-rank", "-1"}, "--stages-per-rank: expected an integer in [0, "},
-      {{"--schedule", "zb"}, "--schedule: expected one of 1f1b, gpipe, interleaved, zbh1, got 'zb'"},
-      {{"--save-every", "-2", "--save", "x"}, "--save-every: expected an integer in [0, "},
-      {{"--check=1"}, "--check takes no value"},
-      {{"--dp", "65536", "--microbatches", "65536"}, "does not split into 65536 replicas x 65536 microbatches"},
-      {{"--pp", "2", "--stages-per-rank", "2"}, "--stages-per-rank 2 needs --schedule interleaved"},
-      {{"--save-every", "2"}, "--save-every needs --save DIR"},
-      {{"--fsdp", "--pp", "2", "--schedule", "zbh1"}, "--fsdp does not combine with --schedule zbh1"},
-      {{"--precision", "fp16"}, "--precision fp16 needs --fsdp"},
-      {{"--precision", "fp8"}, "--precision: expected one of fp32, bf16, fp16, got 'fp8'"},
-      {{"--recompute", "partial"}, "--recompute: expected one of none, selective, full, got 'partial'"},
-      {{"--recompute", "full", "--schedule", "zbh1"}, "--recompute full does not combine with --schedule zbh1"},
-  });
+  expect_bad_options(
+      program,
+      {
+          {{"--bogus"}, "unknown option '--bogus'"},
+          {{"--tp", "2", "--bogus", "1"}, "unknown option '--bogus'"},
+          {{"extra"}, "unexpected argument 'extra'"},
+          {{"--microbatches", "0"}, "--microbatches: " + positive + ", got '0'"},
+          {{"--dp", "0"}, "--dp: " + positive + ", got '0'"},
+          {{"--tp", "0"}, "--tp: " + positive + ", got '0'"},
+          {{"--pp", "0"}, "--pp: " + positive + ", got '0'"},
+          {{"--tp", "two"}, "--tp: " + positive + ", got 'two'"},
+          {{"--tp", "2x"}, "--tp: " + positive + ", got '2x'"},
+          {{"--steps", "99999999999"}, "--steps: " + positive + ", got '99999999999'"},
+          {{"--steps", "-1"}, "--steps: " + positive + ", got '-1'"},
+          {{"--steps", "0"}, "--steps: " + positive + ", got '0'"},
+          {{"--steps"}, "--steps: 1 required"},
+          {{"--schedule", "interleaved", "--stages-per-rank", "-1"}, "--stages-per-rank: expected an integer in [0, "},
+          {{"--schedule", "zb"}, "--schedule: expected one of 1f1b, gpipe, interleaved, zbh1, got 'zb'"},
+          {{"--save-every", "-2", "--save", "x"}, "--save-every: expected an integer in [0, "},
+          {{"--check=1"}, "--check takes no value"},
+          {{"--dp", "65536", "--microbatches", "65536"}, "does not split into 65536 replicas x 65536 microbatches"},
+          {{"--pp", "2", "--stages-per-rank", "2"}, "--stages-per-rank 2 needs --schedule interleaved"},
+          {{"--save-every", "2"}, "--save-every needs --save DIR"},
+          {{"--fsdp", "--pp", "2", "--schedule", "zbh1"}, "--fsdp does not combine with --schedule zbh1"},
+          {{"--precision", "fp16"}, "--precision fp16 needs --fsdp"},
+          {{"--precision", "fp8"}, "--precision: expected one of fp32, bf16, fp16, got 'fp8'"},
+          {{"--recompute", "partial"}, "--recompute: expected one of none, selective, full, got 'partial'"},
+          {{"--recompute", "full", "--schedule", "zbh1"}, "--recompute full does not combine with --schedule zbh1"},
+      });
 }
 
 }  // namespace

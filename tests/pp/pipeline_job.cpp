@@ -47,8 +47,8 @@ int main(int argc, char** argv) {
     // kill: the survivors must find the dead rank themselves, within 5 s,
     // not be stopped by the launcher's SIGTERM first.
     if (mode == "kill") std::signal(SIGTERM, SIG_IGN);
-    commgrad::init_process_group(commgrad::InitOptions().timeout(
-        mode == "kill" ? std::chrono::milliseconds(5000) : std::chrono::milliseconds(0)));
+    commgrad::init_process_group(commgrad::InitOptions().timeout(mode == "kill" ? std::chrono::milliseconds(5000)
+                                                                                : std::chrono::milliseconds(0)));
     const int rank = commgrad::rank();
     const int p = commgrad::world_size();
     const auto x = at::randn({2 * m, kWidth}, at::make_generator<at::CPUGeneratorImpl>(1)).to(torch::kDouble);

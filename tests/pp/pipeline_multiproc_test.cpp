@@ -16,7 +16,8 @@ using ::testing::HasSubstr;
 std::string job() { return build_path("tests/pp/pipeline_job"); }
 
 TEST(PipelineProcesses, EverySchedule) {
-  for (const std::vector<std::string>& args : {std::vector<std::string>{"gpipe", "3"}, {"1f1b", "5"}, {"interleaved", "3", "2"}, {"zbh1", "4"}}) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"gpipe", "3"}, {"1f1b", "5"}, {"interleaved", "3", "2"}, {"zbh1", "4"}}) {
     std::vector<std::string> cmd{launcher_path(), "-n", "3", "--timeout", "60", job(), "train"};
     cmd.insert(cmd.end(), args.begin(), args.end());
     auto r = run_process(cmd, clean_env(), std::chrono::seconds(90));
@@ -31,9 +32,11 @@ TEST(PipelineProcesses, ARankThatDiesMidScheduleIsNamedByTheOthers) {
                        clean_env(), std::chrono::seconds(90));
   EXPECT_NE(r.exit_code, 0);
   // Rank 0 waits for stage 1's gradient, rank 2 for its activation.
-  EXPECT_THAT(r.err, HasSubstr("[0] pipeline_job: [commgrad] Pipeline rank 0/3 group 'world' (shm): stage 0 microbatch 0 (recvG0.0) failed: "))
+  EXPECT_THAT(r.err, HasSubstr("[0] pipeline_job: [commgrad] Pipeline rank 0/3 group 'world' (shm): stage 0 microbatch "
+                               "0 (recvG0.0) failed: "))
       << r.err;
-  EXPECT_THAT(r.err, HasSubstr("[2] pipeline_job: [commgrad] Pipeline rank 2/3 group 'world' (shm): stage 2 microbatch 1 (recvA2.1) failed: "))
+  EXPECT_THAT(r.err, HasSubstr("[2] pipeline_job: [commgrad] Pipeline rank 2/3 group 'world' (shm): stage 2 microbatch "
+                               "1 (recvA2.1) failed: "))
       << r.err;
   EXPECT_THAT(r.err, HasSubstr("rank 1 (pid ")) << r.err;
 }

@@ -61,30 +61,35 @@ TEST_P(PipelineMatchesOneRank, LossAndEveryGradient) {
   for (auto& b : whole) h = b->forward(h);
   auto ref_loss = mse(h, y);
   ref_loss.backward();
-  spawn_ranks(c.ranks, [&](Group& group) {
-    std::vector<Block> mine;
-    std::vector<pp::StageFunction> fns;
-    for (int v = 0; v < c.stages_per_rank; ++v) mine.emplace_back(v * c.ranks + group.rank());
-    for (auto& b : mine) fns.push_back([b](const at::Tensor& in) mutable { return b->forward(in); });
-    pp::Pipeline pipe(fns, mse, pp::PipelineOptions(c.microbatches).schedule(c.schedule).stages_per_rank(c.stages_per_rank).group(group));
-    for (int repeat = 0; repeat < 2; ++repeat) {  // the second step accumulates
-      const auto result = pipe.step(x, y);
-      EXPECT_NEAR(result.loss, ref_loss.item<double>(), 1e-12);
-      ASSERT_EQ(result.microbatch_losses.size(), static_cast<size_t>(c.microbatches));
-      EXPECT_GT(result.compute_seconds, 0.0);
-      EXPECT_LE(result.compute_seconds, result.step_seconds);
-      for (size_t v = 0; v < mine.size(); ++v) {
-        const int stage = v * c.ranks + group.rank();
-        for (const auto& p : mine[v]->named_parameters()) {
-          const auto want = whole[stage]->named_parameters()[p.key()].grad() * (repeat + 1);
-          ASSERT_TRUE(p.value().grad().defined()) << "stage " << stage << " " << p.key();
-          EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-10, 1e-12))
-              << "stage " << stage << " " << p.key() << ": max difference "
-              << (p.value().grad() - want).abs().max().item<double>();
+  spawn_ranks(
+      c.ranks,
+      [&](Group& group) {
+        std::vector<Block> mine;
+        std::vector<pp::StageFunction> fns;
+        for (int v = 0; v < c.stages_per_rank; ++v) mine.emplace_back(v * c.ranks + group.rank());
+        for (auto& b : mine) fns.push_back([b](const at::Tensor& in) mutable { return b->forward(in); });
+        pp::Pipeline pipe(
+            fns, mse,
+            pp::PipelineOptions(c.microbatches).schedule(c.schedule).stages_per_rank(c.stages_per_rank).group(group));
+        for (int repeat = 0; repeat < 2; ++repeat) {  // the second step accumulates
+          const auto result = pipe.step(x, y);
+          EXPECT_NEAR(result.loss, ref_loss.item<double>(), 1e-12);
+          ASSERT_EQ(result.microbatch_losses.size(), static_cast<size_t>(c.microbatches));
+          EXPECT_GT(result.compute_seconds, 0.0);
+          EXPECT_LE(result.compute_seconds, result.step_seconds);
+          for (size_t v = 0; v < mine.size(); ++v) {
+            const int stage = v * c.ranks + group.rank();
+            for (const auto& p : mine[v]->named_parameters()) {
+              const auto want = whole[stage]->named_parameters()[p.key()].grad() * (repeat + 1);
+              ASSERT_TRUE(p.value().grad().defined()) << "stage " << stage << " " << p.key();
+              EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-10, 1e-12))
+                  << "stage " << stage << " " << p.key() << ": max difference "
+                  << (p.value().grad() - want).abs().max().item<double>();
+            }
+          }
         }
-      }
-    }
-  }, SpawnOptions().backend(c.backend));
+      },
+      SpawnOptions().backend(c.backend));
 }
 
 std::vector<Case> cases() {
@@ -119,30 +124,36 @@ TEST(PipelineTest, PipelineTimesDataParallelReducesOncePerStep) {
   std::vector<Block> whole{Block(0), Block(1)};
   auto ref_loss = mse(whole[1]->forward(whole[0]->forward(x)), y);
   ref_loss.backward();
-  for (const std::string schedule : {"1f1b", "zbh1"}) spawn_ranks(4, [&](Group& world) {
-    SCOPED_TRACE(schedule);
-    auto state = commgrad::make_model_parallel(1, 2, world);
-    const int stage = state.pipeline_parallel_rank();
-    const int dp = state.data_parallel_rank();
-    Block block(stage);
-    dp::DistributedDataParallel ddp(block, state.data_parallel_group());
-    pp::Pipeline pipe({[block](const at::Tensor& in) mutable { return block->forward(in); }}, mse,
-                      pp::PipelineOptions(m).schedule(schedule).group(state.pipeline_parallel_group()).no_sync(
-                          {pp::no_sync_of(ddp)}));
-    const auto before = state.data_parallel_group().state()->sequence.load();
-    const auto result = pipe.step(x.chunk(2, 0)[dp], y.chunk(2, 0)[dp]);
-    EXPECT_EQ(static_cast<int64_t>(state.data_parallel_group().state()->sequence.load() - before),
-              static_cast<int64_t>(ddp.buckets().size()));
-    // The DP ranks' mean losses average to the whole batch's.
-    auto mean = ops::raw::all_reduce(at::full({1}, result.loss, at::kDouble), ops::AllReduceOptions().op(ReduceOp::kAvg),
-                                     state.data_parallel_group())
-                    .wait();
-    EXPECT_NEAR(mean.item<double>(), ref_loss.item<double>(), 1e-12);
-    for (const auto& p : block->named_parameters()) {
-      const auto want = whole[stage]->named_parameters()[p.key()].grad();
-      EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-10, 1e-12)) << "stage " << stage << " " << p.key();
-    }
-  }, SpawnOptions().backend("shm"));
+  for (const std::string schedule : {"1f1b", "zbh1"})
+    spawn_ranks(
+        4,
+        [&](Group& world) {
+          SCOPED_TRACE(schedule);
+          auto state = commgrad::make_model_parallel(1, 2, world);
+          const int stage = state.pipeline_parallel_rank();
+          const int dp = state.data_parallel_rank();
+          Block block(stage);
+          dp::DistributedDataParallel ddp(block, state.data_parallel_group());
+          pp::Pipeline pipe({[block](const at::Tensor& in) mutable { return block->forward(in); }}, mse,
+                            pp::PipelineOptions(m)
+                                .schedule(schedule)
+                                .group(state.pipeline_parallel_group())
+                                .no_sync({pp::no_sync_of(ddp)}));
+          const auto before = state.data_parallel_group().state()->sequence.load();
+          const auto result = pipe.step(x.chunk(2, 0)[dp], y.chunk(2, 0)[dp]);
+          EXPECT_EQ(static_cast<int64_t>(state.data_parallel_group().state()->sequence.load() - before),
+                    static_cast<int64_t>(ddp.buckets().size()));
+          // The DP ranks' mean losses average to the whole batch's.
+          auto mean = ops::raw::all_reduce(at::full({1}, result.loss, at::kDouble),
+                                           ops::AllReduceOptions().op(ReduceOp::kAvg), state.data_parallel_group())
+                          .wait();
+          EXPECT_NEAR(mean.item<double>(), ref_loss.item<double>(), 1e-12);
+          for (const auto& p : block->named_parameters()) {
+            const auto want = whole[stage]->named_parameters()[p.key()].grad();
+            EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-10, 1e-12)) << "stage " << stage << " " << p.key();
+          }
+        },
+        SpawnOptions().backend("shm"));
 }
 
 TEST(PipelineTest, OneDataParallelOverAllOfARanksStagesReducesOncePerStep) {
@@ -156,32 +167,39 @@ TEST(PipelineTest, OneDataParallelOverAllOfARanksStagesReducesOncePerStep) {
   auto h = x;
   for (auto& b : whole) h = b->forward(h);
   mse(h, y).backward();
-  spawn_ranks(4, [&](Group& world) {
-    auto state = commgrad::make_model_parallel(1, 2, world);
-    const int rank = state.pipeline_parallel_rank();
-    const int dp = state.data_parallel_rank();
-    auto both = std::make_shared<torch::nn::Module>();
-    std::vector<Block> mine;
-    std::vector<pp::StageFunction> fns;
-    for (int i = 0; i < v; ++i) {
-      mine.push_back(both->register_module("stage" + std::to_string(i), Block(i * 2 + rank)));
-      fns.push_back([b = mine.back()](const at::Tensor& in) mutable { return b->forward(in); });
-    }
-    dp::DistributedDataParallel ddp(both, state.data_parallel_group());
-    pp::Pipeline pipe(fns, mse,
-                      pp::PipelineOptions(m).schedule("interleaved").stages_per_rank(v).group(
-                          state.pipeline_parallel_group()).no_sync({pp::no_sync_of(ddp)}));
-    const auto before = state.data_parallel_group().state()->sequence.load();
-    pipe.step(x.chunk(2, 0)[dp], y.chunk(2, 0)[dp]);
-    EXPECT_EQ(static_cast<int64_t>(state.data_parallel_group().state()->sequence.load() - before),
-              static_cast<int64_t>(ddp.buckets().size()));
-    for (int i = 0; i < v; ++i) {
-      for (const auto& p : mine[i]->named_parameters()) {
-        const auto want = whole[i * 2 + rank]->named_parameters()[p.key()].grad();
-        EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-10, 1e-12)) << "stage " << i * 2 + rank << " " << p.key();
-      }
-    }
-  }, SpawnOptions().backend("shm"));
+  spawn_ranks(
+      4,
+      [&](Group& world) {
+        auto state = commgrad::make_model_parallel(1, 2, world);
+        const int rank = state.pipeline_parallel_rank();
+        const int dp = state.data_parallel_rank();
+        auto both = std::make_shared<torch::nn::Module>();
+        std::vector<Block> mine;
+        std::vector<pp::StageFunction> fns;
+        for (int i = 0; i < v; ++i) {
+          mine.push_back(both->register_module("stage" + std::to_string(i), Block(i * 2 + rank)));
+          fns.push_back([b = mine.back()](const at::Tensor& in) mutable { return b->forward(in); });
+        }
+        dp::DistributedDataParallel ddp(both, state.data_parallel_group());
+        pp::Pipeline pipe(fns, mse,
+                          pp::PipelineOptions(m)
+                              .schedule("interleaved")
+                              .stages_per_rank(v)
+                              .group(state.pipeline_parallel_group())
+                              .no_sync({pp::no_sync_of(ddp)}));
+        const auto before = state.data_parallel_group().state()->sequence.load();
+        pipe.step(x.chunk(2, 0)[dp], y.chunk(2, 0)[dp]);
+        EXPECT_EQ(static_cast<int64_t>(state.data_parallel_group().state()->sequence.load() - before),
+                  static_cast<int64_t>(ddp.buckets().size()));
+        for (int i = 0; i < v; ++i) {
+          for (const auto& p : mine[i]->named_parameters()) {
+            const auto want = whole[i * 2 + rank]->named_parameters()[p.key()].grad();
+            EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-10, 1e-12))
+                << "stage " << i * 2 + rank << " " << p.key();
+          }
+        }
+      },
+      SpawnOptions().backend("shm"));
 }
 
 TEST(PipelineTest, AFailingRankEndsTheOthersWithItsMessage) {
@@ -192,39 +210,43 @@ TEST(PipelineTest, AFailingRankEndsTheOthersWithItsMessage) {
   const auto x = seeded_randn({8, kWidth}, 1, torch::kDouble);
   for (const std::string how : {"bad inputs", "stage throws"}) {
     SCOPED_TRACE(how);
-    spawn_ranks(3, [&](Group& group) {
-      Block block(group.rank());
-      int calls = 0;
-      pp::StageFunction fn = [&, block](const at::Tensor& in) mutable {
-        if (how == "stage throws" && group.rank() == 1 && ++calls == 2) throw std::runtime_error("stage 1 went wrong");
-        return block->forward(in);
-      };
-      pp::Pipeline pipe({fn}, mse, pp::PipelineOptions(4).group(group));
-      const auto inputs = how == "bad inputs" && group.rank() == 0 ? x.slice(0, 0, 6) : x;
-      try {
-        pipe.step(inputs, x);
-        ADD_FAILURE() << "rank " << group.rank() << " finished its step";
-      } catch (const c10::Error& e) {
-        const std::string what = e.what_without_backtrace();
-        if (how == "bad inputs") {
-          EXPECT_THAT(what, HasSubstr("a batch of 6 inputs (float64[6, 5]) does not split into 4 microbatches"));
-          if (group.rank() == 1) {
-            EXPECT_THAT(what, HasSubstr("(recvA1.0): pipeline rank 0 (previous stage 0) failed"));
+    spawn_ranks(
+        3,
+        [&](Group& group) {
+          Block block(group.rank());
+          int calls = 0;
+          pp::StageFunction fn = [&, block](const at::Tensor& in) mutable {
+            if (how == "stage throws" && group.rank() == 1 && ++calls == 2)
+              throw std::runtime_error("stage 1 went wrong");
+            return block->forward(in);
+          };
+          pp::Pipeline pipe({fn}, mse, pp::PipelineOptions(4).group(group));
+          const auto inputs = how == "bad inputs" && group.rank() == 0 ? x.slice(0, 0, 6) : x;
+          try {
+            pipe.step(inputs, x);
+            ADD_FAILURE() << "rank " << group.rank() << " finished its step";
+          } catch (const c10::Error& e) {
+            const std::string what = e.what_without_backtrace();
+            if (how == "bad inputs") {
+              EXPECT_THAT(what, HasSubstr("a batch of 6 inputs (float64[6, 5]) does not split into 4 microbatches"));
+              if (group.rank() == 1) {
+                EXPECT_THAT(what, HasSubstr("(recvA1.0): pipeline rank 0 (previous stage 0) failed"));
+              }
+              if (group.rank() == 2) {
+                EXPECT_THAT(what, HasSubstr("(recvA2.0): pipeline rank 1 (previous stage 1) failed"));
+              }
+            } else {
+              EXPECT_THAT(what, HasSubstr("stage 1 microbatch 1 (F1.1) failed: stage 1 went wrong"));
+              if (group.rank() == 0) {
+                EXPECT_THAT(what, HasSubstr("pipeline rank 1 (next stage 1) failed"));
+              }
+              if (group.rank() == 2) {
+                EXPECT_THAT(what, HasSubstr("(recvA2.1): pipeline rank 1 (previous stage 1) failed"));
+              }
+            }
           }
-          if (group.rank() == 2) {
-            EXPECT_THAT(what, HasSubstr("(recvA2.0): pipeline rank 1 (previous stage 1) failed"));
-          }
-        } else {
-          EXPECT_THAT(what, HasSubstr("stage 1 microbatch 1 (F1.1) failed: stage 1 went wrong"));
-          if (group.rank() == 0) {
-            EXPECT_THAT(what, HasSubstr("pipeline rank 1 (next stage 1) failed"));
-          }
-          if (group.rank() == 2) {
-            EXPECT_THAT(what, HasSubstr("(recvA2.1): pipeline rank 1 (previous stage 1) failed"));
-          }
-        }
-      }
-    }, SpawnOptions().backend("shm"));
+        },
+        SpawnOptions().backend("shm"));
   }
 }
 
@@ -242,9 +264,9 @@ TEST(PipelineTest, BadInputIsAnErrorOnEveryRank) {
     EXPECT_THROW(pp::Pipeline({fn, fn}, mse, pp::PipelineOptions(2).group(group)), c10::Error);
     pp::NoSyncFunction hold = [] { return std::shared_ptr<void>(); };
     try {
-      pp::Pipeline pipe({fn, fn, fn}, mse,
-                        pp::PipelineOptions(2).schedule("interleaved").stages_per_rank(3).group(group).no_sync(
-                            {hold, hold}));
+      pp::Pipeline pipe(
+          {fn, fn, fn}, mse,
+          pp::PipelineOptions(2).schedule("interleaved").stages_per_rank(3).group(group).no_sync({hold, hold}));
       ADD_FAILURE() << "2 no_sync functions for 3 stages were accepted";
     } catch (const c10::Error& e) {
       EXPECT_THAT(e.what_without_backtrace(),

@@ -48,56 +48,62 @@ TEST_P(PipelineTimesTensorParallel, LossAndEveryGradientMatchOneRank) {
   std::vector<ReferenceMLP> whole;
   const auto ref_loss = unsplit(stages, x, y, whole);
 
-  spawn_ranks(4, [&](Group& world) {
-    auto state = commgrad::make_model_parallel(2, 2, world);
-    const auto tp_group = state.tensor_parallel_group();
-    const int rank = state.pipeline_parallel_rank();
-    std::vector<tp::ParallelMLP> mine;
-    std::vector<pp::StageFunction> fns;
-    for (int v = 0; v < c.stages_per_rank; ++v) {
-      const int s = v * 2 + rank;
-      mine.emplace_back(
-          tp::ParallelMLPOptions(kHidden, kFfn, tp_group).sequence_parallel(c.sequence_parallel).seed(10 * s + 1));
-      fns.push_back([mlp = mine.back(), s, stages, sp = c.sequence_parallel, tp_group](const at::Tensor& in) mutable {
-        // Under SP the activations between stages are this TP rank's rows;
-        // the loss sees them all (gathered; backward keeps this rank's
-        // part of the gradient, which every TP rank computed whole).
-        auto a = sp && s == 0 ? tp::scatter_to_sequence_parallel_region(in, tp_group) : in;
-        a = mlp(a);
-        return sp && s == stages - 1 ? tp::detail::gather_along(a, 0, tp_group, "pipeline_tp_test") : a;
-      });
-    }
-    pp::Pipeline pipe(fns, [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); },
-                      pp::PipelineOptions(c.microbatches)
-                          .schedule(c.schedule)
-                          .stages_per_rank(c.stages_per_rank)
-                          .group(state.pipeline_parallel_group()));
-    const auto result = pipe.step(x, y);
-    EXPECT_NEAR(result.loss, ref_loss.item<double>(), 1e-5 * ref_loss.item<double>());
-    for (int v = 0; v < c.stages_per_rank; ++v) {
-      const int s = v * 2 + rank;
-      if (c.sequence_parallel) tp::allreduce_sequence_parallel_grads(*mine[v]);
-      const auto specs = tp::shard_specs(*mine[v]);
-      for (const auto& p : mine[v]->named_parameters()) {
-        ASSERT_TRUE(p.value().grad().defined()) << "stage " << s << " " << p.key();
-        const auto full = tp::gather_shards(p.value().grad(), specs[p.key()].spec, tp_group);
-        const auto want = whole[s]->named_parameters()[p.key()].grad();
-        EXPECT_TRUE(torch::allclose(full, want, 1e-5, 4e-5))
-            << "stage " << s << " " << p.key() << ": max difference " << (full - want).abs().max().item<double>();
-      }
-    }
-  }, SpawnOptions().backend("shm"));
+  spawn_ranks(
+      4,
+      [&](Group& world) {
+        auto state = commgrad::make_model_parallel(2, 2, world);
+        const auto tp_group = state.tensor_parallel_group();
+        const int rank = state.pipeline_parallel_rank();
+        std::vector<tp::ParallelMLP> mine;
+        std::vector<pp::StageFunction> fns;
+        for (int v = 0; v < c.stages_per_rank; ++v) {
+          const int s = v * 2 + rank;
+          mine.emplace_back(
+              tp::ParallelMLPOptions(kHidden, kFfn, tp_group).sequence_parallel(c.sequence_parallel).seed(10 * s + 1));
+          fns.push_back(
+              [mlp = mine.back(), s, stages, sp = c.sequence_parallel, tp_group](const at::Tensor& in) mutable {
+                // Under SP the activations between stages are this TP rank's rows;
+                // the loss sees them all (gathered; backward keeps this rank's
+                // part of the gradient, which every TP rank computed whole).
+                auto a = sp && s == 0 ? tp::scatter_to_sequence_parallel_region(in, tp_group) : in;
+                a = mlp(a);
+                return sp && s == stages - 1 ? tp::detail::gather_along(a, 0, tp_group, "pipeline_tp_test") : a;
+              });
+        }
+        pp::Pipeline pipe(
+            fns, [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); },
+            pp::PipelineOptions(c.microbatches)
+                .schedule(c.schedule)
+                .stages_per_rank(c.stages_per_rank)
+                .group(state.pipeline_parallel_group()));
+        const auto result = pipe.step(x, y);
+        EXPECT_NEAR(result.loss, ref_loss.item<double>(), 1e-5 * ref_loss.item<double>());
+        for (int v = 0; v < c.stages_per_rank; ++v) {
+          const int s = v * 2 + rank;
+          if (c.sequence_parallel) tp::allreduce_sequence_parallel_grads(*mine[v]);
+          const auto specs = tp::shard_specs(*mine[v]);
+          for (const auto& p : mine[v]->named_parameters()) {
+            ASSERT_TRUE(p.value().grad().defined()) << "stage " << s << " " << p.key();
+            const auto full = tp::gather_shards(p.value().grad(), specs[p.key()].spec, tp_group);
+            const auto want = whole[s]->named_parameters()[p.key()].grad();
+            EXPECT_TRUE(torch::allclose(full, want, 1e-5, 4e-5))
+                << "stage " << s << " " << p.key() << ": max difference " << (full - want).abs().max().item<double>();
+          }
+        }
+      },
+      SpawnOptions().backend("shm"));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Schedules, PipelineTimesTensorParallel,
-    ::testing::Values(TpCase{"1f1b", 2, 1, false}, TpCase{"gpipe", 4, 1, false}, TpCase{"1f1b", 4, 1, true},
-                      TpCase{"interleaved", 4, 2, false}, TpCase{"interleaved", 2, 2, true},
-                      TpCase{"zbh1", 2, 1, false}, TpCase{"zbh1", 4, 1, true}),
-    [](const auto& info) {
-      const auto& c = info.param;
-      return c.schedule + "_m" + std::to_string(c.microbatches) + (c.sequence_parallel ? "_sp" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(Schedules, PipelineTimesTensorParallel,
+                         ::testing::Values(TpCase{"1f1b", 2, 1, false}, TpCase{"gpipe", 4, 1, false},
+                                           TpCase{"1f1b", 4, 1, true}, TpCase{"interleaved", 4, 2, false},
+                                           TpCase{"interleaved", 2, 2, true}, TpCase{"zbh1", 2, 1, false},
+                                           TpCase{"zbh1", 4, 1, true}),
+                         [](const auto& info) {
+                           const auto& c = info.param;
+                           return c.schedule + "_m" + std::to_string(c.microbatches) +
+                                  (c.sequence_parallel ? "_sp" : "");
+                         });
 
 // Zero bubble with real B/W splits: ParallelMLP stages (TP = 1) at PP = 2,
 // 3, 4 with m = p and an odd m > p, against the unsplit stages, and equal to
@@ -110,28 +116,32 @@ TEST_P(ZeroBubbleSplitsEveryStage, LossAndEveryGradientMatchOneRank) {
   const auto y = seeded_randn({2 * m, kHidden}, 2);
   std::vector<ReferenceMLP> whole;
   const auto ref_loss = unsplit(p, x, y, whole);
-  spawn_ranks(p, [&](Group& group) {
-    const int s = group.rank();
-    std::map<std::string, std::vector<at::Tensor>> grads;
-    for (const std::string schedule : {"1f1b", "zbh1"}) {
-      tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, commgrad::self_group()).seed(10 * s + 1));
-      pp::Pipeline pipe({[mlp](const at::Tensor& in) mutable { return mlp(in); }},
-                        [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); },
-                        pp::PipelineOptions(m).schedule(schedule).group(group));
-      const auto result = pipe.step(x, y);
-      EXPECT_NEAR(result.loss, ref_loss.item<double>(), 1e-5 * ref_loss.item<double>());
-      for (const auto& param : mlp->named_parameters()) {
-        const auto want = whole[s]->named_parameters()[param.key()].grad();
-        ASSERT_TRUE(param.value().grad().defined()) << schedule << " stage " << s << " " << param.key();
-        EXPECT_TRUE(torch::allclose(param.value().grad(), want, 1e-5, 4e-5))
-            << schedule << " stage " << s << " " << param.key();
-        grads[schedule].push_back(param.value().grad());
-      }
-    }
-    for (size_t i = 0; i < grads["1f1b"].size(); ++i) {
-      EXPECT_TRUE(torch::equal(grads["zbh1"][i], grads["1f1b"][i])) << "stage " << s << " parameter " << i;
-    }
-  }, SpawnOptions().backend("shm"));
+  spawn_ranks(
+      p,
+      [&](Group& group) {
+        const int s = group.rank();
+        std::map<std::string, std::vector<at::Tensor>> grads;
+        for (const std::string schedule : {"1f1b", "zbh1"}) {
+          tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, commgrad::self_group()).seed(10 * s + 1));
+          pp::Pipeline pipe(
+              {[mlp](const at::Tensor& in) mutable { return mlp(in); }},
+              [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); },
+              pp::PipelineOptions(m).schedule(schedule).group(group));
+          const auto result = pipe.step(x, y);
+          EXPECT_NEAR(result.loss, ref_loss.item<double>(), 1e-5 * ref_loss.item<double>());
+          for (const auto& param : mlp->named_parameters()) {
+            const auto want = whole[s]->named_parameters()[param.key()].grad();
+            ASSERT_TRUE(param.value().grad().defined()) << schedule << " stage " << s << " " << param.key();
+            EXPECT_TRUE(torch::allclose(param.value().grad(), want, 1e-5, 4e-5))
+                << schedule << " stage " << s << " " << param.key();
+            grads[schedule].push_back(param.value().grad());
+          }
+        }
+        for (size_t i = 0; i < grads["1f1b"].size(); ++i) {
+          EXPECT_TRUE(torch::equal(grads["zbh1"][i], grads["1f1b"][i])) << "stage " << s << " parameter " << i;
+        }
+      },
+      SpawnOptions().backend("shm"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, ZeroBubbleSplitsEveryStage,
@@ -158,9 +168,10 @@ std::vector<at::Tensor> data_parallel_step(const std::string& schedule, bool zer
   const auto stage_fn = [mlp](const at::Tensor& in) mutable { return mlp(in); };
   std::vector<at::Tensor> out;
   if (zero) {
-    optim::ZeroOptimizer opt(mlp, [](std::vector<at::Tensor> p) {
-      return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
-    }, optim::ZeroOptimizerOptions(dp::DistributedDataParallelOptions(state.data_parallel_group())).stage(2));
+    optim::ZeroOptimizer opt(
+        mlp,
+        [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1)); },
+        optim::ZeroOptimizerOptions(dp::DistributedDataParallelOptions(state.data_parallel_group())).stage(2));
     pp::Pipeline pipe({stage_fn}, loss, pp::PipelineOptions(options).no_sync({pp::no_sync_of(opt)}));
     pipe.step(x, y);
     opt.step();
@@ -181,15 +192,18 @@ std::vector<at::Tensor> data_parallel_step(const std::string& schedule, bool zer
 TEST(PipelineZeroBubble, DataParallelGradientsAreOneFOneBsBitForBit) {
   for (bool zero : {false, true}) {
     SCOPED_TRACE(zero ? "ZeRO-2" : "DDP");
-    spawn_ranks(4, [&](Group& world) {
-      const auto want = data_parallel_step("1f1b", zero, world);
-      const auto got = data_parallel_step("zbh1", zero, world);
-      ASSERT_EQ(got.size(), want.size());
-      for (size_t i = 0; i < got.size(); ++i) {
-        EXPECT_TRUE(torch::equal(got[i], want[i]))
-            << "parameter " << i << ": max difference " << (got[i] - want[i]).abs().max().item<double>();
-      }
-    }, SpawnOptions().backend("shm"));
+    spawn_ranks(
+        4,
+        [&](Group& world) {
+          const auto want = data_parallel_step("1f1b", zero, world);
+          const auto got = data_parallel_step("zbh1", zero, world);
+          ASSERT_EQ(got.size(), want.size());
+          for (size_t i = 0; i < got.size(); ++i) {
+            EXPECT_TRUE(torch::equal(got[i], want[i]))
+                << "parameter " << i << ": max difference " << (got[i] - want[i]).abs().max().item<double>();
+          }
+        },
+        SpawnOptions().backend("shm"));
   }
 }
 

@@ -16,9 +16,8 @@
 namespace commgrad::pp {
 namespace {
 
-using ::testing::HasSubstr;
 using commgrad::testing::error_of;
-
+using ::testing::HasSubstr;
 
 TEST(ScheduleTest, GpipeAndOneFOneBHaveTheClosedFormBubble) {
   for (int p = 1; p <= 8; ++p) {
@@ -94,8 +93,8 @@ TEST(ScheduleTest, ZeroBubbleH1HasTheClosedFormBubbleAndOneFOneBsMemory) {
                             SimulationOptions().forward(1.0).backward(2.0).backward_weight(0.5)}) {
     for (int p : {2, 3, 4, 8}) {
       for (int m : {p, 2 * p + 1, 4 * p}) {
-        SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m) + " W=" +
-                     std::to_string(costs.backward_weight()));
+        SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m) +
+                     " W=" + std::to_string(costs.backward_weight()));
         const auto r = simulate(zero_bubble_h1(p, m), costs);
         EXPECT_NEAR(r.bubble_fraction, bubble_fraction_closed_form("zbh1", p, m, 1, costs), 1e-12);
         EXPECT_LT(r.bubble_fraction, simulate(one_f_one_b(p, m), costs).bubble_fraction);
@@ -124,8 +123,9 @@ TEST(ScheduleTest, CommunicationIsDerivedAndBatched) {
 }
 
 TEST(ScheduleTest, BadSizesAreErrors) {
-  EXPECT_THAT(error_of([] { one_f_one_b(4, 3); }),
-              HasSubstr("1f1b: 3 microbatches for 4 pipeline ranks; a pipeline needs at least one microbatch per rank"));
+  EXPECT_THAT(
+      error_of([] { one_f_one_b(4, 3); }),
+      HasSubstr("1f1b: 3 microbatches for 4 pipeline ranks; a pipeline needs at least one microbatch per rank"));
   EXPECT_THAT(error_of([] { interleaved_one_f_one_b(4, 6, 2); }),
               HasSubstr("interleaved: 6 microbatches do not split into groups of 4"));
   EXPECT_THAT(error_of([] { make_schedule("zero-bubble", 2, 4); }),
@@ -141,18 +141,27 @@ TEST(ScheduleTest, BadSizesAreErrors) {
 TEST(ScheduleTest, TheSimulatorFindsDeadlocks) {
   // Both ranks receive before they send: each waits for the other.
   auto s = gpipe(2, 2);
-  s.actions[0] = {{ActionKind::kForward, 0, 0}, {ActionKind::kRecvGradient, 0, 0}, {ActionKind::kSendActivation, 0, 0},
+  s.actions[0] = {{ActionKind::kForward, 0, 0},
+                  {ActionKind::kRecvGradient, 0, 0},
+                  {ActionKind::kSendActivation, 0, 0},
                   {ActionKind::kBackward, 0, 0}};
   s.actions[1] = {{ActionKind::kSendGradient, 1, 0}};
   EXPECT_THAT(error_of([&] { simulate(s); }), HasSubstr("sends a gradient not computed yet"));
-  s.actions[1] = {{ActionKind::kRecvActivation, 1, 0}, {ActionKind::kForward, 1, 0}, {ActionKind::kBackward, 1, 0},
+  s.actions[1] = {{ActionKind::kRecvActivation, 1, 0},
+                  {ActionKind::kForward, 1, 0},
+                  {ActionKind::kBackward, 1, 0},
                   {ActionKind::kSendGradient, 1, 0}};
-  EXPECT_THAT(error_of([&] { simulate(s); }),
-              HasSubstr("the schedule deadlocks:\n  rank 0 action 1 (recvG0.0) waits\n  rank 1 action 0 (recvA1.0) waits"));
+  EXPECT_THAT(
+      error_of([&] { simulate(s); }),
+      HasSubstr("the schedule deadlocks:\n  rank 0 action 1 (recvG0.0) waits\n  rank 1 action 0 (recvA1.0) waits"));
   // Two sends first: buffered they pass, unbuffered each waits for the other.
-  s.actions[0] = {{ActionKind::kForward, 0, 0}, {ActionKind::kSendActivation, 0, 0}, {ActionKind::kRecvGradient, 0, 0},
+  s.actions[0] = {{ActionKind::kForward, 0, 0},
+                  {ActionKind::kSendActivation, 0, 0},
+                  {ActionKind::kRecvGradient, 0, 0},
                   {ActionKind::kBackward, 0, 0}};
-  s.actions[1] = {{ActionKind::kRecvActivation, 1, 0}, {ActionKind::kForward, 1, 0}, {ActionKind::kBackward, 1, 0},
+  s.actions[1] = {{ActionKind::kRecvActivation, 1, 0},
+                  {ActionKind::kForward, 1, 0},
+                  {ActionKind::kBackward, 1, 0},
                   {ActionKind::kSendGradient, 1, 0}};
   s.microbatches = 1;
   EXPECT_NO_THROW(simulate(s, SimulationOptions().rendezvous_sends(true)));
@@ -167,10 +176,11 @@ TEST(ScheduleTest, TheSimulatorFindsDeadlocksOfSendsThatWaitForTheirReceive) {
   // send completes only once received, each waits for the other.
   using K = ActionKind;
   auto s = gpipe(2, 2);
-  s.actions[0] = {{K::kForward, 0, 0},     {K::kSendActivation, 0, 0}, {K::kForward, 0, 1}, {K::kSendActivation, 0, 1},
-                  {K::kRecvGradient, 0, 0}, {K::kBackward, 0, 0},       {K::kRecvGradient, 0, 1}, {K::kBackward, 0, 1}};
-  s.actions[1] = {{K::kRecvActivation, 1, 0}, {K::kForward, 1, 0},       {K::kBackward, 1, 0}, {K::kSendGradient, 1, 0},
-                  {K::kRecvActivation, 1, 1}, {K::kForward, 1, 1},       {K::kBackward, 1, 1}, {K::kSendGradient, 1, 1}};
+  s.actions[0] = {{K::kForward, 0, 0},        {K::kSendActivation, 0, 0}, {K::kForward, 0, 1},
+                  {K::kSendActivation, 0, 1}, {K::kRecvGradient, 0, 0},   {K::kBackward, 0, 0},
+                  {K::kRecvGradient, 0, 1},   {K::kBackward, 0, 1}};
+  s.actions[1] = {{K::kRecvActivation, 1, 0}, {K::kForward, 1, 0}, {K::kBackward, 1, 0}, {K::kSendGradient, 1, 0},
+                  {K::kRecvActivation, 1, 1}, {K::kForward, 1, 1}, {K::kBackward, 1, 1}, {K::kSendGradient, 1, 1}};
   const auto buffered = simulate(s);
   EXPECT_GT(buffered.makespan, 0);
   EXPECT_THAT(error_of([&] { simulate(s, SimulationOptions().rendezvous_sends(true)); }),
@@ -186,7 +196,8 @@ TEST(ScheduleTest, TheSimulatorFindsDeadlocksOfSendsThatWaitForTheirReceive) {
 TEST(ScheduleTest, TheSimulatorFindsMissingInputsAndWork) {
   auto s = one_f_one_b(2, 2);
   s.actions[1].erase(s.actions[1].begin());  // rank 1 computes before receiving
-  EXPECT_THAT(error_of([&] { simulate(s); }), HasSubstr("rank 1 action 0 (F1.0) runs before its activation was received"));
+  EXPECT_THAT(error_of([&] { simulate(s); }),
+              HasSubstr("rank 1 action 0 (F1.0) runs before its activation was received"));
   auto t = gpipe(1, 2);
   t.actions[0].pop_back();
   EXPECT_THAT(error_of([&] { simulate(t); }), HasSubstr("no rank runs B0.1"));

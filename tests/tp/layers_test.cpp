@@ -19,8 +19,8 @@
 namespace commgrad::testing {
 namespace {
 
-using ::testing::HasSubstr;
 using check::Layout;
+using ::testing::HasSubstr;
 
 const std::vector<torch::ScalarType> kDtypes = {torch::kFloat32, torch::kFloat64};
 
@@ -88,16 +88,14 @@ TEST_P(TpLayers, ColumnParallelLinearSequenceParallel) {
   const int n = GetParam();
   spawn_ranks(n, [n](Group& g) {
     for (auto dtype : kDtypes) {
-      tp::ColumnParallelLinear par(
-          tp::ColumnParallelLinearOptions(13 * n, 17 * n, g).sequence_parallel(true).seed(21));
+      tp::ColumnParallelLinear par(tp::ColumnParallelLinearOptions(13 * n, 17 * n, g).sequence_parallel(true).seed(21));
       auto ref = reference_linear(13 * n, 17 * n, true, 21);
       par->to(dtype);
       ref->to(dtype);
       auto x = sequence_first_randn(3 * n, 2, 13 * n, 200, dtype);  // [s, b, h], split along s
-      auto r = check::check_gradients(check::subject(par), check::subject(ref), {x},
-                                      check::GradCheckOptions(g)
-                                          .input_layouts({Layout::partitioned(0)})
-                                          .output_layout(Layout::partitioned(-1)));
+      auto r = check::check_gradients(
+          check::subject(par), check::subject(ref), {x},
+          check::GradCheckOptions(g).input_layouts({Layout::partitioned(0)}).output_layout(Layout::partitioned(-1)));
       expect_ok(r, 7);
     }
   });
@@ -114,9 +112,9 @@ TEST_P(TpLayers, RowParallelLinear) {
         par->to(dtype);
         ref->to(dtype);
         auto x = transposed_randn(5, 17 * n, 300, dtype);
-        auto r = check::check_gradients(
-            check::subject(par), check::subject(ref), {x},
-            check::GradCheckOptions(g).input_layouts({parallel_input ? Layout::partitioned(-1) : Layout::replicated()}));
+        auto r = check::check_gradients(check::subject(par), check::subject(ref), {x},
+                                        check::GradCheckOptions(g).input_layouts(
+                                            {parallel_input ? Layout::partitioned(-1) : Layout::replicated()}));
         EXPECT_EQ(r.report("weight").layout, "split(1)");
         EXPECT_EQ(r.report("bias").layout, "replicated");
         expect_ok(r, 7);
@@ -129,17 +127,14 @@ TEST_P(TpLayers, RowParallelLinearSequenceParallel) {
   const int n = GetParam();
   spawn_ranks(n, [n](Group& g) {
     for (auto dtype : kDtypes) {
-      tp::RowParallelLinear par(tp::RowParallelLinearOptions(17 * n, 13 * n, g)
-                                    .input_is_parallel(true)
-                                    .sequence_parallel(true)
-                                    .seed(41));
+      tp::RowParallelLinear par(
+          tp::RowParallelLinearOptions(17 * n, 13 * n, g).input_is_parallel(true).sequence_parallel(true).seed(41));
       auto ref = reference_linear(17 * n, 13 * n, true, 41);
       par->to(dtype);
       ref->to(dtype);
       auto x = sequence_first_randn(3 * n, 2, 17 * n, 400, dtype);
-      auto options = check::GradCheckOptions(g)
-                         .input_layouts({Layout::partitioned(-1)})
-                         .output_layout(Layout::partitioned(0));
+      auto options =
+          check::GradCheckOptions(g).input_layouts({Layout::partitioned(-1)}).output_layout(Layout::partitioned(0));
       auto r = check::check_gradients(check::subject(par), check::subject(ref), {x}, options);
       EXPECT_EQ(r.report("bias").layout, "replicated, partial grad");
       expect_ok(r, 7);
@@ -230,7 +225,7 @@ TEST_P(TpLayers, VocabParallelCrossEntropy) {
     const int64_t vocab = 17 * n;
     const std::vector<CrossEntropyCase> cases = {
         {-100, 0.0, tp::Reduction::kMean},
-        {3, 0.1, tp::Reduction::kMean},   // ignore_index inside the vocabulary
+        {3, 0.1, tp::Reduction::kMean},  // ignore_index inside the vocabulary
         {-100, 0.2, tp::Reduction::kNone},
         {5, 0.0, tp::Reduction::kSum},
     };
@@ -238,8 +233,7 @@ TEST_P(TpLayers, VocabParallelCrossEntropy) {
       for (const auto& c : cases) {
         auto logits = transposed_randn(7, vocab, 800, dtype) * 3;
         auto target = torch::tensor({0L, vocab - 1, c.ignore_index < 0 ? 2L : c.ignore_index,
-                                     std::min(vocab / n, vocab - 2), 4L, 1L,
-                                     c.ignore_index < 0 ? c.ignore_index : 6L});
+                                     std::min(vocab / n, vocab - 2), 4L, 1L, c.ignore_index < 0 ? c.ignore_index : 6L});
         check::Subject par{nullptr, [g, c](const std::vector<at::Tensor>& in) {
                              return tp::vocab_parallel_cross_entropy(in[0], in[1],
                                                                      tp::CrossEntropyOptions()
@@ -250,7 +244,7 @@ TEST_P(TpLayers, VocabParallelCrossEntropy) {
                            }};
         const int64_t reduction = c.reduction == tp::Reduction::kNone   ? at::Reduction::None
                                   : c.reduction == tp::Reduction::kMean ? at::Reduction::Mean
-                                                                         : at::Reduction::Sum;
+                                                                        : at::Reduction::Sum;
         check::Subject ref{nullptr, [c, reduction](const std::vector<at::Tensor>& in) {
                              return at::cross_entropy_loss(in[0], in[1], {}, reduction, c.ignore_index, c.smoothing);
                            }};
@@ -270,7 +264,8 @@ TEST_P(TpLayers, CrossEntropyLeavesTheLogitsAlone) {
     const auto before = logits.detach().clone();
     const auto version = logits._version();
     auto target = torch::tensor({0L, 5L * n - 1, 2L, 3L});
-    auto loss = tp::vocab_parallel_cross_entropy(logits, target, tp::CrossEntropyOptions().group(g).label_smoothing(0.1));
+    auto loss =
+        tp::vocab_parallel_cross_entropy(logits, target, tp::CrossEntropyOptions().group(g).label_smoothing(0.1));
     loss.backward();
     EXPECT_TRUE(torch::equal(logits.detach(), before));
     EXPECT_EQ(logits._version(), version);
@@ -302,33 +297,48 @@ TEST(TpLayerErrors, IndivisibleSizesAndWrongShapes) {
                 HasSubstr("out_features (10) is not divisible by the tensor-parallel size (4)"));
     EXPECT_THAT(error_of([&] { tp::VocabParallelEmbedding(tp::VocabParallelEmbeddingOptions(10, 3, g)); }),
                 HasSubstr("num_embeddings (10) is not divisible by the tensor-parallel size (4); pad the vocabulary"));
-    EXPECT_THAT(
-        error_of([&] { tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(4, 8, g).sequence_parallel(true).gather_output(true)); }),
-        HasSubstr("sequence_parallel and gather_output cannot both be set"));
+    EXPECT_THAT(error_of([&] {
+                  tp::ColumnParallelLinear(
+                      tp::ColumnParallelLinearOptions(4, 8, g).sequence_parallel(true).gather_output(true));
+                }),
+                HasSubstr("sequence_parallel and gather_output cannot both be set"));
     EXPECT_THAT(error_of([&] { tp::RowParallelLinear(tp::RowParallelLinearOptions(8, 4, g).sequence_parallel(true)); }),
                 HasSubstr("sequence_parallel needs input_is_parallel"));
 
     tp::ColumnParallelLinear column(tp::ColumnParallelLinearOptions(13, 8, g));
-    EXPECT_THAT(error_of([&] { column(torch::ones({5, 12})); }),
+    EXPECT_THAT(error_of([&] {
+                  column(torch::ones({5, 12}));
+                }),
                 HasSubstr("ColumnParallelLinear " + where +
                           "expected an input of shape [..., 13] (in_features), got float32[5, 12]"));
-    EXPECT_THAT(error_of([&] { column(torch::ones({5, 13}, torch::kDouble)); }),
+    EXPECT_THAT(error_of([&] {
+                  column(torch::ones({5, 13}, torch::kDouble));
+                }),
                 HasSubstr("does not have the dtype of the weight float32[2, 13]"));
     tp::RowParallelLinear row(tp::RowParallelLinearOptions(8, 3, g).input_is_parallel(true));
-    EXPECT_THAT(error_of([&] { row(torch::ones({5, 8})); }),
+    EXPECT_THAT(error_of([&] {
+                  row(torch::ones({5, 8}));
+                }),
                 HasSubstr("expected an input of shape [..., 2] (in_features / tp: input_is_parallel), got "
                           "float32[5, 8]; the input holds all in_features: pass input_is_parallel(false)"));
     tp::RowParallelLinear row_full(tp::RowParallelLinearOptions(8, 3, g));
-    EXPECT_THAT(error_of([&] { row_full(torch::ones({5, 2})); }),
+    EXPECT_THAT(error_of([&] {
+                  row_full(torch::ones({5, 2}));
+                }),
                 HasSubstr("expected an input of shape [..., 8] (in_features), got float32[5, 2]; the input holds "
                           "this rank's part of in_features (a ColumnParallelLinear's output with "
                           "gather_output(false)?): pass input_is_parallel(true)"));
     tp::RowParallelLinear row_sp(tp::RowParallelLinearOptions(8, 3, g).input_is_parallel(true).sequence_parallel(true));
-    EXPECT_THAT(error_of([&] { row_sp(torch::ones({6, 1, 2})); }),
+    EXPECT_THAT(error_of([&] {
+                  row_sp(torch::ones({6, 1, 2}));
+                }),
                 HasSubstr("the sequence length (dim 0 of float32[6, 1, 2]) must be divisible by the tensor-parallel "
                           "size 4"));
     tp::VocabParallelEmbedding emb(tp::VocabParallelEmbeddingOptions(8, 3, g));
-    EXPECT_THAT(error_of([&] { emb(torch::tensor({1L, 8L})); }), HasSubstr("ids must be in [0, 8), got values in [1, 8]"));
+    EXPECT_THAT(error_of([&] {
+                  emb(torch::tensor({1L, 8L}));
+                }),
+                HasSubstr("ids must be in [0, 8), got values in [1, 8]"));
     EXPECT_THAT(error_of([&] { emb(torch::ones({2})); }), HasSubstr("ids must be an integer tensor"));
     EXPECT_THAT(error_of([&] {
                   tp::vocab_parallel_cross_entropy(torch::zeros({2, 3}), torch::tensor({1L, 12L}),
@@ -366,13 +376,14 @@ TEST(TpLayerErrors, CheckerRejectsMismatchedParameters) {
                                          check::GradCheckOptions(g).input_layouts({Layout(), Layout()}));
                 }),
                 HasSubstr("2 input layouts for 1 inputs"));
-    EXPECT_THAT(error_of([&] {
-                  check::check_gradients(check::subject(par), check::subject(reference_linear(4, 6, true, 0)),
-                                         {torch::ones({3, 4})},
-                                         check::GradCheckOptions(g).input_layouts({Layout::partitioned(0)}));
-                }),
-                HasSubstr("check_gradients rank " + std::to_string(g.rank()) +
-                          "/2 group 'world' (gloo): input 0 [3, 4]: dim 0 is not divisible by the tensor-parallel size 2"));
+    EXPECT_THAT(
+        error_of([&] {
+          check::check_gradients(check::subject(par), check::subject(reference_linear(4, 6, true, 0)),
+                                 {torch::ones({3, 4})},
+                                 check::GradCheckOptions(g).input_layouts({Layout::partitioned(0)}));
+        }),
+        HasSubstr("check_gradients rank " + std::to_string(g.rank()) +
+                  "/2 group 'world' (gloo): input 0 [3, 4]: dim 0 is not divisible by the tensor-parallel size 2"));
   });
 }
 
@@ -475,7 +486,8 @@ TEST(TpLayerModules, StridedShards) {
     std::vector<torch::Tensor> shards;
     for (int r = 0; r < n; ++r) {
       auto mine = tp::shard_tensor(full, spec, r, n);
-      auto expected = torch::cat({full.narrow(0, 2 * r, 2), full.narrow(0, h + 2 * r, 2), full.narrow(0, 2 * h + 2 * r, 2)});
+      auto expected =
+          torch::cat({full.narrow(0, 2 * r, 2), full.narrow(0, h + 2 * r, 2), full.narrow(0, 2 * h + 2 * r, 2)});
       EXPECT_TRUE(torch::equal(mine, expected)) << "n=" << n << " r=" << r;
       shards.push_back(mine);
     }

@@ -125,10 +125,10 @@ TEST(TpParallelState, ExpertGroupsSpanContextAndDataRanks) {
     EXPECT_EQ(s.expert_parallel_size(), 1);
     EXPECT_EQ(s.data_context_parallel_group(), s.data_parallel_group());
     EXPECT_EQ(s.expert_data_parallel_group(), s.data_parallel_group());
-    EXPECT_THAT(error_of([&] {
-                  commgrad::make_model_parallel(commgrad::ModelParallelOptions(1).expert_parallel_size(4), world);
-                }),
-                HasSubstr("expert_parallel_size (4) does not divide data_parallel_size (2) x context_parallel_size (1)"));
+    EXPECT_THAT(
+        error_of(
+            [&] { commgrad::make_model_parallel(commgrad::ModelParallelOptions(1).expert_parallel_size(4), world); }),
+        HasSubstr("expert_parallel_size (4) does not divide data_parallel_size (2) x context_parallel_size (1)"));
     EXPECT_THAT(error_of([&] {
                   commgrad::make_model_parallel(commgrad::ModelParallelOptions(1).context_parallel_size(0), world);
                 }),
@@ -315,8 +315,7 @@ TEST_P(TpMappings, NonContiguousInputsGiveTheSameResults) {
     using Fn = at::Tensor (*)(const at::Tensor&, const Group&);
     for (Fn fn : {Fn(tp::copy_to_tp_region), Fn(tp::reduce_from_tp_region), Fn(tp::scatter_to_tp_region),
                   Fn(tp::gather_from_tp_region), Fn(tp::scatter_to_sequence_parallel_region),
-                  Fn(tp::gather_from_sequence_parallel_region),
-                  Fn(tp::reduce_scatter_to_sequence_parallel_region)}) {
+                  Fn(tp::gather_from_sequence_parallel_region), Fn(tp::reduce_scatter_to_sequence_parallel_region)}) {
       auto a = base.clone(at::MemoryFormat::Preserve).requires_grad_(true);  // still transposed
       auto b = contiguous.clone().requires_grad_(true);
       auto ya = fn(a, g);
@@ -337,11 +336,12 @@ TEST_P(TpMappings, IndivisibleSizesAndBadInputsAreClearErrors) {
     auto odd = torch::ones({2 * n + 1, 2 * n + 1});
     if (n > 1) {
       EXPECT_THAT(error_of([&] { tp::scatter_to_tp_region(odd, g); }),
-                  HasSubstr(c10::str("scatter_to_tp_region rank ", g.rank(), "/", n, " group 'world' (gloo): dim 1 of "
-                                     "float32[", 2 * n + 1, ", ", 2 * n + 1, "] has size ", 2 * n + 1,
+                  HasSubstr(c10::str("scatter_to_tp_region rank ", g.rank(), "/", n,
+                                     " group 'world' (gloo): dim 1 of "
+                                     "float32[",
+                                     2 * n + 1, ", ", 2 * n + 1, "] has size ", 2 * n + 1,
                                      ", which is not divisible by the tensor-parallel size ", n)));
-      EXPECT_THAT(error_of([&] { tp::scatter_to_sequence_parallel_region(odd, g); }),
-                  HasSubstr("dim 0 of float32"));
+      EXPECT_THAT(error_of([&] { tp::scatter_to_sequence_parallel_region(odd, g); }), HasSubstr("dim 0 of float32"));
       EXPECT_THAT(error_of([&] { tp::reduce_scatter_to_sequence_parallel_region(odd, g); }),
                   HasSubstr("reduce_scatter_to_sequence_parallel_region"));
     }

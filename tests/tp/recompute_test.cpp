@@ -29,12 +29,11 @@
 namespace commgrad::tp {
 namespace {
 
-using commgrad::testing::spawn_ranks;
 using commgrad::testing::error_of;
+using commgrad::testing::spawn_ranks;
 using ::testing::HasSubstr;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
 
 // A tracker with both streams, installed as this thread's.
 RngTracker seeded_tracker(uint64_t seed) {
@@ -163,9 +162,7 @@ struct CountedLinearFunction : torch::autograd::Function<CountedLinearFunction> 
 
 struct CountedLinearImpl : torch::nn::Module {
   CountedLinearImpl(int64_t in, int64_t out) : linear(register_module("linear", torch::nn::Linear(in, out))) {}
-  at::Tensor forward(const at::Tensor& x) {
-    return CountedLinearFunction::apply(x, linear->weight, linear->bias);
-  }
+  at::Tensor forward(const at::Tensor& x) { return CountedLinearFunction::apply(x, linear->weight, linear->bias); }
   torch::nn::Linear linear;
 };
 TORCH_MODULE(CountedLinear);
@@ -237,11 +234,11 @@ TEST(Recompute, SeveralInputsAndOutputsNonGradInputAndNonTensorArguments) {
   const auto a0 = torch::randn({4, 3}), b0 = torch::randn({3, 5}), c0 = torch::randn({4, 5});
   const auto index = torch::tensor({2, 0, 1}, torch::kLong);
   auto w = torch::randn({5}, torch::requires_grad());  // a captured leaf (undeclared)
-  const double scale = 0.5;                           // a non-tensor argument
+  const double scale = 0.5;                            // a non-tensor argument
   auto fn = [&](const std::vector<at::Tensor>& in) {
-    auto prod = in[0].mm(in[1]);                      // a @ b
+    auto prod = in[0].mm(in[1]);  // a @ b
     auto first = torch::tanh(prod * scale + in[2]) * w;
-    auto second = prod.index_select(1, in[3]).sin();  // uses the integer input
+    auto second = prod.index_select(1, in[3]).sin();                  // uses the integer input
     return std::vector<at::Tensor>{first, second, in[3] + 1, in[0]};  // an integer output, an input itself
   };
   for (bool use_second : {true, false}) {
@@ -271,7 +268,12 @@ TEST(Recompute, OutsideGradModeItIsAPlainCall) {
   torch::NoGradGuard no_grad;
   int calls = 0;
   auto x = torch::ones({2}, torch::requires_grad());
-  auto y = tp::recompute([&](const at::Tensor& in) { ++calls; return in * 2; }, x);
+  auto y = tp::recompute(
+      [&](const at::Tensor& in) {
+        ++calls;
+        return in * 2;
+      },
+      x);
   EXPECT_EQ(calls, 1);
   EXPECT_FALSE(y.requires_grad());
 }

@@ -44,7 +44,4 @@ inline torch::Tensor seeded_randn(at::IntArrayRef sizes, uint64_t seed, torch::S
 
 }  // namespace commgrad::testing
 
-namespace commgrad::testing {
-
-
-}  // namespace commgrad::testing
+namespace commgrad::testing {}  // namespace commgrad::testing

@@ -40,7 +40,7 @@ struct RowPathImpl : torch::nn::Cloneable<RowPathImpl>, tp::ShardedModule {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto partial = torch::matmul(tp::scatter_to_tp_region(x, group_), weight.t());
-    auto y = family_one_ ? ops::all_reduce(partial, {}, group_)          // the founding example's AllReduce
+    auto y = family_one_ ? ops::all_reduce(partial, {}, group_)         // the founding example's AllReduce
                          : tp::reduce_from_tp_region(partial, group_);  // "g"
     return y + bias;
   }
@@ -81,11 +81,11 @@ TEST_P(TpSemantics, FamilyOneAllReduceMakesUpstreamGradientsTpSizeTimesTooLarge)
     EXPECT_TRUE(torch::allclose(b2, ref_layer->bias.grad(), 1e-5, 1e-6));
 
     auto [y1, x1, s1, w1, b1] = run(/*family_one=*/true);
-    EXPECT_TRUE(torch::allclose(y1, ref_y.detach(), 1e-5, 1e-6));           // forward is the same...
-    EXPECT_TRUE(torch::allclose(x1, n * ref_x.grad(), 1e-5, 1e-6));         // ...every gradient upstream
-    EXPECT_TRUE(torch::allclose(s1, n * ref_scale.grad(), 1e-5, 1e-6));     //    of the all-reduce is
-    EXPECT_TRUE(torch::allclose(w1, n * ref_w, 1e-5, 1e-6));                //    n times too large
-    EXPECT_TRUE(torch::allclose(b1, ref_layer->bias.grad(), 1e-5, 1e-6));   // (the bias sits after it)
+    EXPECT_TRUE(torch::allclose(y1, ref_y.detach(), 1e-5, 1e-6));          // forward is the same...
+    EXPECT_TRUE(torch::allclose(x1, n * ref_x.grad(), 1e-5, 1e-6));        // ...every gradient upstream
+    EXPECT_TRUE(torch::allclose(s1, n * ref_scale.grad(), 1e-5, 1e-6));    //    of the all-reduce is
+    EXPECT_TRUE(torch::allclose(w1, n * ref_w, 1e-5, 1e-6));               //    n times too large
+    EXPECT_TRUE(torch::allclose(b1, ref_layer->bias.grad(), 1e-5, 1e-6));  // (the bias sits after it)
   });
 }
 

@@ -32,8 +32,8 @@
 namespace commgrad::tp {
 namespace {
 
-using commgrad::testing::spawn_ranks;
 using commgrad::testing::expect_error;
+using commgrad::testing::spawn_ranks;
 
 // Per-rank sizes: heads 3 (of size 5), sequence 13, MLP 17, batch 2.
 constexpr int64_t kHeadsPerRank = 3, kHeadDim = 5, kSeqPerRank = 13, kFfnPerRank = 17, kBatch = 2;
@@ -151,8 +151,7 @@ void check_against_reference(Kind kind, const Group& tp, bool sp, at::ScalarType
   const at::Tensor x_local = sp ? x_full.narrow(0, r * local_seq, local_seq) : x_full;
   const at::Tensor w_local = sp ? w_full.narrow(0, r * local_seq, local_seq) : w_full;
   // Non-contiguous: the leaf is [b, s, h] and the layer sees its transpose.
-  const at::Tensor leaf =
-      (noncontiguous ? x_local.transpose(0, 1).contiguous() : x_local.clone()).requires_grad_();
+  const at::Tensor leaf = (noncontiguous ? x_local.transpose(0, 1).contiguous() : x_local.clone()).requires_grad_();
   const at::Tensor x = noncontiguous ? leaf.transpose(0, 1) : leaf;
   ASSERT_EQ(x.is_contiguous(), !noncontiguous);
   const at::Tensor y = pair.parallel_forward(x);
@@ -185,7 +184,8 @@ void check_against_reference(Kind kind, const Group& tp, bool sp, at::ScalarType
   for (const auto& p : pair.parallel->named_parameters()) {
     const ParameterShard& s = specs[p.key()];
     ASSERT_TRUE(p.value().grad().defined()) << p.key();
-    const at::Tensor grad = s.spec.is_partitioned() ? gather_shards(p.value().grad(), s.spec, s.group) : p.value().grad();
+    const at::Tensor grad =
+        s.spec.is_partitioned() ? gather_shards(p.value().grad(), s.spec, s.group) : p.value().grad();
     expect_close("grad " + p.key() + " (" + s.spec.describe() + ")", grad,
                  pair.reference->named_parameters()[p.key()].grad(), tol);
   }
@@ -265,8 +265,8 @@ void run_gradient_checker(int n) {
       for (Kind kind : {Kind::kAttention, Kind::kTransformer}) {
         for (bool sp : {false, true}) {
           for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
-            SCOPED_TRACE(::testing::Message() << (kind == Kind::kAttention ? "attention" : "transformer") << " tp "
-                                              << n << (sp ? " sp " : " ") << dtype);
+            SCOPED_TRACE(::testing::Message() << (kind == Kind::kAttention ? "attention" : "transformer") << " tp " << n
+                                              << (sp ? " sp " : " ") << dtype);
             ModulePair pair = make_pair(kind, tp, sp, /*seed=*/23);
             pair.parallel->to(dtype);
             pair.reference->to(dtype);
@@ -278,12 +278,10 @@ void run_gradient_checker(int n) {
             auto options = check::GradCheckOptions(tp).title(kind == Kind::kAttention ? "ParallelSelfAttention"
                                                                                       : "ParallelTransformerLayer");
             if (sp) options.input_layouts({check::Layout::partitioned(0)}).output_layout(check::Layout::partitioned(0));
-            const check::Subject par{pair.parallel, [&](const std::vector<at::Tensor>& in) {
-                                       return pair.parallel_forward(in.at(0));
-                                     }};
-            const check::Subject ref{pair.reference, [&](const std::vector<at::Tensor>& in) {
-                                       return pair.reference_forward(in.at(0));
-                                     }};
+            const check::Subject par{
+                pair.parallel, [&](const std::vector<at::Tensor>& in) { return pair.parallel_forward(in.at(0)); }};
+            const check::Subject ref{
+                pair.reference, [&](const std::vector<at::Tensor>& in) { return pair.reference_forward(in.at(0)); }};
             const auto result = check::check_gradients(par, ref, {x}, options);
             EXPECT_TRUE(result.ok()) << result;
             if (tp.rank() == 0 && n == 2 && kind == Kind::kTransformer && sp && dtype == at::kFloat) {
@@ -294,12 +292,11 @@ void run_gradient_checker(int n) {
               // LayerNorm and row-bias gradients are partial.
               pair.parallel->zero_grad();
               pair.reference->zero_grad();
-              const auto unsynced =
-                  check::check_gradients(par, ref, {x}, options.sync_sequence_parallel_grads(false));
+              const auto unsynced = check::check_gradients(par, ref, {x}, options.sync_sequence_parallel_grads(false));
               std::vector<std::string> expected = {"dense.bias.grad"};
               if (kind == Kind::kTransformer) {
-                expected = {"ln1.weight.grad", "ln1.bias.grad", "attention.dense.bias.grad", "ln2.weight.grad",
-                            "ln2.bias.grad", "mlp.fc2.bias.grad"};
+                expected = {"ln1.weight.grad", "ln1.bias.grad", "attention.dense.bias.grad",
+                            "ln2.weight.grad", "ln2.bias.grad", "mlp.fc2.bias.grad"};
               }
               auto failures = unsynced.failures();
               std::sort(failures.begin(), failures.end());
@@ -382,12 +379,18 @@ TEST(TpTransformer, EvalModeNeedsNoRngStreamAndMatchesReference) {
 TEST(TpTransformer, ClearErrors) {
   spawn_ranks(2, [](Group& tp) {
     // Heads not divisible by the TP size: named op, rank and group.
-    expect_error([&] { ParallelSelfAttention(ParallelSelfAttentionOptions(15, 3, tp)); }, {"ParallelSelfAttention rank " + std::to_string(tp.rank()) + "/2 group 'world'"});
-    expect_error([&] { ParallelSelfAttention(ParallelSelfAttentionOptions(15, 3, tp)); }, {"num_heads (3) is not divisible by the tensor-parallel size (2)"});
-    expect_error([&] { ParallelTransformerLayer(ParallelTransformerLayerOptions(30, 3, 34, tp)); }, {"num_heads (3) is not divisible"});
-    expect_error([&] { ParallelSelfAttention(ParallelSelfAttentionOptions(16, 6, tp)); }, {"hidden_size (16) is not divisible by num_heads (6)"});
-    expect_error([&] { ParallelTransformerLayer(ParallelTransformerLayerOptions(30, 6, 33, tp)); }, {"not divisible by the tensor-parallel size"});
-    expect_error([&] { ParallelTransformerLayer(ParallelTransformerLayerOptions(30, 6, 34, tp).hidden_dropout(2)); }, {"hidden_dropout must be in [0, 1]"});
+    expect_error([&] { ParallelSelfAttention(ParallelSelfAttentionOptions(15, 3, tp)); },
+                 {"ParallelSelfAttention rank " + std::to_string(tp.rank()) + "/2 group 'world'"});
+    expect_error([&] { ParallelSelfAttention(ParallelSelfAttentionOptions(15, 3, tp)); },
+                 {"num_heads (3) is not divisible by the tensor-parallel size (2)"});
+    expect_error([&] { ParallelTransformerLayer(ParallelTransformerLayerOptions(30, 3, 34, tp)); },
+                 {"num_heads (3) is not divisible"});
+    expect_error([&] { ParallelSelfAttention(ParallelSelfAttentionOptions(16, 6, tp)); },
+                 {"hidden_size (16) is not divisible by num_heads (6)"});
+    expect_error([&] { ParallelTransformerLayer(ParallelTransformerLayerOptions(30, 6, 33, tp)); },
+                 {"not divisible by the tensor-parallel size"});
+    expect_error([&] { ParallelTransformerLayer(ParallelTransformerLayerOptions(30, 6, 34, tp).hidden_dropout(2)); },
+                 {"hidden_dropout must be in [0, 1]"});
     ParallelSelfAttention attention(ParallelSelfAttentionOptions(30, 6, tp));
     expect_error([&] { attention(torch::zeros({4, 30})); }, {"expected input [seq, batch, hidden=30], got "});
     expect_error([&] { attention(torch::zeros({4, 2, 31})); }, {"[4, 2, 31]"});
@@ -410,10 +413,11 @@ TEST(TpTransformer, PrettyPrint) {
   spawn_ranks(2, [](Group& tp) {
     EXPECT_EQ(header(ParallelSelfAttention(ParallelSelfAttentionOptions(30, 6, tp))),
               "commgrad::tp::ParallelSelfAttention(hidden=30, heads=6, tp=2, causal=true)");
-    EXPECT_EQ(header(ParallelSelfAttention(
-                  ParallelSelfAttentionOptions(30, 6, tp).causal(false).attention_dropout(0.25).sequence_parallel(true))),
-              "commgrad::tp::ParallelSelfAttention(hidden=30, heads=6, tp=2, causal=false, attention_dropout=0.25, "
-              "sequence_parallel=true)");
+    EXPECT_EQ(
+        header(ParallelSelfAttention(
+            ParallelSelfAttentionOptions(30, 6, tp).causal(false).attention_dropout(0.25).sequence_parallel(true))),
+        "commgrad::tp::ParallelSelfAttention(hidden=30, heads=6, tp=2, causal=false, attention_dropout=0.25, "
+        "sequence_parallel=true)");
     EXPECT_EQ(header(ParallelTransformerLayer(ParallelTransformerLayerOptions(30, 6, 34, tp).sequence_parallel(true))),
               "commgrad::tp::ParallelTransformerLayer(hidden=30, heads=6, ffn=34, tp=2, sequence_parallel=true)");
     EXPECT_EQ(header(TransformerLayerReference(ParallelTransformerLayerOptions(30, 6, 34))),

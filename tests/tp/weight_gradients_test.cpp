@@ -56,16 +56,19 @@ TEST(WeightGradientsTest, DeferredGradientsAreBackwardsBitForBit) {
       for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
         SCOPED_TRACE("tp=" + std::to_string(n) + (sp ? " sp " : " ") + c10::toString(dtype));
         const auto x = seeded_randn({kBatch, kSeq, kHidden}, 3, dtype).transpose(0, 1);  // [s, b, h]
-        spawn_ranks(n, [&](Group& g) {
-          tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, g).sequence_parallel(sp).seed(5));
-          mlp->to(dtype);
-          const auto now = gradients(mlp, x, sp, g, false);
-          const auto later = gradients(mlp, x, sp, g, true);
-          for (const auto& [name, grad] : now) {
-            EXPECT_TRUE(torch::equal(later.at(name), grad))
-                << name << ": max difference " << (later.at(name) - grad).abs().max().item<double>();
-          }
-        }, SpawnOptions().backend("shm"));
+        spawn_ranks(
+            n,
+            [&](Group& g) {
+              tp::ParallelMLP mlp(tp::ParallelMLPOptions(kHidden, kFfn, g).sequence_parallel(sp).seed(5));
+              mlp->to(dtype);
+              const auto now = gradients(mlp, x, sp, g, false);
+              const auto later = gradients(mlp, x, sp, g, true);
+              for (const auto& [name, grad] : now) {
+                EXPECT_TRUE(torch::equal(later.at(name), grad))
+                    << name << ": max difference " << (later.at(name) - grad).abs().max().item<double>();
+              }
+            },
+            SpawnOptions().backend("shm"));
       }
     }
   }
@@ -74,34 +77,37 @@ TEST(WeightGradientsTest, DeferredGradientsAreBackwardsBitForBit) {
 TEST(WeightGradientsTest, AccumulatesAndFiresDataParallelHooks) {
   // Two backwards deferred under no_sync, then compute() with syncing on:
   // DDP reduces (the average of the ranks' sums), as after one synced backward.
-  spawn_ranks(2, [](Group& world) {
-    const auto g = commgrad::self_group();
-    auto mlp = tp::ParallelMLP(tp::ParallelMLPOptions(kHidden, kFfn, g).seed(5));
-    dp::DistributedDataParallel ddp(mlp, world);
-    const auto x = seeded_randn({4, kHidden}, 10 + world.rank());
-    tp::WeightGradients weights;
-    {
-      auto hold = ddp.no_sync();
-      for (int i = 0; i < 2; ++i) {
-        tp::DeferWeightGradients defer(weights);
-        mlp(x).pow(2).sum().backward();
-      }
-    }
-    EXPECT_EQ(weights.size(), 4u);
-    const auto before = world.state()->sequence.load();
-    weights.compute();
-    EXPECT_GT(world.state()->sequence.load(), before);  // the buckets were reduced
-    // The reference: both ranks' inputs, twice, on one model, averaged over 2 ranks.
-    auto ref = tp::ParallelMLP(tp::ParallelMLPOptions(kHidden, kFfn, g).seed(5));
-    for (int r = 0; r < 2; ++r) {
-      const auto xr = seeded_randn({4, kHidden}, 10 + r);
-      (ref(xr).pow(2).sum() * 2).backward();
-    }
-    for (const auto& p : mlp->named_parameters()) {
-      const auto want = ref->named_parameters()[p.key()].grad() / 2;
-      EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-5, 1e-6)) << p.key();
-    }
-  }, SpawnOptions().backend("shm"));
+  spawn_ranks(
+      2,
+      [](Group& world) {
+        const auto g = commgrad::self_group();
+        auto mlp = tp::ParallelMLP(tp::ParallelMLPOptions(kHidden, kFfn, g).seed(5));
+        dp::DistributedDataParallel ddp(mlp, world);
+        const auto x = seeded_randn({4, kHidden}, 10 + world.rank());
+        tp::WeightGradients weights;
+        {
+          auto hold = ddp.no_sync();
+          for (int i = 0; i < 2; ++i) {
+            tp::DeferWeightGradients defer(weights);
+            mlp(x).pow(2).sum().backward();
+          }
+        }
+        EXPECT_EQ(weights.size(), 4u);
+        const auto before = world.state()->sequence.load();
+        weights.compute();
+        EXPECT_GT(world.state()->sequence.load(), before);  // the buckets were reduced
+        // The reference: both ranks' inputs, twice, on one model, averaged over 2 ranks.
+        auto ref = tp::ParallelMLP(tp::ParallelMLPOptions(kHidden, kFfn, g).seed(5));
+        for (int r = 0; r < 2; ++r) {
+          const auto xr = seeded_randn({4, kHidden}, 10 + r);
+          (ref(xr).pow(2).sum() * 2).backward();
+        }
+        for (const auto& p : mlp->named_parameters()) {
+          const auto want = ref->named_parameters()[p.key()].grad() / 2;
+          EXPECT_TRUE(torch::allclose(p.value().grad(), want, 1e-5, 1e-6)) << p.key();
+        }
+      },
+      SpawnOptions().backend("shm"));
 }
 
 TEST(WeightGradientsTest, GuardsNestAndClearForgets) {

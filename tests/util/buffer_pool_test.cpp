@@ -129,7 +129,8 @@ TEST(BufferPool, OpResultsAreNotSharedWithTheTransport) {
     auto y = ops::all_reduce(leaf, {}, g);
     y.backward(at::ones_like(y));
     EXPECT_TRUE(at::equal(leaf.grad(), at::full({kLargeFloats}, 2.0)));
-    EXPECT_EQ(leaf.grad().storage().allocator(), at::Tensor(pooled_empty({kLargeFloats}, at::kFloat)).storage().allocator());
+    EXPECT_EQ(leaf.grad().storage().allocator(),
+              at::Tensor(pooled_empty({kLargeFloats}, at::kFloat)).storage().allocator());
   });
 }
 

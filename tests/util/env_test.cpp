@@ -101,8 +101,8 @@ TEST(EnvTest, CountsAreCheckedAndNamed) {
       env::get_count("COMMGRAD_SHM_SPIN_US", "microseconds");
       ADD_FAILURE() << bad << " was accepted";
     } catch (const c10::Error& e) {
-      EXPECT_THAT(e.what_without_backtrace(),
-                  ::testing::HasSubstr(std::string("COMMGRAD_SHM_SPIN_US='") + bad + "' is not a number of microseconds"));
+      EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr(std::string("COMMGRAD_SHM_SPIN_US='") + bad +
+                                                                   "' is not a number of microseconds"));
     }
   }
   ::unsetenv("COMMGRAD_SHM_SPIN_US");

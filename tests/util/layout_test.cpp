@@ -149,7 +149,8 @@ std::vector<std::string> long_functions(const fs::path& path, int limit) {
     if (line.find_first_not_of(" \t") != std::string::npos && line[line.find_first_not_of(" \t")] == '#') continue;
     for (char c : code_of(line, in_comment)) {
       if (c == '{') {
-        const bool outside = open.empty() || open.back().first == Scope::kNamespace || open.back().first == Scope::kClass;
+        const bool outside =
+            open.empty() || open.back().first == Scope::kNamespace || open.back().first == Scope::kClass;
         open.emplace_back(outside ? scope_of(head) : Scope::kOther, number);
         head.clear();
       } else if (c == '}') {

@@ -57,9 +57,8 @@ std::vector<std::string> region(const std::string& file, const std::string& name
   }
   const auto begin = std::find_if(lines.begin(), lines.end(),
                                   [&](const std::string& l) { return ends_with(trim_right(l), "// [" + name + "]"); });
-  const auto end = std::find_if(begin, lines.end(), [&](const std::string& l) {
-    return ends_with(trim_right(l), "// [end " + name + "]");
-  });
+  const auto end = std::find_if(
+      begin, lines.end(), [&](const std::string& l) { return ends_with(trim_right(l), "// [end " + name + "]"); });
   if (begin == lines.end() || end == lines.end()) {
     *error = file + " has no region '" + name + "' (// [" + name + "] ... // [end " + name + "])";
     return {};

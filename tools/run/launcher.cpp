@@ -123,8 +123,8 @@ int Launcher::run() {
     }
   }
   if (options_.timeout_s) {
-    job_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double>(*options_.timeout_s));
+    job_deadline_ =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*options_.timeout_s));
   }
   supervise();
   watchdog_.stop();
@@ -306,8 +306,8 @@ void Launcher::supervise() {
       if (!any_open) break;
       const Clock::time_point now = Clock::now();
       if (!drain_deadline_) {
-        drain_deadline_ = now + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(kDrainSeconds));
+        drain_deadline_ =
+            now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kDrainSeconds));
       }
       if (now >= *drain_deadline_) break;  // held open by someone outside our tree
     }
@@ -395,13 +395,11 @@ void Launcher::reap() {
   std::vector<std::pair<Rank*, siginfo_t>> exited;
   for (Rank& rank : ranks_) {
     siginfo_t info{};
-    if (rank.running && waitid(P_PID, rank.pid, &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
-        info.si_pid == rank.pid) {
+    if (rank.running && waitid(P_PID, rank.pid, &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == rank.pid) {
       exited.emplace_back(&rank, info);
     }
   }
-  std::stable_partition(exited.begin(), exited.end(),
-                        [](const auto& e) { return e.second.si_code != CLD_EXITED; });
+  std::stable_partition(exited.begin(), exited.end(), [](const auto& e) { return e.second.si_code != CLD_EXITED; });
   for (auto& [rank, info] : exited) {
     kill(-rank->pid, SIGKILL);
     while (waitpid(rank->pid, nullptr, 0) < 0 && errno == EINTR) {
@@ -442,13 +440,11 @@ void Launcher::on_rank_exit(Rank& rank, const siginfo_t& info) {
   if (exited) {
     what = "exited with code " + std::to_string(info.si_status);
   } else {
-    what = "was killed by signal " + signal_name(info.si_status) + " (" +
-           std::to_string(info.si_status) + (info.si_code == CLD_DUMPED ? ", core dumped" : "") +
-           ")";
+    what = "was killed by signal " + signal_name(info.si_status) + " (" + std::to_string(info.si_status) +
+           (info.si_code == CLD_DUMPED ? ", core dumped" : "") + ")";
   }
   const int others = running_count();
-  std::string message =
-      "rank " + std::to_string(rank.rank) + " (pid " + std::to_string(rank.pid) + ") " + what;
+  std::string message = "rank " + std::to_string(rank.rank) + " (pid " + std::to_string(rank.pid) + ") " + what;
   if (others > 0) message += "; stopping the other " + ranks_phrase(others);
   report(message);
   exit_code_ = exited ? info.si_status : 128 + info.si_status;
@@ -468,8 +464,7 @@ void Launcher::on_signal(int sig) {
     stop_ranks(sig);
   } else if (!killed_ && running > 0) {
     // Asked twice: do not wait out the grace period.
-    report("received " + signal_name(sig) + " while stopping; sending SIGKILL to " +
-           ranks_phrase(running));
+    report("received " + signal_name(sig) + " while stopping; sending SIGKILL to " + ranks_phrase(running));
     for (const Rank& rank : ranks_) signal_rank(rank, SIGKILL);
     killed_ = true;
   }
@@ -535,8 +530,8 @@ void Launcher::stop_ranks(int sig) {
     // A stopped rank could not act on the signal until continued.
     if (sig != SIGKILL) signal_rank(rank, SIGCONT);
   }
-  kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                      std::chrono::duration<double>(options_.grace_s));
+  kill_deadline_ =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.grace_s));
 }
 
 // A failed rank's peers often fail alike a moment later; SIGTERM waits the
@@ -549,8 +544,8 @@ void Launcher::stop_ranks_after_delay() {
     stop_ranks(SIGTERM);
     return;
   }
-  stop_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                      std::chrono::duration<double>(options_.stop_delay_s));
+  stop_deadline_ =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.stop_delay_s));
 }
 
 void Launcher::signal_rank(const Rank& rank, int sig) {

@@ -48,10 +48,10 @@ class Launcher {
   using Clock = std::chrono::steady_clock;
 
   struct Rank {
-    int rank = 0;         // global RANK
-    pid_t pid = -1;       // also its process group id
-    bool running = false; // started and not yet reaped
-    int out_fd = -1;      // read ends of its stdout / stderr pipes
+    int rank = 0;          // global RANK
+    pid_t pid = -1;        // also its process group id
+    bool running = false;  // started and not yet reaped
+    int out_fd = -1;       // read ends of its stdout / stderr pipes
     int err_fd = -1;
     std::unique_ptr<LineForwarder> out;
     std::unique_ptr<LineForwarder> err;
@@ -87,7 +87,7 @@ class Launcher {
   // Set once, by the first of: a failed rank, a signal, the timeout.
   std::optional<int> exit_code_;
   bool stopping_ = false;
-  bool killed_ = false;           // SIGKILL already sent after the grace period
+  bool killed_ = false;  // SIGKILL already sent after the grace period
   std::optional<Clock::time_point> job_deadline_;
   std::optional<Clock::time_point> kill_deadline_;
   std::optional<Clock::time_point> stop_deadline_;  // a failure's SIGTERM, after the stop delay

@@ -109,8 +109,9 @@ std::optional<int> parse_options(int argc, const char* const* argv, LaunchOption
                  "finish writing)")
       ->type_name("S")
       ->check(cli::number(0, /*inclusive=*/true, kMaxSeconds));
-  app.add_flag_callback("--no-prefix", [&opts] { opts.prefix = false; },
-                        "pass output through unchanged instead of prefixing\nevery line with \"[RANK] \"");
+  app.add_flag_callback(
+      "--no-prefix", [&opts] { opts.prefix = false; },
+      "pass output through unchanged instead of prefixing\nevery line with \"[RANK] \"");
   app.set_version_flag("--version", COMMGRAD_BUILD_INFO_STRING,
                        "print commgrad's version, the LibTorch it was built\nagainst and its transports, and exit");
   app.prefix_command();  // the first word that is not an option starts the program's own arguments

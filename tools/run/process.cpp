@@ -56,8 +56,8 @@ std::string read_proc_file(const std::string& path) {
 }
 
 bool is_removed_variable(const std::string& name) {
-  return name.rfind("OMPI_COMM_WORLD_", 0) == 0 || name == "SLURM_PROCID" ||
-         name == "SLURM_NTASKS" || name == "SLURM_LOCALID";
+  return name.rfind("OMPI_COMM_WORLD_", 0) == 0 || name == "SLURM_PROCID" || name == "SLURM_NTASKS" ||
+         name == "SLURM_LOCALID";
 }
 
 }  // namespace
@@ -123,11 +123,9 @@ int bind_port_zero(const char* host, std::string* error) {
     }
     sockaddr_storage bound{};
     socklen_t len = sizeof(bound);
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
-        getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
-      port = bound.ss_family == AF_INET6
-                 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                 : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0) {
+      port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                         : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
     } else {
       *error = std::strerror(errno);
     }
@@ -155,13 +153,12 @@ std::string signal_name(int sig) {
     const char* name;
   };
   static const Entry kNames[] = {
-      {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},     {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},
-      {SIGTRAP, "SIGTRAP"}, {SIGABRT, "SIGABRT"},   {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},
-      {SIGKILL, "SIGKILL"}, {SIGUSR1, "SIGUSR1"},   {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"},
-      {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"},   {SIGTERM, "SIGTERM"}, {SIGCHLD, "SIGCHLD"},
-      {SIGCONT, "SIGCONT"}, {SIGSTOP, "SIGSTOP"},   {SIGTSTP, "SIGTSTP"}, {SIGTTIN, "SIGTTIN"},
-      {SIGTTOU, "SIGTTOU"}, {SIGXCPU, "SIGXCPU"},   {SIGXFSZ, "SIGXFSZ"}, {SIGVTALRM, "SIGVTALRM"},
-      {SIGPROF, "SIGPROF"}, {SIGSYS, "SIGSYS"},
+      {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},       {SIGTRAP, "SIGTRAP"},
+      {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},   {SIGKILL, "SIGKILL"},     {SIGUSR1, "SIGUSR1"},
+      {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"}, {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"},     {SIGTERM, "SIGTERM"},
+      {SIGCHLD, "SIGCHLD"}, {SIGCONT, "SIGCONT"}, {SIGSTOP, "SIGSTOP"}, {SIGTSTP, "SIGTSTP"},     {SIGTTIN, "SIGTTIN"},
+      {SIGTTOU, "SIGTTOU"}, {SIGXCPU, "SIGXCPU"}, {SIGXFSZ, "SIGXFSZ"}, {SIGVTALRM, "SIGVTALRM"}, {SIGPROF, "SIGPROF"},
+      {SIGSYS, "SIGSYS"},
   };
   for (const Entry& e : kNames) {
     if (e.sig == sig) return e.name;
@@ -188,8 +185,8 @@ bool write_all(int fd, const char* data, std::size_t size) {
   return true;
 }
 
-std::vector<std::string> rank_environment(
-    const char* const* parent, const std::vector<std::pair<std::string, std::string>>& vars) {
+std::vector<std::string> rank_environment(const char* const* parent,
+                                          const std::vector<std::pair<std::string, std::string>>& vars) {
   std::vector<std::string> env;
   bool have_omp = false;
   for (const char* const* e = parent; e != nullptr && *e != nullptr; ++e) {
@@ -252,8 +249,7 @@ bool Watchdog::start() {
     // the launcher, so Ctrl-C or `kill -- -<launcher pgid>` leave it to
     // clean up after the launcher.
     setpgid(0, 0);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGTSTP, SIGTTIN, SIGTTOU})
-      signal(sig, SIG_IGN);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGTSTP, SIGTTIN, SIGTTOU}) signal(sig, SIG_IGN);
     signal(SIGCHLD, SIG_DFL);
     sigset_t none;
     sigemptyset(&none);
@@ -279,7 +275,7 @@ bool Watchdog::start() {
         continue;
       }
       if (n == static_cast<ssize_t>(sizeof(value)) && value == 0) _exit(0);  // goodbye
-      break;  // EOF: the launcher died
+      break;                                                                 // EOF: the launcher died
     }
     for (pid_t g : groups) kill(-g, SIGKILL);
     _exit(0);

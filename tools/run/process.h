@@ -48,8 +48,8 @@ bool write_all(int fd, const char* data, std::size_t size);
 /// The environment of one rank: `parent` minus the variables of other
 /// launchers (OMPI_COMM_WORLD_*, SLURM_PROCID/NTASKS/LOCALID) and minus the
 /// names in `vars`, plus `vars`, plus OMP_NUM_THREADS=1 when `parent` has none.
-std::vector<std::string> rank_environment(
-    const char* const* parent, const std::vector<std::pair<std::string, std::string>>& vars);
+std::vector<std::string> rank_environment(const char* const* parent,
+                                          const std::vector<std::pair<std::string, std::string>>& vars);
 
 /// Children of this process that are not in `known`: descendants orphaned by
 /// a rank and re-parented here (the launcher is a child subreaper).

@@ -34,7 +34,7 @@ using commgrad::detail::TransportPtr;
 /// The sub-transports of a hierarchical group, by role, and where the
 /// members live.
 struct HierarchyParts {
-  TransportPtr flat;                                   // Gloo over every member
+  TransportPtr flat;                          // Gloo over every member
   c10::intrusive_ptr<ShmProcessGroup> local;  // shm over the members on this host; null when alone
   TransportPtr leaders;  // Gloo over the first member of each host (host order); null on the other ranks
   int hosts = 1;         // number of hosts the group spans
@@ -62,8 +62,8 @@ class HierarchicalTransport : public TransportBase {
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   /// The three-step reduce_scatter of equal parts (SUM, AVG, MAX, MIN,
   /// PRODUCT; any dtype shm reduces); other shapes and reductions go to the
   /// flat transport.
@@ -108,10 +108,10 @@ class HierarchicalTransport : public TransportBase {
   c10::intrusive_ptr<c10d::Work> scatter_steps(const at::Tensor& output, const at::Tensor& input, c10d::ReduceOp op);
 
   HierarchyParts parts_;
-  int widest_ = 1;                  // members on the largest host
-  std::vector<int64_t> slot_;       // by group rank: host * widest_ + place on its host
-  bool slots_are_ranks_ = false;    // slot_[r] == r and no slot unused (hosts of consecutive ranks, equal in size)
-  at::Tensor host_order_;           // group ranks host by host (int64), for reordering parts
+  int widest_ = 1;                    // members on the largest host
+  std::vector<int64_t> slot_;         // by group rank: host * widest_ + place on its host
+  bool slots_are_ranks_ = false;      // slot_[r] == r and no slot unused (hosts of consecutive ranks, equal in size)
+  at::Tensor host_order_;             // group ranks host by host (int64), for reordering parts
   bool hosts_in_rank_order_ = false;  // host_order_ is 0..n-1
   std::mutex mutex_;
   std::condition_variable ready_;

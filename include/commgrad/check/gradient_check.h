@@ -74,7 +74,8 @@ struct Subject {
 template <typename Holder>
 Subject subject(Holder holder) {
   auto module = holder.ptr();
-  return Subject{module, [holder](const std::vector<at::Tensor>& inputs) mutable { return holder->forward(inputs.at(0)); }};
+  return Subject{module,
+                 [holder](const std::vector<at::Tensor>& inputs) mutable { return holder->forward(inputs.at(0)); }};
 }
 
 /// Options of check_gradients().
@@ -125,7 +126,7 @@ struct TensorReport {
   double atol = 0;
   double rtol = 0;
   bool ok = false;
-  std::string note;            // why it failed beyond the numbers (shape, missing gradient)
+  std::string note;  // why it failed beyond the numbers (shape, missing gradient)
 };
 
 /// What check_gradients() found; the same on every rank.

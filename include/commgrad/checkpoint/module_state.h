@@ -43,8 +43,8 @@ struct ParameterBlock {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offset;  ///< of the block in the global tensor
   std::vector<int64_t> shape;
-  int64_t dim = 0;              ///< the partition dim (0 when not partitioned)
-  int64_t local_start = 0;      ///< where the block starts along `dim` in the local tensor
+  int64_t dim = 0;          ///< the partition dim (0 when not partitioned)
+  int64_t local_start = 0;  ///< where the block starts along `dim` in the local tensor
 };
 
 /// The blocks of parameter `name` (local tensor `local`) of `module`, from
@@ -56,7 +56,7 @@ std::vector<ParameterBlock> parameter_blocks(const torch::nn::Module& module, co
 /// parameter's flattened local tensor made of `blocks` (a ZeRO optimizer's
 /// range of a state, an FSDP rank's piece of a parameter): one per block the
 /// range touches; `data` holds the elements.
-std::vector<TensorPiece> range_pieces(const std::vector<ParameterBlock>& blocks, const std::string& name,
-                                      int64_t begin, const at::Tensor& data, bool required = true);
+std::vector<TensorPiece> range_pieces(const std::vector<ParameterBlock>& blocks, const std::string& name, int64_t begin,
+                                      const at::Tensor& data, bool required = true);
 
 }  // namespace commgrad::checkpoint

@@ -94,9 +94,7 @@ struct AllocatorBase : c10::Allocator {
   virtual c10::DataPtr allocate_bytes(size_t n) const = 0;
 #if COMMGRAD_TORCH_AT_LEAST(2, 3)
   c10::DataPtr allocate(size_t n) override { return allocate_bytes(n); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 #else
   c10::DataPtr allocate(size_t n) const override { return allocate_bytes(n); }
 #endif

@@ -14,11 +14,11 @@
   COMMGRAD_CHECK_AS(::commgrad::ErrorKind::kInvalidArgument, cond, op, group, __VA_ARGS__)
 
 /// COMMGRAD_CHECK with another kind of error (ErrorKind::kMismatch, ...).
-#define COMMGRAD_CHECK_AS(kind, cond, op, group, ...)                                      \
-  do {                                                                                     \
-    if (C10_UNLIKELY(!(cond))) {                                                           \
-      COMMGRAD_THROW((kind), ::commgrad::error_site((op), (group)), __VA_ARGS__);         \
-    }                                                                                      \
+#define COMMGRAD_CHECK_AS(kind, cond, op, group, ...)                             \
+  do {                                                                            \
+    if (C10_UNLIKELY(!(cond))) {                                                  \
+      COMMGRAD_THROW((kind), ::commgrad::error_site((op), (group)), __VA_ARGS__); \
+    }                                                                             \
   } while (false)
 
 namespace commgrad {

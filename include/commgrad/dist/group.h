@@ -18,18 +18,18 @@ namespace detail {
 /// What a Group shares between its copies. Not part of the public API.
 struct GroupState {
   std::string name;
-  std::string backend;          // the transport of CPU tensors: "gloo" or "shm"
-  std::string requested_backend;  // what was asked for ("auto", "nccl", ...); sub-groups inherit it
-  int rank = -1;                // rank within the group; -1 when not a member
-  int global_rank = -1;         // this process's rank in the world
-  std::vector<int> ranks;       // global ranks of the members, in group-rank order
-  std::vector<std::string> hosts;  // host identity of each member, by group rank
+  std::string backend;                 // the transport of CPU tensors: "gloo" or "shm"
+  std::string requested_backend;       // what was asked for ("auto", "nccl", ...); sub-groups inherit it
+  int rank = -1;                       // rank within the group; -1 when not a member
+  int global_rank = -1;                // this process's rank in the world
+  std::vector<int> ranks;              // global ranks of the members, in group-rank order
+  std::vector<std::string> hosts;      // host identity of each member, by group rank
   std::vector<std::string> addresses;  // each member's address towards the rendezvous host ("" unknown)
   std::chrono::milliseconds timeout{0};
-  StorePtr store;               // prefixed for this group
-  StorePtr root_store;          // the job's store, unprefixed (sub-groups prefix it)
-  LaunchEnvironment launch;     // the world's launch environment
-  TransportPtr transport;       // null when not a member
+  StorePtr store;                      // prefixed for this group
+  StorePtr root_store;                 // the job's store, unprefixed (sub-groups prefix it)
+  LaunchEnvironment launch;            // the world's launch environment
+  TransportPtr transport;              // null when not a member
   TransportCapabilities capabilities;  // what `transport` offers beyond c10d
   // Where this process has CUDA devices: the transport of CUDA tensors
   // ("nccl" when every local rank has a GPU of its own, else "gloo", which
@@ -37,8 +37,8 @@ struct GroupState {
   std::string cuda_backend;     // empty without CUDA devices
   TransportPtr cuda_transport;  // may be `transport` itself (Gloo)
   TransportCapabilities cuda_capabilities;
-  std::atomic<uint64_t> sequence{0};      // collectives issued on this group
-  std::atomic<uint64_t> subgroups{0};     // new_group calls made on this (world) group
+  std::atomic<uint64_t> sequence{0};   // collectives issued on this group
+  std::atomic<uint64_t> subgroups{0};  // new_group calls made on this (world) group
 };
 
 /// Group::describe() of a group's state.

@@ -80,16 +80,16 @@ struct Transport {
 
 /// Everything a transport needs to connect its ranks.
 struct TransportConfig {
-  std::string backend;                 // already resolved (no "auto")
-  StorePtr store;                      // prefixed for this group's transport
+  std::string backend;  // already resolved (no "auto")
+  StorePtr store;       // prefixed for this group's transport
   int rank = 0;
   int size = 1;
   std::chrono::milliseconds timeout{0};
-  bool single_host = true;             // every member on this host
-  std::vector<std::string> hosts;      // host identity of each member, by group rank
-  std::string master_addr;             // the rendezvous host: Gloo binds where the route to it leaves
-  std::string group_name;              // for error messages
-  const char* op = "new_group";        // the call that creates it, for error messages
+  bool single_host = true;         // every member on this host
+  std::vector<std::string> hosts;  // host identity of each member, by group rank
+  std::string master_addr;         // the rendezvous host: Gloo binds where the route to it leaves
+  std::string group_name;          // for error messages
+  const char* op = "new_group";    // the call that creates it, for error messages
 };
 
 /// Creates and connects the transport; throws an error naming the group and

@@ -276,7 +276,8 @@ template <class Holder, class... Args>
 auto call(Holder& module, Args&&... args) {
   auto unit = detail::unit_of(*module);
   if (!unit) return module->forward(std::forward<Args>(args)...);
-  return call_function(*module, [&] { return module->forward(detail::cast_argument(*unit, std::forward<Args>(args))...); });
+  return call_function(*module,
+                       [&] { return module->forward(detail::cast_argument(*unit, std::forward<Args>(args))...); });
 }
 
 }  // namespace commgrad::fsdp

@@ -37,7 +37,9 @@ namespace commgrad::moe {
 ///   moe::ExpertsOptions(64, 128, 8, ep_group).seed(11)
 struct ExpertsOptions {
   ExpertsOptions(int64_t hidden_size, int64_t ffn_hidden_size, int64_t num_experts, Group group)
-      : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size), num_experts_(num_experts),
+      : hidden_size_(hidden_size),
+        ffn_hidden_size_(ffn_hidden_size),
+        num_experts_(num_experts),
         group_(std::move(group)) {}
   TORCH_ARG(int64_t, hidden_size);
   TORCH_ARG(int64_t, ffn_hidden_size);

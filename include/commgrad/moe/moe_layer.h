@@ -57,7 +57,10 @@ enum class DispatcherType {
 struct MoELayerOptions {
   MoELayerOptions(int64_t hidden_size, int64_t ffn_hidden_size, int64_t num_experts, int64_t top_k,
                   Group group = Group())
-      : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size), num_experts_(num_experts), top_k_(top_k),
+      : hidden_size_(hidden_size),
+        ffn_hidden_size_(ffn_hidden_size),
+        num_experts_(num_experts),
+        top_k_(top_k),
         group_(std::move(group)) {}
   TORCH_ARG(int64_t, hidden_size);
   /// Width of each expert's hidden activation.

@@ -91,11 +91,11 @@ struct TopKRouterOptions {
 
 /// What the router decided for this rank's tokens.
 struct RouterOutput {
-  at::Tensor logits;   ///< [T, E], the gating linear's output (at least float32)
-  at::Tensor probs;    ///< [T, k], combine weights (input dtype), carrying the injected losses
-  at::Tensor experts;  ///< [T, k] int64, the chosen experts, by decreasing probability
-  at::Tensor aux_loss; ///< this rank's load-balancing loss (detached; 0 when off)
-  at::Tensor z_loss;   ///< this rank's z-loss (detached; 0 when off)
+  at::Tensor logits;    ///< [T, E], the gating linear's output (at least float32)
+  at::Tensor probs;     ///< [T, k], combine weights (input dtype), carrying the injected losses
+  at::Tensor experts;   ///< [T, k] int64, the chosen experts, by decreasing probability
+  at::Tensor aux_loss;  ///< this rank's load-balancing loss (detached; 0 when off)
+  at::Tensor z_loss;    ///< this rank's z-loss (detached; 0 when off)
 };
 
 /// Gating linear + top-k over softmax, with the balancing losses injected

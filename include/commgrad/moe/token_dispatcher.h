@@ -71,17 +71,17 @@ int64_t expert_capacity(double capacity_factor, int64_t tokens, int64_t top_k, i
 
 /// What combine needs to know of a dispatch.
 struct DispatchPlan {
-  int64_t tokens = 0;                       ///< T, this rank's tokens
+  int64_t tokens = 0;  ///< T, this rank's tokens
   int64_t top_k = 1;
-  at::Tensor order;                         ///< [A] int64: flat pair index t * k + j, kept pairs by expert
-  at::Tensor token_of;                      ///< [A] int64: order / k
-  std::vector<int64_t> input_splits;        ///< rows sent to each rank
-  std::vector<int64_t> output_splits;       ///< rows received from each rank
-  at::Tensor regroup;                       ///< [R] received row of each expert-sorted row
-  std::vector<int64_t> tokens_per_expert;   ///< R split by local expert
-  bool all_gather = false;                  ///< made by all_gather_dispatch
-  at::Tensor gathered_token_of;             ///< all_gather: token (of the gathered batch) of each row
-  at::Tensor gathered_pair_of;              ///< all_gather: pair (of the gathered batch) of each row
+  at::Tensor order;                        ///< [A] int64: flat pair index t * k + j, kept pairs by expert
+  at::Tensor token_of;                     ///< [A] int64: order / k
+  std::vector<int64_t> input_splits;       ///< rows sent to each rank
+  std::vector<int64_t> output_splits;      ///< rows received from each rank
+  at::Tensor regroup;                      ///< [R] received row of each expert-sorted row
+  std::vector<int64_t> tokens_per_expert;  ///< R split by local expert
+  bool all_gather = false;                 ///< made by all_gather_dispatch
+  at::Tensor gathered_token_of;            ///< all_gather: token (of the gathered batch) of each row
+  at::Tensor gathered_pair_of;             ///< all_gather: pair (of the gathered batch) of each row
 };
 
 /// This rank's expert inputs and the plan to send their outputs back.

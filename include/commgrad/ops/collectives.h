@@ -52,8 +52,7 @@ at::Tensor all_gather(const at::Tensor& x, const AllGatherOptions& options = {},
 ///
 /// Example:
 ///   auto part = ops::reduce_scatter(x, ops::ReduceScatterOptions().dim(0));
-at::Tensor reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options = {},
-                          const Group& group = Group());
+at::Tensor reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options = {}, const Group& group = Group());
 
 /// y = src's x on every rank (the others' x give only shape and dtype).
 /// backward: reduce SUM of grads to src; the other ranks' x get zero grads.

@@ -121,9 +121,9 @@ struct ZeroShardInfo {
   at::ScalarType state_dtype = at::kFloat;
   /// One entry per parameter overlapping the range.
   struct Segment {
-    std::string name;        ///< the parameter (named_parameters() name)
-    int64_t param_begin = 0;  ///< first element of the parameter (flattened) in the range
-    int64_t shard_offset = 0; ///< where it sits in the shard
+    std::string name;          ///< the parameter (named_parameters() name)
+    int64_t param_begin = 0;   ///< first element of the parameter (flattened) in the range
+    int64_t shard_offset = 0;  ///< where it sits in the shard
     int64_t length = 0;
   };
   std::vector<Segment> segments;
@@ -198,8 +198,8 @@ class ZeroOptimizer {
   /// This rank's state of one parameter's part: `tensor` is a 1-D view of
   /// elements [param_begin, param_begin + numel) of the flattened parameter.
   struct StateShard {
-    std::string param;   ///< parameter name
-    std::string state;   ///< "exp_avg", "momentum_buffer", ...
+    std::string param;  ///< parameter name
+    std::string state;  ///< "exp_avg", "momentum_buffer", ...
     int64_t param_begin = 0;
     at::Tensor tensor;
   };

@@ -37,7 +37,7 @@ enum class ActionKind {
 ///   pp::Action{pp::ActionKind::kForward, /*stage=*/1, /*microbatch=*/3}   // "F1.3"
 struct Action {
   ActionKind kind;
-  int stage = 0;       ///< the (virtual) stage computing, sending or receiving
+  int stage = 0;  ///< the (virtual) stage computing, sending or receiving
   int microbatch = 0;
   /// Posted together with the next action (both must be communication).
   bool batched_with_next = false;

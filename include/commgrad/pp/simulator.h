@@ -39,9 +39,9 @@ struct SimulationOptions {
 
 /// The simulated run of a schedule.
 struct SimulationResult {
-  double makespan = 0;            ///< until the last rank finished
-  std::vector<double> busy;       ///< computing time, by rank
-  std::vector<double> idle;       ///< makespan - busy, by rank
+  double makespan = 0;       ///< until the last rank finished
+  std::vector<double> busy;  ///< computing time, by rank
+  std::vector<double> idle;  ///< makespan - busy, by rank
   /// Idle share of all ranks' time: sum(idle) / (ranks * makespan).
   double bubble_fraction = 0;
   /// Largest number of microbatches whose forward ran but backward did not

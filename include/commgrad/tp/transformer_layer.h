@@ -99,8 +99,7 @@ struct ParallelTransformerLayerOptions {
 ///   auto y = layer(chunk);
 ///   y.sum().backward();
 ///   tp::allreduce_sequence_parallel_grads(*layer);   // LayerNorm and row-bias grads
-class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransformerLayerImpl>,
-                                     public ShardedModule {
+class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransformerLayerImpl>, public ShardedModule {
  public:
   ParallelTransformerLayerImpl(int64_t hidden_size, int64_t num_heads, int64_t ffn_hidden_size)
       : ParallelTransformerLayerImpl(ParallelTransformerLayerOptions(hidden_size, num_heads, ffn_hidden_size)) {}

@@ -122,11 +122,11 @@ const Error* as_commgrad_error(const std::exception& e);
 
 /// Throws kind `kind` (ErrorKind::k...) at `site` (an ErrorSite) with a
 /// message built from the remaining arguments, as TORCH_CHECK builds one.
-#define COMMGRAD_THROW(kind, site, ...)                                                                     \
+#define COMMGRAD_THROW(kind, site, ...)                                                                  \
   ::commgrad::detail::throw_error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, (kind), (site), \
                                   ::c10::str(__VA_ARGS__))
 
 /// Throws kind `kind` with the message built from the arguments, as is.
-#define COMMGRAD_THROW_MESSAGE(kind, ...)                                                                  \
+#define COMMGRAD_THROW_MESSAGE(kind, ...)                                                                \
   ::commgrad::detail::throw_error_message({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, (kind), \
                                           ::c10::str(__VA_ARGS__))

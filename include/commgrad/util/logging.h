@@ -28,15 +28,15 @@ void log_message(LogLevel level, const std::string& message);
 }  // namespace commgrad
 
 /// COMMGRAD_LOG(kInfo, "joined ", n, " ranks") — formatted only when enabled.
-#define COMMGRAD_LOG(level, ...)                                          \
-  do {                                                                    \
-    if (::commgrad::log_level() >= ::commgrad::LogLevel::level) {         \
+#define COMMGRAD_LOG(level, ...)                                                     \
+  do {                                                                               \
+    if (::commgrad::log_level() >= ::commgrad::LogLevel::level) {                    \
       ::commgrad::log_message(::commgrad::LogLevel::level, ::c10::str(__VA_ARGS__)); \
-    }                                                                     \
+    }                                                                                \
   } while (0)
 
 /// COMMGRAD_LOG0: like COMMGRAD_LOG, but only rank 0 (or an uninitialised process) speaks.
-#define COMMGRAD_LOG0(level, ...)                                         \
-  do {                                                                    \
-    if (::commgrad::log_rank() <= 0) COMMGRAD_LOG(level, __VA_ARGS__);     \
+#define COMMGRAD_LOG0(level, ...)                                      \
+  do {                                                                 \
+    if (::commgrad::log_rank() <= 0) COMMGRAD_LOG(level, __VA_ARGS__); \
   } while (0)

@@ -22,15 +22,25 @@ namespace detail {
 inline RedOp to_red_op(const c10d::ReduceOp& op, bool* ok) {
   *ok = true;
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return RedOp::kSum;
-    case c10d::ReduceOp::AVG: return RedOp::kAvg;
-    case c10d::ReduceOp::PRODUCT: return RedOp::kProduct;
-    case c10d::ReduceOp::MIN: return RedOp::kMin;
-    case c10d::ReduceOp::MAX: return RedOp::kMax;
-    case c10d::ReduceOp::BAND: return RedOp::kBand;
-    case c10d::ReduceOp::BOR: return RedOp::kBor;
-    case c10d::ReduceOp::BXOR: return RedOp::kBxor;
-    default: *ok = false; return RedOp::kSum;
+    case c10d::ReduceOp::SUM:
+      return RedOp::kSum;
+    case c10d::ReduceOp::AVG:
+      return RedOp::kAvg;
+    case c10d::ReduceOp::PRODUCT:
+      return RedOp::kProduct;
+    case c10d::ReduceOp::MIN:
+      return RedOp::kMin;
+    case c10d::ReduceOp::MAX:
+      return RedOp::kMax;
+    case c10d::ReduceOp::BAND:
+      return RedOp::kBand;
+    case c10d::ReduceOp::BOR:
+      return RedOp::kBor;
+    case c10d::ReduceOp::BXOR:
+      return RedOp::kBxor;
+    default:
+      *ok = false;
+      return RedOp::kSum;
   }
 }
 

@@ -176,9 +176,9 @@ class Comm {
   const WaitPolicy policy_;
   std::atomic<int64_t> spin_ns_;   // the adaptive spin (see WaitPolicy)
   std::atomic<int64_t> yield_ns_;  // the adaptive yield phase (see WaitPolicy)
-  uint64_t seq_ = 0;         // collectives issued
-  uint64_t step_ = 0;        // pipeline steps (buffer sets) used
-  uint64_t generation_ = 1;  // barriers arrived at (the segment's own is the first)
+  uint64_t seq_ = 0;               // collectives issued
+  uint64_t step_ = 0;              // pipeline steps (buffer sets) used
+  uint64_t generation_ = 1;        // barriers arrived at (the segment's own is the first)
   std::vector<const void*> srcs_;  // scratch: one source per rank
   // One per source: a recv and a recv_any never read one mailbox at once.
   std::unique_ptr<std::mutex[]> readers_;

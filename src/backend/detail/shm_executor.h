@@ -142,5 +142,4 @@ class Executor {
   std::thread thread_;
 };
 
-
 }  // namespace commgrad::backend::detail

@@ -39,18 +39,18 @@ struct alignas(kLine) Bell {
 /// What a rank is about to do. Written before the first barrier of a
 /// collective and compared by every rank after it.
 struct OpDescriptor {
-  uint32_t kind;     // OpKind
-  int32_t dtype;     // c10::ScalarType
-  int32_t reduce;    // RedOp, or -1
-  int32_t root;      // root rank, or -1
-  uint64_t seq;      // collective number on this group
-  int64_t bytes;     // op-specific size (see shm_collectives.cpp)
+  uint32_t kind;                // OpKind
+  int32_t dtype;                // c10::ScalarType
+  int32_t reduce;               // RedOp, or -1
+  int32_t root;                 // root rank, or -1
+  uint64_t seq;                 // collective number on this group
+  int64_t bytes;                // op-specific size (see shm_collectives.cpp)
   char message[kMessageBytes];  // why a rank rejected its arguments (kind == kInvalid)
 };
 
 /// One rank's control block.
 struct alignas(kLine) RankBlock {
-  std::atomic<int32_t> pid;         // 0 until the rank has mapped the segment
+  std::atomic<int32_t> pid;          // 0 until the rank has mapped the segment
   uint64_t pid_namespace;            // inode of its /proc/self/ns/pid: pids compare only within one
   std::atomic<uint32_t> generation;  // barriers this rank has arrived at (low 32 bits)
   std::atomic<int64_t> arrived_ns;   // when it arrived at the last one (steady clock, shared by the host)
@@ -67,7 +67,7 @@ struct alignas(kLine) Header {
   uint64_t chunk_bytes;    // per rank and buffer set
   uint64_t mailbox_bytes;  // ring bytes of each point-to-point mailbox
   uint64_t total_bytes;
-  Bell arrivals;           // the barrier: every arrival adds one
+  Bell arrivals;                                     // the barrier: every arrival adds one
   alignas(kLine) std::atomic<uint32_t> abort_state;  // 0 running, 1 being written, 2 aborted
   int32_t abort_rank;
   char abort_reason[1024];
@@ -87,10 +87,10 @@ struct Layout {
   int size = 1;
   uint64_t chunk_bytes = 0;
   uint64_t mailbox_bytes = 0;
-  uint64_t ranks_offset = 0;     // RankBlock[size]
-  uint64_t aux_offset = 0;       // int64[kSets][size][2 * size]
-  uint64_t slots_offset = 0;     // uint8[kSets][size][chunk_bytes]
-  uint64_t mailbox_offset = 0;   // (MailboxHead + ring)[size][size]
+  uint64_t ranks_offset = 0;    // RankBlock[size]
+  uint64_t aux_offset = 0;      // int64[kSets][size][2 * size]
+  uint64_t slots_offset = 0;    // uint8[kSets][size][chunk_bytes]
+  uint64_t mailbox_offset = 0;  // (MailboxHead + ring)[size][size]
   uint64_t mailbox_stride = 0;
   uint64_t total_bytes = 0;
 
@@ -127,9 +127,7 @@ class Segment {
   const std::string& name() const { return name_; }
 
   Header& header() const { return *reinterpret_cast<Header*>(base_); }
-  RankBlock& rank_block(int rank) const {
-    return reinterpret_cast<RankBlock*>(base_ + layout_.ranks_offset)[rank];
-  }
+  RankBlock& rank_block(int rank) const { return reinterpret_cast<RankBlock*>(base_ + layout_.ranks_offset)[rank]; }
   /// 2 * size int64 values a rank publishes with a descriptor.
   int64_t* aux(int set, int rank) const {
     const auto n = static_cast<uint64_t>(layout_.size);
@@ -137,18 +135,14 @@ class Segment {
   }
   /// The chunk_bytes a rank stages in buffer set `set`; the slots of one set are contiguous.
   uint8_t* slot(int set, int rank) const {
-    return base_ + layout_.slots_offset +
-           (static_cast<uint64_t>(set) * layout_.size + rank) * layout_.chunk_bytes;
+    return base_ + layout_.slots_offset + (static_cast<uint64_t>(set) * layout_.size + rank) * layout_.chunk_bytes;
   }
-  MailboxHead& mailbox(int src, int dst) const {
-    return *reinterpret_cast<MailboxHead*>(mailbox_base(src, dst));
-  }
+  MailboxHead& mailbox(int src, int dst) const { return *reinterpret_cast<MailboxHead*>(mailbox_base(src, dst)); }
   uint8_t* mailbox_ring(int src, int dst) const { return mailbox_base(src, dst) + sizeof(MailboxHead); }
 
  private:
   uint8_t* mailbox_base(int src, int dst) const {
-    return base_ + layout_.mailbox_offset +
-           (static_cast<uint64_t>(src) * layout_.size + dst) * layout_.mailbox_stride;
+    return base_ + layout_.mailbox_offset + (static_cast<uint64_t>(src) * layout_.size + dst) * layout_.mailbox_stride;
   }
   void create(const SegmentConfig& config);
   void open(const SegmentConfig& config);

@@ -42,7 +42,8 @@ class StateRuns {
     TORCH_CHECK(next_ < pieces_.size() && pieces_[next_].name == key, "[commgrad] ", op_, ": the pieces are not those ",
                 maker_, " made for this optimizer (expected '", key, "')");
     std::vector<at::Tensor> parts;
-    for (; next_ < pieces_.size() && pieces_[next_].name == key; ++next_) parts.push_back(pieces_[next_].tensor.reshape({-1}));
+    for (; next_ < pieces_.size() && pieces_[next_].name == key; ++next_)
+      parts.push_back(pieces_[next_].tensor.reshape({-1}));
     auto& [loaded, missing] = counts_[state];
     if (skipped_.count(key)) {
       ++missing;

@@ -32,9 +32,7 @@ at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& al
 
 }  // namespace
 
-at::ScalarType accumulate_dtype(at::ScalarType dtype) {
-  return dtype == at::kDouble ? at::kDouble : at::kFloat;
-}
+at::ScalarType accumulate_dtype(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
 
 Visibility visibility(const SequenceChunk& q, const SequenceChunk& k, bool causal) {
   if (!causal) return Visibility::kAll;

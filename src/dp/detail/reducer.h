@@ -74,14 +74,14 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
     std::vector<size_t> params;
     std::vector<std::string> names;
     int64_t bytes = 0;
-    int64_t numel = 0;               // elements of the parameters
-    int64_t padded_numel = 0;        // of the buffer (numel rounded up to bucket_multiple)
-    std::vector<int64_t> offsets;    // of each parameter's slot
-    at::Tensor buffer;               // flat gradients (allocated on demand with release_gradients)
-    std::vector<at::Tensor> views;   // one per parameter, shaped like it
-    size_t pending = 0;              // parameters not ready yet in this backward
+    int64_t numel = 0;              // elements of the parameters
+    int64_t padded_numel = 0;       // of the buffer (numel rounded up to bucket_multiple)
+    std::vector<int64_t> offsets;   // of each parameter's slot
+    at::Tensor buffer;              // flat gradients (allocated on demand with release_gradients)
+    std::vector<at::Tensor> views;  // one per parameter, shaped like it
+    size_t pending = 0;             // parameters not ready yet in this backward
     bool launched = false;
-    bool finished = false;           // waited for, its `then` run
+    bool finished = false;  // waited for, its `then` run
     CommWork work;
   };
 
@@ -108,8 +108,8 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
 
   mutable std::recursive_mutex mutex_;
   bool sync_enabled_ = true;
-  bool in_backward_ = false;         // a synchronised backward is running
-  std::vector<char> ready_;          // per parameter, this backward
+  bool in_backward_ = false;           // a synchronised backward is running
+  std::vector<char> ready_;            // per parameter, this backward
   std::vector<char> used_since_sync_;  // got a gradient since the last reduction
   size_t next_bucket_ = 0;
   int64_t launched_in_backward_ = 0;

@@ -21,14 +21,14 @@ class Unit;
 /// What the units of one tree share: the order they ran in, whether
 /// backward reduces, the end-of-backward callback, the statistics.
 struct Tree {
-  std::vector<Unit*> units;        // innermost first; the last is the root
-  std::vector<Unit*> order;        // first forward of each unit since the last synchronised backward
-  std::vector<Unit*> last_order;   // the order of the previous step (forward prefetch)
-  std::vector<Unit*> launched;     // reduce-scatters of this backward, in launch order
+  std::vector<Unit*> units;       // innermost first; the last is the root
+  std::vector<Unit*> order;       // first forward of each unit since the last synchronised backward
+  std::vector<Unit*> last_order;  // the order of the previous step (forward prefetch)
+  std::vector<Unit*> launched;    // reduce-scatters of this backward, in launch order
   bool sync = true;
   bool callback_queued = false;
-  int depth = 0;                   // nesting of fsdp::call
-  int64_t forward_id = 0;          // outermost calls so far
+  int depth = 0;           // nesting of fsdp::call
+  int64_t forward_id = 0;  // outermost calls so far
   StepStats current, last;
 
   Unit* root() const { return units.empty() ? nullptr : units.back(); }
@@ -36,17 +36,17 @@ struct Tree {
 
 /// One parameter of a unit.
 struct Param {
-  std::string name;                 // named_parameters() name in the unit's module
+  std::string name;  // named_parameters() name in the unit's module
   torch::nn::Module* owner = nullptr;
-  std::string key;                  // its name among owner's own parameters
-  at::Tensor compute;               // the tensor the module's code reads
-  at::Tensor view;                  // the parameter's shape in the gathered buffer
-  int64_t offset = 0, numel = 0;    // in the flat (gathered) buffer
+  std::string key;                       // its name among owner's own parameters
+  at::Tensor compute;                    // the tensor the module's code reads
+  at::Tensor view;                       // the parameter's shape in the gathered buffer
+  int64_t offset = 0, numel = 0;         // in the flat (gathered) buffer
   int64_t shard_offset = 0, length = 0;  // this rank's part, in the shard
-  int64_t param_begin = 0;          // its first element of the parameter
-  at::Tensor piece;                 // registered in the module in place of `compute`
+  int64_t param_begin = 0;               // its first element of the parameter
+  at::Tensor piece;                      // registered in the module in place of `compute`
   bool requires_grad = false;
-  Group partial_group;              // sequence parallelism: its gradient is summed over this TP group first
+  Group partial_group;  // sequence parallelism: its gradient is summed over this TP group first
   commgrad::detail::NodePtr accumulator;
   uintptr_t hook_key = 0;
   bool ready = false;
@@ -123,22 +123,22 @@ class Unit : public std::enable_shared_from_this<Unit> {
   Group group_;
   std::shared_ptr<Tree> tree_;
   std::vector<Param> params_;
-  at::ScalarType dtype_ = at::kFloat;          // the parameters' own (shard) dtype
+  at::ScalarType dtype_ = at::kFloat;  // the parameters' own (shard) dtype
   at::ScalarType compute_dtype_ = at::kFloat;
   at::ScalarType reduce_dtype_ = at::kFloat;
-  double pre_divide_ = 1, post_divide_ = 1;    // the average, before and after the sum
+  double pre_divide_ = 1, post_divide_ = 1;  // the average, before and after the sum
   int64_t numel_ = 0, padded_ = 0, shard_numel_ = 0;
-  size_t trainable_ = 0;                       // parameters that require grad
+  size_t trainable_ = 0;  // parameters that require grad
   bool has_frozen_ = false;
-  at::Tensor shard_;                           // this rank's part of the flat parameters
-  at::Tensor full_;                            // the gathered buffer, its storage freed when resharded
-  at::Tensor empty_;                           // what the compute tensors hold while resharded
+  at::Tensor shard_;  // this rank's part of the flat parameters
+  at::Tensor full_;   // the gathered buffer, its storage freed when resharded
+  at::Tensor empty_;  // what the compute tensors hold while resharded
   ops::raw::Pending gather_, reduction_;
-  at::Tensor payload_;                         // packed gradients waiting for their launch
+  at::Tensor payload_;  // packed gradients waiting for their launch
   bool unsharded_ = false;
-  bool in_order_ = false;                      // in tree_->order this step
+  bool in_order_ = false;  // in tree_->order this step
   int64_t last_forward_id_ = -1;
-  size_t ready_ = 0;                           // parameters whose gradient arrived this backward
+  size_t ready_ = 0;  // parameters whose gradient arrived this backward
   bool packed_ = false, launched_ = false;
 };
 

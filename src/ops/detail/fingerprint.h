@@ -26,7 +26,7 @@ void check_fingerprint(const Call& call, const std::string& signature, const std
 
 /// Debug mode for send/recv: both sides exchange a header (sizes, dtype,
 /// requires_grad, tag) and throw when it differs.
-void check_p2p_header(const Call& call, int peer, int tag, bool sending, at::IntArrayRef sizes,
-                      at::ScalarType dtype, bool requires_grad);
+void check_p2p_header(const Call& call, int peer, int tag, bool sending, at::IntArrayRef sizes, at::ScalarType dtype,
+                      bool requires_grad);
 
 }  // namespace commgrad::ops::detail

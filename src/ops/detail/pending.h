@@ -29,7 +29,7 @@ struct PendingState {
   std::function<at::Tensor()> finish;  // runs once, after every work finished (may wait on more)
   at::Tensor result;                   // set by finish (or directly)
   bool done = false;
-  std::exception_ptr error;            // set when a work failed
+  std::exception_ptr error;  // set when a work failed
   Clock::time_point posted = Clock::now();
 };
 

@@ -12,19 +12,22 @@
 namespace commgrad::pp::detail {
 
 /// A schedule that cannot be built or run: std::invalid_argument naming it.
-[[noreturn]] inline void fail(const std::string& message) {
-  throw std::invalid_argument("[commgrad] pp: " + message);
-}
+[[noreturn]] inline void fail(const std::string& message) { throw std::invalid_argument("[commgrad] pp: " + message); }
 
 /// The operation a communication action matches on the peer's rank, and that rank.
 inline std::pair<Action, int> counterpart(const Schedule& s, const Action& a) {
   using Kind = ActionKind;
   switch (a.kind) {
-    case Kind::kSendActivation: return {{Kind::kRecvActivation, a.stage + 1, a.microbatch}, s.rank_of(a.stage + 1)};
-    case Kind::kRecvActivation: return {{Kind::kSendActivation, a.stage - 1, a.microbatch}, s.rank_of(a.stage - 1)};
-    case Kind::kSendGradient: return {{Kind::kRecvGradient, a.stage - 1, a.microbatch}, s.rank_of(a.stage - 1)};
-    case Kind::kRecvGradient: return {{Kind::kSendGradient, a.stage + 1, a.microbatch}, s.rank_of(a.stage + 1)};
-    default: break;
+    case Kind::kSendActivation:
+      return {{Kind::kRecvActivation, a.stage + 1, a.microbatch}, s.rank_of(a.stage + 1)};
+    case Kind::kRecvActivation:
+      return {{Kind::kSendActivation, a.stage - 1, a.microbatch}, s.rank_of(a.stage - 1)};
+    case Kind::kSendGradient:
+      return {{Kind::kRecvGradient, a.stage - 1, a.microbatch}, s.rank_of(a.stage - 1)};
+    case Kind::kRecvGradient:
+      return {{Kind::kSendGradient, a.stage + 1, a.microbatch}, s.rank_of(a.stage + 1)};
+    default:
+      break;
   }
   return {a, -1};
 }

@@ -30,14 +30,19 @@ constexpr int64_t kErrorKind = 2;  // header kind of an error message (0 activat
 
 using Key = std::pair<int, int>;  // stage, microbatch
 
-inline bool is_activation(ActionKind kind) { return kind == ActionKind::kSendActivation || kind == ActionKind::kRecvActivation; }
+inline bool is_activation(ActionKind kind) {
+  return kind == ActionKind::kSendActivation || kind == ActionKind::kRecvActivation;
+}
 
 // The stage that receives what `a` sends or receives.
 inline int receiving_stage(const Action& a) {
   switch (a.kind) {
-    case ActionKind::kSendActivation: return a.stage + 1;
-    case ActionKind::kSendGradient: return a.stage - 1;
-    default: return a.stage;
+    case ActionKind::kSendActivation:
+      return a.stage + 1;
+    case ActionKind::kSendGradient:
+      return a.stage - 1;
+    default:
+      return a.stage;
   }
 }
 
@@ -56,7 +61,7 @@ struct Pipeline::Impl {
   // data parallelism: per stage (stage -> microbatch), and the rank's last.
   std::map<int, int> last_of[2];
   Action rank_last[2] = {{ActionKind::kBackward, 0, 0}, {ActionKind::kBackwardWeight, 0, 0}};
-  std::map<int, bool> deferring;  // split backward: stage -> its forwards deferred weight gradients
+  std::map<int, bool> deferring;               // split backward: stage -> its forwards deferred weight gradients
   Action current{ActionKind::kForward, 0, 0};  // what runs now (for errors)
 
   struct Slot {
@@ -65,8 +70,8 @@ struct Pipeline::Impl {
   };
   std::map<detail::pipeline::Key, Slot> slots;
   std::vector<std::pair<ops::raw::Pending, at::Tensor>> sends;  // kept alive until waited for
-  std::deque<Action> receives;  // posted by a batch, taken when a computation needs them
-  size_t position = 0;          // this rank's first action not yet started (or posted)
+  std::deque<Action> receives;   // posted by a batch, taken when a computation needs them
+  size_t position = 0;           // this rank's first action not yet started (or posted)
   bool neighbours_told = false;  // this step's failure was passed on
   // Error messages sent and not yet received: a failed neighbour may never
   // take them, and the transport may still read their memory.
@@ -78,9 +83,7 @@ struct Pipeline::Impl {
   std::string where(const Action& a) const {
     return c10::str("stage ", a.stage, " microbatch ", a.microbatch, " (", a.to_string(), ")");
   }
-  at::Tensor microbatch_of(const at::Tensor& batch, int mb) const {
-    return batch.chunk(schedule.microbatches, 0)[mb];
-  }
+  at::Tensor microbatch_of(const at::Tensor& batch, int mb) const { return batch.chunk(schedule.microbatches, 0)[mb]; }
   void forward(const Action& a);
   void backward(const Action& a);
   void backward_weight(const Action& a);
