@@ -11,6 +11,7 @@
 #include "commgrad/dist/parallel_state.h"
 #include "commgrad/dist/process_group.h"
 #include "commgrad/dist/transport.h"
+#include "commgrad/dist/uncaught_error.h"
 #include "commgrad/util/blas.h"
 #include "commgrad/util/buffer_pool.h"
 #include "commgrad/util/error.h"

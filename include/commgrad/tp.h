@@ -12,6 +12,7 @@
 //   cross_entropy.h   vocab_parallel_cross_entropy
 //   sharding.h        ShardSpec per parameter, full state dicts
 //   wiring_checks.h   a module's TP group against a wrapper's groups
+//   replica_check.h   TP-replicated parameters still equal (COMMGRAD_DEBUG)
 //   random.h          tensor-parallel random streams, tp::dropout
 //   attention.h       ParallelSelfAttention
 //   transformer_layer.h  ParallelTransformerLayer
@@ -32,6 +33,7 @@
 #include "commgrad/tp/parallel_state.h"
 #include "commgrad/tp/sharding.h"
 #include "commgrad/tp/wiring_checks.h"
+#include "commgrad/tp/replica_check.h"
 #include "commgrad/tp/random.h"
 #include "commgrad/tp/recompute.h"
 #include "commgrad/tp/attention.h"

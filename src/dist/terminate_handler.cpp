@@ -3,8 +3,10 @@
 #include "commgrad/dist/terminate_handler.h"
 
 #include "commgrad/dist/group.h"
+#include "commgrad/dist/uncaught_error.h"
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <iostream>
@@ -29,38 +31,40 @@ Started g_started;
 std::terminate_handler g_previous = nullptr;
 std::atomic<bool> g_installed{false};
 
-// Names the last collective started when the process is terminated (by an
-// exception nobody could catch, e.g. in a transport's I/O thread), then lets
-// the previous handler print the exception and abort.
-[[noreturn]] void terminate_with_context() {
-  std::string what = "an uncaught exception";
-  if (const auto e = std::current_exception()) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& ex) {
-      what = ex.what();
-    } catch (...) {
-    }
-  }
+// The line that names the collective in flight, when one was: the error
+// may be about it (Gloo aborts in its I/O thread), or have cut it short.
+std::string collective_in_flight(const std::string& what) {
   Started last;
   if (g_started_mutex.try_lock()) {  // never block a dying process
     last = g_started;
     g_started_mutex.unlock();
   }
-  if (last.op != nullptr) {
-    const auto state = last.group.lock();
-    std::cerr << "[commgrad] " << last.op << " " << (state ? Group(state).describe() : std::string("(group gone)"))
-              << ": the process is terminating (" << what << ") while collective #" << last.sequence
-              << " had not completed";
-    if (what.find("op.preamble.length <= op.nbytes") != std::string::npos) {
-      std::cerr << ". Gloo aborts like this when another rank called a collective with more data than this rank; "
-                   "set COMMGRAD_DEBUG=1 on every rank to check each collective across ranks and raise an error on "
-                   "all of them instead";
-    }
-    std::cerr << std::endl;
+  if (last.op == nullptr) return "";
+  const auto state = last.group.lock();
+  std::string line = std::string("[commgrad] ") + last.op + " " +
+                     (state ? Group(state).describe() : std::string("(group gone)")) +
+                     ": the process is terminating (" + what + ") while collective #" +
+                     std::to_string(last.sequence) + " had not completed";
+  if (what.find("op.preamble.length <= op.nbytes") != std::string::npos) {
+    line +=
+        ". Gloo aborts like this when another rank called a collective with more data than this rank; set "
+        "COMMGRAD_DEBUG=1 on every rank to check each collective across ranks and raise an error on all of them "
+        "instead";
   }
-  if (g_previous != nullptr) g_previous();
-  std::abort();
+  return line;
+}
+
+// Reports an exception nobody could catch (in a transport's I/O thread, or
+// one the program let through main) once, without LibTorch's backtrace
+// unless asked (dist/uncaught_error.h), naming the collective in flight if
+// any. Then the process exits with status 1, as a Python rank does; a
+// handler the program installed before init_process_group runs instead.
+[[noreturn]] void terminate_with_context() {
+  const auto error = std::current_exception();
+  report_uncaught_error(error, collective_in_flight(describe_error(error)));
+  std::fflush(nullptr);
+  if (g_previous != nullptr && g_previous != __gnu_cxx::__verbose_terminate_handler) g_previous();
+  std::_Exit(1);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "commgrad/dist/parallel_state.h"
 #include "commgrad/dist/process_group.h"
 #include "commgrad/dp/replicas.h"
+#include "commgrad/tp/replica_check.h"
 #include "commgrad/tp/wiring_checks.h"
 #include "detail/reducer.h"
 
@@ -74,6 +75,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   reducer_ =
       std::make_shared<detail::DdpReducer>(group, std::move(options), std::move(trainable), std::move(buffer_tensors));
   reducer_->install_hooks();
+  // Under COMMGRAD_DEBUG, TP-replicated parameters must still be equal when
+  // a backward starts (the last step kept them in step across TP ranks).
+  std::weak_ptr<torch::nn::Module> weak = module_;
+  reducer_->set_backward_check([weak] {
+    if (const auto m = weak.lock()) tp::debug_check_replicated_parameters(*m, detail::kOp);
+  });
 }
 
 DistributedDataParallel::~DistributedDataParallel() {

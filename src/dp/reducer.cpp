@@ -282,6 +282,7 @@ void DdpReducer::on_gradient_ready(size_t index) {
 }
 
 void DdpReducer::begin_backward() {
+  if (backward_check_) backward_check_();
   in_backward_ = true;
   next_bucket_ = 0;
   launched_in_backward_ = 0;

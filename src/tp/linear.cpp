@@ -192,6 +192,15 @@ void check_sequence(const char* op, const Group& g, const at::Tensor& x, const c
                  describe(x));
 }
 
+// Both linears start alike: the group from the layout unless given, and
+// positive feature counts.
+template <typename Options>
+void resolve_group_and_check_features(Options& options, const char* op) {
+  options.group(resolve_tp_group(options.group(), op));
+  COMMGRAD_CHECK(options.in_features() >= 1 && options.out_features() >= 1, op, options.group(), "in_features (",
+                 options.in_features(), ") and out_features (", options.out_features(), ") must be positive");
+}
+
 }  // namespace
 
 at::Tensor column_parallel_matmul(const at::Tensor& input, const at::Tensor& weight, bool sequence_parallel,
@@ -212,11 +221,9 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
 
 void ColumnParallelLinearImpl::reset() {
   const char* op = "ColumnParallelLinear";
-  options.group(resolve_tp_group(options.group(), op));
+  detail::resolve_group_and_check_features(options, op);
   const Group& g = options.group();
   const int64_t n = g.size();
-  COMMGRAD_CHECK(options.in_features() >= 1 && options.out_features() >= 1, op, g, "in_features (",
-                 options.in_features(), ") and out_features (", options.out_features(), ") must be positive");
   COMMGRAD_CHECK(options.stride() >= 1, op, g, "stride must be at least 1, got ", options.stride());
   COMMGRAD_CHECK(options.out_features() % (n * options.stride()) == 0, op, g, "out_features (", options.out_features(),
                  ") is not divisible by the tensor-parallel size (", n, ")",
@@ -289,11 +296,9 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options_) 
 
 void RowParallelLinearImpl::reset() {
   const char* op = "RowParallelLinear";
-  options.group(resolve_tp_group(options.group(), op));
+  detail::resolve_group_and_check_features(options, op);
   const Group& g = options.group();
   const int64_t n = g.size();
-  COMMGRAD_CHECK(options.in_features() >= 1 && options.out_features() >= 1, op, g, "in_features (",
-                 options.in_features(), ") and out_features (", options.out_features(), ") must be positive");
   COMMGRAD_CHECK(options.in_features() % n == 0, op, g, "in_features (", options.in_features(),
                  ") is not divisible by the tensor-parallel size (", n, ")");
   COMMGRAD_CHECK(!options.sequence_parallel() || options.input_is_parallel(), op, g,

@@ -46,6 +46,11 @@ const std::vector<Variable>& variables() {
       {"COMMGRAD_LINE_BUFFERED", "1",
        "line-buffer stdout from the moment commgrad loads, so that a rank stopped by the launcher loses no printed "
        "line (commgrad-run sets it for its ranks; set it yourself under another launcher whose ranks write to a pipe)"},
+      {"COMMGRAD_BACKTRACE", "0 or 1",
+       "1: a rank that dies of an uncaught error also prints LibTorch's C++ backtrace (default: the message only)"},
+      {"TORCHELASTIC_ERROR_FILE", "path",
+       "where a rank that dies of an uncaught error writes it, in torchrun's JSON form, instead of printing it "
+       "(commgrad-run and torchrun set it per rank and print each distinct error once)"},
       {"GLOO_SOCKET_IFNAME", "interface[,interface...]", "network interfaces Gloo binds to, as in PyTorch"},
   };
   return list;

@@ -8,8 +8,11 @@
 // And the norm over a module (optim::clip_grad_norm_(module, ...)), which
 // knows the shards, with DDP follows one rank where the list of parameters
 // cannot.
-// Before these checks each of them trained silently wrong.
+// Before these checks each of them trained silently wrong. Under
+// COMMGRAD_DEBUG, DDP also checks at each backward that the TP-replicated
+// parameters are still equal across their TP group.
 
+#include "harness/expect_error.h"
 #include "harness/spawn_ranks.h"
 #include "tp/reference.h"
 
@@ -27,15 +30,6 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 constexpr int64_t kModel = 4, kFfn = 8;
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
 
 std::unique_ptr<torch::optim::Optimizer> sgd(std::vector<at::Tensor> shards) {
   return std::make_unique<torch::optim::SGD>(shards, torch::optim::SGDOptions(0.1));
@@ -139,6 +133,51 @@ TEST(WiringChecks, ClipOverAModuleFollowsOneRankWithDdp) {
         },
         *reference, check::TrajectoryOptions(kSteps));
     EXPECT_TRUE(result.ok()) << result;
+  });
+}
+
+// A replicated bias that drifted on one rank of each TP group (as after a
+// step clipped without the TP group) is a MismatchError at the next
+// backward under the debug check, on every rank, naming the parameter and
+// the two ranks; equal replicas pass, and so does the backward after the
+// bias is mended. Off, the check costs nothing and finds nothing.
+TEST(WiringChecks, DebugCheckFindsReplicatedParametersThatDrifted) {
+  ops::set_debug_checks(true);
+  spawn_ranks(4, [](Group& world) {
+    const auto state = make_model_parallel(2, 1, world);
+    ScopedParallelState scope(state);
+    tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(1));
+    dp::DistributedDataParallel ddp(mlp.ptr());
+    const auto x = torch::ones({3, kModel});
+    EXPECT_EQ(error_of([&] { mlp(x).sum().backward(); }), "(no error)");
+    const at::Tensor bias = mlp->fc2->bias;
+    const at::Tensor kept = bias.detach().clone();
+    if (state.tensor_parallel_group().rank() == 1) bias.detach().add_(1e-6);
+    const int tp0 = world.rank() / 2 * 2;
+    bool mismatch = false;
+    try {
+      mlp(x).sum().backward();
+    } catch (const MismatchError& e) {
+      mismatch = true;
+      EXPECT_THAT(e.what_without_backtrace(),
+                  AllOf(HasSubstr("DistributedDataParallel rank"),
+                        HasSubstr(c10::str("the replicated parameter 'fc2.bias' differs between tensor-parallel ranks ",
+                                           tp0, " and ", tp0 + 1))));
+    }
+    EXPECT_TRUE(mismatch);
+    bias.detach().copy_(kept);
+    EXPECT_EQ(error_of([&] { mlp(x).sum().backward(); }), "(no error)");
+  });
+  ops::set_debug_checks(std::nullopt);
+  spawn_ranks(2, [](Group& world) {
+    const auto state = make_model_parallel(2, 1, world);
+    tp::ParallelMLP mlp(tp::ParallelMLPOptions(kModel, kFfn, state.tensor_parallel_group()).seed(1));
+    dp::DistributedDataParallel ddp(mlp.ptr(), dp::DistributedDataParallelOptions(state.data_parallel_group()));
+    if (world.rank() == 1) mlp->fc2->bias.detach().add_(1e-6);
+    EXPECT_EQ(error_of([&] { mlp(torch::ones({3, kModel})).sum().backward(); }), "(no error)");
+    // The explicit check runs without the debug switch.
+    EXPECT_THAT(error_of([&] { tp::check_replicated_parameters(*mlp, "check"); }),
+                HasSubstr("the replicated parameter 'fc2.bias' differs between tensor-parallel ranks 0 and 1"));
   });
 }
 

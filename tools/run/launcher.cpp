@@ -113,6 +113,7 @@ int Launcher::run() {
   // Orphaned descendants come back to us instead of init (see top of file).
   prctl(PR_SET_CHILD_SUBREAPER, 1);
 
+  error_files_.create();  // without it, ranks print their errors themselves
   ranks_.resize(static_cast<std::size_t>(options_.nproc_per_node));
   for (int r = 0; r < options_.nproc_per_node; ++r) {
     ranks_[r].rank = options_.node_rank * options_.nproc_per_node + r;
@@ -129,7 +130,15 @@ int Launcher::run() {
   supervise();
   watchdog_.stop();
   restore_signal_handlers();
+  report_rank_errors();
   return exit_code_.value_or(0);
+}
+
+// Each distinct error the ranks left, once, after their own output.
+void Launcher::report_rank_errors() {
+  std::vector<int> ranks;
+  for (const Rank& rank : ranks_) ranks.push_back(rank.rank);
+  for (const std::string& line : error_files_.report(ranks, first_failed_)) report(line);
 }
 
 bool Launcher::install_signal_handlers() {
@@ -226,7 +235,7 @@ struct ExecPlan {
 
 std::vector<std::string> Launcher::rank_variables(const Rank& rank) const {
   const int n = options_.nproc_per_node;
-  const std::vector<std::pair<std::string, std::string>> vars = {
+  std::vector<std::pair<std::string, std::string>> vars = {
       {"RANK", std::to_string(rank.rank)},
       {"WORLD_SIZE", std::to_string(options_.nnodes * n)},
       {"LOCAL_RANK", std::to_string(rank.rank - options_.node_rank * n)},
@@ -237,6 +246,9 @@ std::vector<std::string> Launcher::rank_variables(const Rank& rank) const {
       // commgrad line-buffers the rank's stdout (see src/dist/environment.cpp).
       {"COMMGRAD_LINE_BUFFERED", "1"},
   };
+  if (const std::string file = error_files_.path_for(rank.rank); !file.empty()) {
+    vars.push_back({"TORCHELASTIC_ERROR_FILE", file});
+  }
   return rank_environment(environ, vars);
 }
 
@@ -447,6 +459,7 @@ void Launcher::on_rank_exit(Rank& rank, const siginfo_t& info) {
   std::string message = "rank " + std::to_string(rank.rank) + " (pid " + std::to_string(rank.pid) + ") " + what;
   if (others > 0) message += "; stopping the other " + ranks_phrase(others);
   report(message);
+  first_failed_ = rank.rank;
   exit_code_ = exited ? info.si_status : 128 + info.si_status;
   stop_ranks_after_delay();
 }

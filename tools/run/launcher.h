@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "error_files.h"
 #include "options.h"
 #include "output.h"
 #include "process.h"
@@ -77,11 +78,14 @@ class Launcher {
   void kill_orphans();
   int running_count() const;
   void report(const std::string& message) const;
+  void report_rank_errors();
 
   LaunchOptions options_;
   int port_ = 0;
   std::vector<Rank> ranks_;
   Watchdog watchdog_;
+  ErrorFiles error_files_;          // where ranks leave an uncaught error
+  std::optional<int> first_failed_;  // the rank whose failure stopped the job
   int devnull_ = -1;
 
   // Set once, by the first of: a failed rank, a signal, the timeout.

@@ -4,13 +4,15 @@
 // Some transport failures cannot be caught: Gloo enforces in its I/O thread
 // that a peer sends no more bytes than this rank posted, and the uncaught
 // exception terminates the process. commgrad remembers the last collective
-// each process started (before it reaches the transport) until it completes,
-// and this handler, installed by init_process_group() unless
-// InitOptions::terminate_handler is false, prints it and the likely cause to
-// stderr when one was in flight (or failed), then hands over to the handler
-// that was installed before it (which prints the exception and aborts). An
-// error thrown while no collective is in flight (a layer's shape error) is
-// left to that handler alone: no collective is blamed. See docs/errors.md.
+// each process started (before it reaches the transport) until it completes.
+// This handler, installed by init_process_group() unless
+// InitOptions::terminate_handler is false, reports the error once, without
+// LibTorch's backtrace unless COMMGRAD_BACKTRACE=1 (dist/uncaught_error.h:
+// into the launcher's error file, or to stderr), with a line naming the
+// collective when one was in flight (or failed), and exits with status 1. An
+// error thrown while no collective is in flight (a layer's shape error)
+// blames no collective. A terminate handler the program installed before
+// runs instead of the exit. See docs/errors.md.
 
 #include <cstdint>
 #include <memory>

@@ -24,8 +24,30 @@ RANK, N = init("commgrad", timeout_s=30)
 results = []
 
 
-def expect_error(name, fn, *needles):
-    """`fn` must raise, within seconds, an error whose message has every needle."""
+# The Python class each kind of commgrad error arrives as: torch translates
+# the C++ bases of commgrad's error types (include/commgrad/util/error.h).
+# A bad argument stays a RuntimeError (as Gloo's), so that code written for
+# Gloo catches the same; "not DistError" tells it from the other kinds.
+INVALID_ARGUMENT = (RuntimeError, "not DistError")
+MISMATCH = (dist.DistBackendError, None)
+COMMUNICATION = (dist.DistBackendError, None)
+TIMEOUT = (dist.DistNetworkError, None)
+
+
+def kind_problem(e, kind):
+    if kind is None:
+        return None
+    cls, extra = kind
+    if not isinstance(e, cls):
+        return f"raised {type(e).__name__}, expected {cls.__name__}"
+    if extra == "not DistError" and isinstance(e, dist.DistError):
+        return f"raised {type(e).__name__}, expected a plain RuntimeError"
+    return None
+
+
+def expect_error(name, fn, *needles, kind=None):
+    """`fn` must raise, within seconds, an error whose message has every
+    needle (and, given `kind`, of that Python class)."""
     t0 = time.monotonic()
     try:
         fn()
@@ -33,7 +55,8 @@ def expect_error(name, fn, *needles):
         msg = str(e)
         missing = [n for n in needles if n not in msg]
         took = time.monotonic() - t0
-        status = "ok" if not missing else f"missing {missing}"
+        problem = kind_problem(e, kind)
+        status = "ok" if not missing and not problem else (problem or f"missing {missing}")
         results.append((name, status, took, msg.splitlines()[0][:300]))
         return
     results.append((name, "no error", time.monotonic() - t0, ""))
@@ -115,7 +138,7 @@ def monitored_barrier():
 if MODE == "input":
     # Shapes that differ across ranks: both ranks fail, naming both shapes.
     expect_error("all_reduce shapes differ", lambda: dist.all_reduce(torch.ones(4 + RANK)),
-                 "allreduce", f"rank {RANK}/{N}", "group", "16 bytes", "20 bytes")
+                 "allreduce", f"rank {RANK}/{N}", "group", "16 bytes", "20 bytes", kind=MISMATCH)
     # dtypes that differ across ranks.
     expect_error("broadcast dtypes differ",
                  lambda: dist.broadcast(torch.ones(4, dtype=torch.float32 if RANK == 0 else torch.float64), src=0),
@@ -123,7 +146,7 @@ if MODE == "input":
     # A flat output of the wrong size (every rank).
     expect_error("all_gather_into_tensor output size",
                  lambda: dist.all_gather_into_tensor(torch.zeros(3 * N + 1), torch.ones(3)),
-                 "allgather", f"rank {RANK}/{N}", "[3]", f"[{3 * N + 1}]")
+                 "allgather", f"rank {RANK}/{N}", "[3]", f"[{3 * N + 1}]", kind=INVALID_ARGUMENT)
     # An input that does not split into N equal parts.
     expect_error("reduce_scatter_tensor not divisible",
                  lambda: dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2 * N + 1)),
@@ -142,7 +165,8 @@ if MODE == "input":
     # A sub-group on which only rank 0 calls: it fails within its timeout.
     pair = dist.new_group(list(range(N)), timeout=datetime.timedelta(seconds=3))
     if RANK == 0:
-        expect_error("timeout", lambda: dist.all_reduce(torch.ones(4), group=pair), "allreduce", "rank 0/", "group", "Timed out", "rank 1")
+        expect_error("timeout", lambda: dist.all_reduce(torch.ones(4), group=pair), "allreduce", "rank 0/", "group", "Timed out", "rank 1",
+                     kind=TIMEOUT)
         took = results[-1][2]
         if took > 20:
             results.append(("timeout within the group's timeout", f"took {took:.1f}s", took, ""))
@@ -164,6 +188,7 @@ if MODE == "dead_peer":
     if RANK == 1:
         os._exit(0)  # gone without a word; torchrun only notices at the end
     time.sleep(0.5)
-    expect_error("dead peer", lambda: dist.all_reduce(torch.ones(1 << 16), group=group), "allreduce", "rank 0/", "rank 1", "died")
+    expect_error("dead peer", lambda: dist.all_reduce(torch.ones(1 << 16), group=group), "allreduce", "rank 0/", "rank 1", "died",
+                 kind=COMMUNICATION)
     ok = report() and results[-1][2] < 20
     os._exit(0 if ok else 1)  # the world cannot shut down cleanly without rank 1

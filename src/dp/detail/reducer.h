@@ -48,6 +48,9 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
   bool sync_enabled() const;
   void set_sync_enabled(bool enabled);
   void set_comm_hook(CommHook hook);
+  /// Runs `check` at the start of every backward (before any bucket is
+  /// reduced): DistributedDataParallel's debug check of TP replicas.
+  void set_backward_check(std::function<void()> check) { backward_check_ = std::move(check); }
   void sync_buffers();
 
   const Group& group() const { return group_; }
@@ -108,6 +111,7 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
 
   mutable std::recursive_mutex mutex_;
   bool sync_enabled_ = true;
+  std::function<void()> backward_check_;
   bool in_backward_ = false;           // a synchronised backward is running
   std::vector<char> ready_;            // per parameter, this backward
   std::vector<char> used_since_sync_;  // got a gradient since the last reduction
