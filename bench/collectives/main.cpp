@@ -270,6 +270,92 @@ double link_floor_us(const Collective& c, const Options& o, const std::vector<in
   return cost.volume * size * 8 / (o.link_gbps * 1e3) + cost.rounds * o.link_latency_us;
 }
 
+void print_header(const Collective& c, const Options& o, const Group& g) {
+  std::printf("# commgrad-bench %s: %d ranks, backend %s, %s, iters %d, warmup %d\n", c.name.c_str(), g.size(),
+              g.backend_name().c_str(), dtype_name(o.dtype), o.iters, o.warmup);
+  std::printf("#%38s | %-31s | %-31s | %-21s | %-14s |%s\n", "", "raw transport call", "differentiable forward",
+              o.backward ? "forward+backward" : "", o.backward ? "autograd floor" : "",
+              o.link_gbps > 0 ? "        | link floor" : "");
+  const char* floor_head = o.link_gbps > 0 ? " |    floor xfloor" : "";
+  const char* floor_unit = o.link_gbps > 0 ? " |     (us) (raw)" : "";
+  std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s%s\n", "size",
+              "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong",
+              "time", "busbw", "xraw", "time", "net", "ovh", floor_head);
+  std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s%s\n", "(B)",
+              "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)",
+              "(GB/s)", "", "(us)", "xraw", "(%)", floor_unit);
+}
+
+// One size's measurements (medians in microseconds).
+struct Row {
+  int64_t count = 0;
+  double size = 0;  // bytes
+  double t_raw = 0, t_op = 0, t_fb = 0, t_floor = 0, ovh = 0;
+  bool fb = false;  // forward+backward measured
+  int64_t wrong_raw = 0, wrong_op = 0;
+};
+
+Row measure(const Collective& c, const Options& o, const Group& g, int64_t count) {
+  Setup s;
+  s.group = g;
+  s.rank = g.rank();
+  s.size = g.size();
+  s.dtype = o.dtype;
+  s.count = count;
+  s.op = o.redop;
+  s.root = o.root;
+  Instance in = c.make(s);
+  Row row;
+  row.count = count;
+  row.size = static_cast<double>(count * static_cast<int64_t>(c10::elementSize(o.dtype)));
+  row.fb = o.backward && in.forward_backward != nullptr;
+  // The result is dropped inside the timed call (as a training step drops
+  // it), so its memory is reused like the raw call's buffer.
+  std::vector<std::function<void()>> fs{in.raw, [&] { in.op(in.input); }};
+  if (row.fb) {
+    fs.push_back(in.forward_backward);
+    fs.push_back(autograd_floor(in.input));
+  }
+  const auto t = time_us(g, o.warmup, o.iters, fs);
+  row.t_raw = median(t[0]);
+  row.t_op = median(t[1]);
+  row.t_fb = row.fb ? median(t[2]) : 0;
+  row.t_floor = row.fb ? median(t[3]) : 0;
+  row.ovh = paired_overhead_pct(t[1], t[0]);
+  if (o.check) {
+    barrier(g);
+    row.wrong_raw = sum_over_ranks(g, in.check_raw());
+    row.wrong_op = sum_over_ranks(g, in.check_op(in.op(in.input)));
+  }
+  return row;
+}
+
+void print_row(const Collective& c, const Options& o, const Row& r, double factor, const std::vector<int>& layout) {
+  const char* redop = c.has_redop ? reduce_op_name(o.redop) : "none";
+  const int root = c.has_root ? o.root : -1;
+  std::printf(" %11lld %10lld %8s %6s %4d | %8.1f %7.3f %7.3f %6lld | %8.1f %7.3f %7.3f %6lld | ",
+              static_cast<long long>(r.size), static_cast<long long>(r.count), dtype_name(o.dtype), redop, root,
+              r.t_raw, gbps(r.size, r.t_raw), gbps(r.size, r.t_raw) * factor, static_cast<long long>(r.wrong_raw),
+              r.t_op, gbps(r.size, r.t_op), gbps(r.size, r.t_op) * factor, static_cast<long long>(r.wrong_op));
+  if (r.fb) {
+    std::printf("%8.1f %7.3f %4.2f | %8.1f %5.2f | ", r.t_fb, gbps(2 * r.size, r.t_fb) * factor, r.t_fb / r.t_raw,
+                r.t_floor, (r.t_fb - r.t_floor) / r.t_raw);
+  } else {
+    std::printf("%8s %7s %4s | %8s %5s | ", "n/a", "", "", "n/a", "");
+  }
+  std::printf("%+6.1f", r.ovh);
+  if (o.link_gbps > 0) {
+    const double floor = link_floor_us(c, o, layout, r.size);
+    if (floor > 0) {
+      std::printf(" | %8.1f %6.2f", floor, r.t_raw / floor);
+    } else {
+      std::printf(" | %8s %6s", "-", "-");
+    }
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
 void run(const Collective& c, const Options& o, const Group& g) {
   const int n = g.size();
   const bool speaker = g.rank() == 0;
@@ -278,83 +364,18 @@ void run(const Collective& c, const Options& o, const Group& g) {
     if (speaker) std::printf("# send_recv needs at least 2 ranks; skipped\n\n");
     return;
   }
-  if (speaker) {
-    std::printf("# commgrad-bench %s: %d ranks, backend %s, %s, iters %d, warmup %d\n", c.name.c_str(), n,
-                g.backend_name().c_str(), dtype_name(o.dtype), o.iters, o.warmup);
-    std::printf("#%38s | %-31s | %-31s | %-21s | %-14s |%s\n", "", "raw transport call", "differentiable forward",
-                o.backward ? "forward+backward" : "", o.backward ? "autograd floor" : "",
-                o.link_gbps > 0 ? "        | link floor" : "");
-    const char* floor_head = o.link_gbps > 0 ? " |    floor xfloor" : "";
-    const char* floor_unit = o.link_gbps > 0 ? " |     (us) (raw)" : "";
-    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s%s\n", "size",
-                "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw",
-                "#wrong", "time", "busbw", "xraw", "time", "net", "ovh", floor_head);
-    std::printf("#%11s %10s %8s %6s %4s | %8s %7s %7s %6s | %8s %7s %7s %6s | %8s %7s %4s | %8s %5s | %6s%s\n", "(B)",
-                "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)",
-                "(GB/s)", "", "(us)", "xraw", "(%)", floor_unit);
-  }
+  if (speaker) print_header(c, o, g);
   double sum_raw = 0, sum_op = 0;
   int rows = 0;
   const auto layout = ranks_per_host(g);
+  const double factor = c.bus_factor(n);
   for (int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.factor) {
     int64_t count = std::max<int64_t>(bytes / elsize, 1);
     if (c.per_rank_split) count = std::max<int64_t>(count / n, 1) * n;
-    Setup s;
-    s.group = g;
-    s.rank = g.rank();
-    s.size = n;
-    s.dtype = o.dtype;
-    s.count = count;
-    s.op = o.redop;
-    s.root = o.root;
-    Instance in = c.make(s);
-    const bool fb = o.backward && in.forward_backward != nullptr;
-    // The result is dropped inside the timed call (as a training step drops
-    // it), so its memory is reused like the raw call's buffer.
-    std::vector<std::function<void()>> fs{in.raw, [&] { in.op(in.input); }};
-    if (fb) {
-      fs.push_back(in.forward_backward);
-      fs.push_back(autograd_floor(in.input));
-    }
-    const auto t = time_us(g, o.warmup, o.iters, fs);
-    const double t_raw = median(t[0]), t_op = median(t[1]);
-    const double t_fb = fb ? median(t[2]) : 0, t_floor = fb ? median(t[3]) : 0;
-    const double ovh = paired_overhead_pct(t[1], t[0]);
-    int64_t wrong_raw = 0, wrong_op = 0;
-    if (o.check) {
-      barrier(g);
-      wrong_raw = sum_over_ranks(g, in.check_raw());
-      wrong_op = sum_over_ranks(g, in.check_op(in.op(in.input)));
-    }
-    const double size = static_cast<double>(count * elsize);
-    const double factor = c.bus_factor(n);
-    if (speaker) {
-      const char* redop = c.has_redop ? reduce_op_name(o.redop) : "none";
-      const int root = c.has_root ? o.root : -1;
-      std::printf(" %11lld %10lld %8s %6s %4d | %8.1f %7.3f %7.3f %6lld | %8.1f %7.3f %7.3f %6lld | ",
-                  static_cast<long long>(size), static_cast<long long>(count), dtype_name(o.dtype), redop, root, t_raw,
-                  gbps(size, t_raw), gbps(size, t_raw) * factor, static_cast<long long>(wrong_raw), t_op,
-                  gbps(size, t_op), gbps(size, t_op) * factor, static_cast<long long>(wrong_op));
-      if (fb) {
-        std::printf("%8.1f %7.3f %4.2f | %8.1f %5.2f | ", t_fb, gbps(2 * size, t_fb) * factor, t_fb / t_raw, t_floor,
-                    (t_fb - t_floor) / t_raw);
-      } else {
-        std::printf("%8s %7s %4s | %8s %5s | ", "n/a", "", "", "n/a", "");
-      }
-      std::printf("%+6.1f", ovh);
-      if (o.link_gbps > 0) {
-        const double floor = link_floor_us(c, o, layout, size);
-        if (floor > 0) {
-          std::printf(" | %8.1f %6.2f", floor, t_raw / floor);
-        } else {
-          std::printf(" | %8s %6s", "-", "-");
-        }
-      }
-      std::printf("\n");
-      std::fflush(stdout);
-    }
-    sum_raw += gbps(size, t_raw) * factor;
-    sum_op += gbps(size, t_op) * factor;
+    const Row row = measure(c, o, g, count);
+    if (speaker) print_row(c, o, row, factor, layout);
+    sum_raw += gbps(row.size, row.t_raw) * factor;
+    sum_op += gbps(row.size, row.t_op) * factor;
     ++rows;
   }
   if (speaker && rows > 0) {

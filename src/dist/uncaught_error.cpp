@@ -60,8 +60,9 @@ void report_uncaught_error(const std::exception_ptr& error, const std::string& c
     const std::string prefix = context.empty() ? "" : context + "\n";
     const auto file = env::get("TORCHELASTIC_ERROR_FILE");
     if (file && !file->empty() && write_error_file(*file, d, prefix)) return;
-    const std::string rank = env::get("RANK").value_or("?");
-    std::cerr << prefix << "[commgrad] rank " << rank << ": " << (backtrace_asked() ? d.full : d.summary) << std::endl;
+    const auto rank = env::get("RANK");
+    std::cerr << prefix << "[commgrad] " << (rank ? "rank " + *rank + ": " : std::string())
+              << (backtrace_asked() ? d.full : d.summary) << std::endl;
   } catch (...) {  // a dying process: say nothing rather than throw
   }
 }

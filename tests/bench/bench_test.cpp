@@ -165,6 +165,7 @@ TEST(Bench, LinkFloorIsAbsentOnOneHost) {
 }
 
 TEST(Bench, BadOptionsEndEveryRankWithAMessage) {
+  COMMGRAD_COMMAND_LINE_CASES_ON_THE_DEFAULT_LINE_ONLY();
   struct Case {
     int ranks;
     std::vector<std::string> args;

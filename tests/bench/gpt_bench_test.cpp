@@ -110,6 +110,7 @@ TEST(GptBench, UntiedOutputLayer) {
 }
 
 TEST(GptBench, BadOptionsEndEveryRankWithAMessage) {
+  COMMGRAD_COMMAND_LINE_CASES_ON_THE_DEFAULT_LINE_ONLY();
   auto r = gpt_bench(2, {"--layout", "1,2"});
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   EXPECT_THAT(r.err, HasSubstr("--layout '1,2': expected TP,PP,DP[,SCHEDULE[,V]]"));

@@ -4,7 +4,7 @@
 // find it. Under commgrad-run or torchrun (TORCHELASTIC_ERROR_FILE set per
 // rank) the error goes to that file in torchrun's JSON form and the launcher
 // prints each distinct error of the job once; without a launcher it goes to
-// stderr as one line "[commgrad] rank R: <type>: <message>".
+// stderr as one line "[commgrad] rank R: <type>: <message>" (RANK, when set).
 //
 // The terminate handler (dist/terminate_handler.h) calls report_uncaught_error
 // for an exception nobody caught; a program that catches errors in main() can
