@@ -88,7 +88,8 @@ Comm::Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string con
 Comm::~Comm() = default;
 
 void Comm::fail(const Call& call, const std::string& message) const {
-  TORCH_CHECK(false, "[commgrad] ", call.op, " ", context_, ": ", message);
+  // The ranks disagree: nothing was sent, and the group stays usable.
+  COMMGRAD_THROW(::commgrad::ErrorKind::kMismatch, ::commgrad::make_site(call.op, context_), message);
 }
 
 OpDescriptor Comm::begin(const Call& call, OpKind kind, c10::ScalarType dtype, int32_t reduce, int root,

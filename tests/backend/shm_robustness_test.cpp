@@ -5,6 +5,7 @@
 // of random collectives, every result checked.
 
 #include "backend/shm_harness.h"
+#include "commgrad/util/error.h"
 
 #include <unistd.h>
 
@@ -65,6 +66,9 @@ TEST(ShmErrors, RanksCallingDifferentCollectivesAllFailAndTheGroupStaysUsable) {
     EXPECT_NE(message.find("rank 1: allreduce #0 (Float, 48 bytes, SUM)"), std::string::npos) << message;
     EXPECT_NE(message.find("rank 2: broadcast #0"), std::string::npos) << message;
     EXPECT_NE(message.find("rank " + std::to_string(r.rank) + "/3 group 'shm' (shm)"), std::string::npos) << message;
+    std::vector<at::Tensor> other{at::ones({r.rank == 0 ? 10 : 7})};
+    EXPECT_THROW(r.shm->allreduce(other)->wait(), commgrad::MismatchError)
+        << "a disagreement is a MismatchError (DistBackendError in Python)";
     expect_group_usable(r);
   });
 }
