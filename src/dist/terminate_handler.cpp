@@ -43,8 +43,8 @@ std::string collective_in_flight(const std::string& what) {
   const auto state = last.group.lock();
   std::string line = std::string("[commgrad] ") + last.op + " " +
                      (state ? Group(state).describe() : std::string("(group gone)")) +
-                     ": the process is terminating (" + what + ") while collective #" +
-                     std::to_string(last.sequence) + " had not completed";
+                     ": the process is terminating (" + what + ") while collective #" + std::to_string(last.sequence) +
+                     " had not completed";
   if (what.find("op.preamble.length <= op.nbytes") != std::string::npos) {
     line +=
         ". Gloo aborts like this when another rank called a collective with more data than this rank; set "

@@ -49,8 +49,9 @@ void check_replicated_parameters(const torch::nn::Module& module, const char* op
     if (!differs.any().item<bool>()) continue;
     const int64_t index = differs.nonzero()[0][0].item<int64_t>();
     COMMGRAD_CHECK_AS(ErrorKind::kMismatch, false, op, tp, "the replicated parameter '", names[index],
-                      "' differs between tensor-parallel ranks ", tp.ranks()[0], " and ", tp.ranks()[r],
-                      " (group '", tp.name(), "'): TP ranks stepped differently (a gradient norm or clipping "
+                      "' differs between tensor-parallel ranks ", tp.ranks()[0], " and ", tp.ranks()[r], " (group '",
+                      tp.name(),
+                      "'): TP ranks stepped differently (a gradient norm or clipping "
                       "without the TP group, or a replicated gradient not reduced over it)");
   }
 }

@@ -67,12 +67,11 @@ size_t count(const std::string& text, const std::string& part) {
 
 TEST(OpsMultiProcess, UncaughtErrorOnEveryRankIsPrintedOnceWithoutBacktrace) {
   const auto run = [](const char* backtrace) {
-    return testing::run_process({testing::launcher_path(), "-n", "4", "--timeout", "60",
-                                 testing::build_path("tests/ops/ops_check"), "--uncaught-error"},
-                                testing::clean_env({{"COMMGRAD_BACKEND", "gloo"},
-                                                    {"COMMGRAD_DEBUG", ""},
-                                                    {"COMMGRAD_BACKTRACE", backtrace}}),
-                                seconds(90));
+    return testing::run_process(
+        {testing::launcher_path(), "-n", "4", "--timeout", "60", testing::build_path("tests/ops/ops_check"),
+         "--uncaught-error"},
+        testing::clean_env({{"COMMGRAD_BACKEND", "gloo"}, {"COMMGRAD_DEBUG", ""}, {"COMMGRAD_BACKTRACE", backtrace}}),
+        seconds(90));
   };
   const auto result = run("");
   EXPECT_NE(result.exit_code, 0);

@@ -84,7 +84,7 @@ class Launcher {
   int port_ = 0;
   std::vector<Rank> ranks_;
   Watchdog watchdog_;
-  ErrorFiles error_files_;          // where ranks leave an uncaught error
+  ErrorFiles error_files_;           // where ranks leave an uncaught error
   std::optional<int> first_failed_;  // the rank whose failure stopped the job
   int devnull_ = -1;
 
