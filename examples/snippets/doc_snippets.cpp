@@ -1,12 +1,16 @@
-// The code docs/zero.md and docs/checkpoints.md quote, as a program that
-// compiles and runs (on any number of ranks: `commgrad-run -n 2
-// doc_snippets`). Each region between "// [name]" and "// [end name]" is
-// quoted word for word (tests/util/snippets_test.cpp keeps them equal).
+// The code the docs quote (README.md's program is readme_all_reduce.cpp), as
+// a program that compiles and runs (at 2 ranks in the tests: `commgrad-run
+// -n 2 doc_snippets ROOT`; the layouts of two need an even number). Each region between
+// "// [name]" and "// [end name]" is quoted word for word
+// (tests/util/snippets_test.cpp keeps them equal); the code around a region
+// defines what the quote takes as given and checks what it computed against
+// one rank where that is cheap (the program exits 1 otherwise).
 
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
 #include <iostream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -115,6 +119,156 @@ void checkpoints_in_one_call(const std::string& root, int64_t step) {
   // [end checkpoint_training_state]
 }
 
+// Stops the program (exit 1) when `got` differs from `want`, the one-rank result.
+void expect_close(const std::string& what, const torch::Tensor& got, const torch::Tensor& want) {
+  if (!torch::allclose(got, want, /*rtol=*/1e-4, /*atol=*/1e-5)) {
+    throw std::runtime_error(what + " differs from one rank's by " +
+                             std::to_string((got - want).abs().max().item<double>()));
+  }
+}
+
+torch::Tensor seeded_randn(at::IntArrayRef sizes, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return torch::randn(sizes, gen);
+}
+
+// docs/context_parallel.md: the same sequences, q, k, v and input on every
+// rank; each rank's part of the results against one rank's whole sequence.
+void context_parallel(int tp_size) {
+  const int64_t s = 16, heads = 4, hidden = 64;  // as the layer below
+  const auto tokens = torch::arange(2 * s).reshape({2, s});
+  // [cp_layout]
+  namespace cp = commgrad::cp;
+  namespace tp = commgrad::tp;
+  auto state = commgrad::make_model_parallel(commgrad::ModelParallelOptions(tp_size).context_parallel_size(2));
+  const auto& cp_group = state.context_parallel_group();
+
+  // The data: this rank's part of every sequence (head-tail), positions too.
+  auto ids = cp::shard_sequence(tokens, 1, cp::SequenceLayout::kHeadTail, cp_group);  // [b, s/W]
+  auto pos = cp::local_positions(s, cp::SequenceLayout::kHeadTail, cp_group);         // int64 [s/W]
+  // [end cp_layout]
+  if (!torch::equal(ids, tokens.index_select(1, pos))) throw std::runtime_error("cp: ids are not the tokens at pos");
+  const auto part = [&](const torch::Tensor& whole, int64_t dim) {
+    return cp::shard_sequence(whole, dim, cp::SequenceLayout::kHeadTail, cp_group);
+  };
+  const auto q_full = seeded_randn({2, heads, s, 8}, 1), k_full = seeded_randn({2, heads, s, 8}, 2),
+             v_full = seeded_randn({2, heads, s, 8}, 3), x_full = seeded_randn({s, 2, hidden}, 4);
+  const auto q = part(q_full, 2), k = part(k_full, 2), v = part(v_full, 2);
+  // [cp_attention]
+  // The core alone: q, k, v [batch, heads, s/W, head_dim] -> [batch, heads, s/W, head_dim].
+  auto out = cp::attention(q, k, v, cp::ContextParallelOptions(cp_group, cp::AttentionMode::kRing));
+
+  // The layer: input [s/W, b, h] (or [s/(W tp), b, h] with SP).
+  tp::ParallelSelfAttention attn(
+      tp::ParallelSelfAttentionOptions(64, 4, state.tensor_parallel_group())
+          .seed(1)  // the same weights on every CP rank
+          .context_parallel(cp::ContextParallelOptions(cp_group, cp::AttentionMode::kAllGather)));
+  // [end cp_attention]
+  expect_close("cp::attention", out, part(cp::full_attention(q_full, k_full, v_full, /*causal=*/true), 2));
+  tp::SelfAttentionReference reference(tp::ParallelSelfAttentionOptions(hidden, heads).seed(*attn->options.seed()));
+  torch::NoGradGuard no_grad;
+  expect_close("context-parallel attention layer", attn(part(x_full, 0)), part(reference(x_full), 0));
+}
+
+torch::nn::Linear pipeline_stage(int stage) {
+  torch::nn::Linear layer(8, stage == 0 ? 8 : 4);
+  torch::NoGradGuard no_grad;
+  layer->weight.copy_(seeded_randn(layer->weight.sizes(), 10 + stage));
+  layer->bias.copy_(seeded_randn(layer->bias.sizes(), 20 + stage));
+  return layer;
+}
+
+// One step of docs/pipeline.md's runtime; the loss it reports.
+double pipeline_step(torch::nn::Linear& my_stage, torch::optim::Optimizer& opt, const commgrad::Group& pp_group,
+                     const torch::Tensor& inputs, const torch::Tensor& targets) {
+  // [pipeline]
+  commgrad::pp::Pipeline pipe(
+      {[&](const at::Tensor& x) { return my_stage->forward(x); }},
+      [](const at::Tensor& y, const at::Tensor& t) { return torch::mse_loss(y, t); },
+      commgrad::pp::PipelineOptions(/*microbatches=*/8).schedule("1f1b").group(pp_group));
+  opt.zero_grad();
+  auto result = pipe.step(inputs, targets);  // inputs read on the first stage's rank, targets on the last's
+  opt.step();                                // result.loss: the mean over microbatches, on every rank
+  // [end pipeline]
+  return result.loss;
+}
+
+// Two linear stages over a pipeline of two ranks, one SGD step, against the
+// whole model stepped on one rank.
+void pipeline_runtime() {
+  auto state = commgrad::make_model_parallel(1, 2);  // TP=1, PP=2, DP=W/2
+  const int stage = state.pipeline_parallel_rank();
+  auto my_stage = pipeline_stage(stage);
+  torch::optim::SGD opt(my_stage->parameters(), torch::optim::SGDOptions(0.1));
+  const auto inputs = seeded_randn({16, 8}, 30), targets = seeded_randn({16, 4}, 31);
+  const double loss = pipeline_step(my_stage, opt, state.pipeline_parallel_group(), inputs, targets);
+
+  auto first = pipeline_stage(0), last = pipeline_stage(1);
+  auto params = first->parameters();
+  for (const auto& p : last->parameters()) params.push_back(p);
+  torch::optim::SGD one_rank(params, torch::optim::SGDOptions(0.1));
+  const auto one_rank_loss = torch::mse_loss(last(first(inputs)), targets);
+  one_rank_loss.backward();
+  one_rank.step();
+  expect_close("pipeline loss", torch::scalar_tensor(loss, torch::kDouble), one_rank_loss.detach().to(torch::kDouble));
+  expect_close("pipeline stage weight", my_stage->weight, (stage == 0 ? first : last)->weight);
+}
+
+struct TiedStageImpl : torch::nn::Module {
+  TiedStageImpl() : embedding(register_module("embedding", torch::nn::Embedding(6, 4))) {
+    torch::NoGradGuard no_grad;
+    embedding->weight.copy_(seeded_randn({6, 4}, 40));
+  }
+  torch::nn::Embedding embedding;
+};
+
+// docs/pipeline.md's tied embedding: the first stage's gradient of the copy
+// is 1, the last's 2; after one SGD step both copies moved by their sum.
+void tied_embedding() {
+  auto state = commgrad::make_model_parallel(1, 2);  // the embedding group: the two stages
+  const auto& dp_group = state.data_parallel_group();
+  auto model = std::make_shared<TiedStageImpl>();
+  // [tied_embedding]
+  auto options = commgrad::optim::ZeroOptimizerOptions(dp_group)
+                     .tied_parameters({"embedding.weight"})  // on the first and the last stage's ranks
+                     .tied_group(state.embedding_group());
+  // [end tied_embedding]
+  commgrad::optim::ZeroOptimizer zero(
+      model,
+      [](std::vector<torch::Tensor> shards) {
+        return std::make_unique<torch::optim::SGD>(shards, torch::optim::SGDOptions(0.1));
+      },
+      options);
+  (model->embedding->weight * (state.pipeline_parallel_rank() + 1.0)).sum().backward();
+  zero.step();
+  expect_close("tied embedding", model->named_parameters()["embedding.weight"].detach(),
+               seeded_randn({6, 4}, 40) - 0.1 * 3.0);
+}
+
+// docs/semantics.md's check of a layer of one's own.
+int check_layer(commgrad::tp::ParallelMLP& parallel_layer, commgrad::tp::MLPReference& reference_layer,
+                const torch::Tensor& x, const commgrad::Group& tp_group) {
+  // [check_gradients]
+  auto result = commgrad::check::check_gradients(
+      commgrad::check::subject(parallel_layer), commgrad::check::subject(reference_layer), {x},
+      commgrad::check::GradCheckOptions(tp_group)
+          .input_layouts({commgrad::check::Layout::partitioned(0)})  // the layer takes a sequence chunk
+          .output_layout(commgrad::check::Layout::partitioned(0)));
+  if (commgrad::rank() == 0) std::cout << result;  // one line per tensor: max abs / rel error, ok or MISMATCH
+  return result.ok() ? 0 : 1;
+  // [end check_gradients]
+}
+
+void check_sequence_parallel_mlp() {
+  auto state = commgrad::make_model_parallel(2, 1);
+  const auto& tp_group = state.tensor_parallel_group();
+  commgrad::tp::ParallelMLP mlp(commgrad::tp::ParallelMLPOptions(8, 32, tp_group).seed(3).sequence_parallel(true));
+  commgrad::tp::MLPReference reference(commgrad::tp::ParallelMLPOptions(8, 32).seed(3));
+  if (check_layer(mlp, reference, seeded_randn({4, 2, 8}, 50), tp_group) != 0) {
+    throw std::runtime_error("check_gradients: the sequence-parallel MLP differs from its reference");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -126,10 +280,17 @@ int main(int argc, char** argv) {
     if (commgrad::world_size() % 2 == 0) {
       checkpoints_by_pieces(root + "/pieces", 1, 2);
       checkpoints_in_one_call(root + "/training", 1);
+      context_parallel(commgrad::world_size() % 4 == 0 ? 2 : 1);  // TP=2 x CP=2 on 4 ranks, TP=1 x CP=2 on 2
+      pipeline_runtime();
+      tied_embedding();
+      check_sequence_parallel_mlp();
     }
     commgrad::destroy_process_group();
   } catch (const c10::Error& e) {
     std::cerr << "doc_snippets: " << e.what_without_backtrace() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "doc_snippets: " << e.what() << std::endl;
     return 1;
   }
   return 0;

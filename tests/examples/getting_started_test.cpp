@@ -2,8 +2,10 @@
 // one rank (saved); 4 steps at TP=2 x DP=2 (saved), resumed to step 8 at
 // TP=1 x DP=4 and at TP=4 x DP=1, each checking its weights against the
 // one-rank run's (the program exits 1 when they differ by more than 1e-5).
-// And the code docs/zero.md and docs/checkpoints.md quote
-// (examples/snippets/doc_snippets.cpp) runs at 2 ranks.
+// And the code the other pages quote runs at 2 ranks: README.md's program
+// (examples/snippets/readme_all_reduce.cpp; x.grad = [2, 2, 2, 2] on both
+// ranks) and examples/snippets/doc_snippets.cpp (which checks its results
+// against one rank and exits 1 when they differ).
 
 #include "harness/subprocess.h"
 #include "harness/temp_dir.h"
@@ -47,6 +49,15 @@ TEST(DocSnippets, RunAtTwoRanks) {
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("[0] loaded step 1, epoch 2"));
   EXPECT_THAT(r.out, HasSubstr("[1] resumed at step 1, epoch 3"));
+  EXPECT_THAT(r.out, HasSubstr("[0] commgrad::check tp=2 float32"));  // docs/semantics.md: the table
+}
+
+TEST(DocSnippets, ReadmeProgramAtTwoRanks) {
+  auto r = run_process({launcher_path(), "-n", "2", "--timeout", "120", build_path("bin/readme_all_reduce")},
+                       clean_env(), std::chrono::seconds(180));
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("[0] tensor([2., 2., 2., 2.])"));
+  EXPECT_THAT(r.out, HasSubstr("[1] tensor([2., 2., 2., 2.])"));
 }
 
 }  // namespace

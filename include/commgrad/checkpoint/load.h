@@ -74,7 +74,9 @@ struct LoadResult {
 ///   auto pieces = checkpoint::module_pieces(*model, "model/");  // at any TP size
 ///   auto result = checkpoint::load("ckpt", pieces);
 ///   int epoch = result.metadata.at("epoch");
+// [load]
 LoadResult load(const std::string& root, const std::vector<TensorPiece>& pieces, const LoadOptions& options = {},
                 const Group& group = Group());
+// [end load]
 
 }  // namespace commgrad::checkpoint

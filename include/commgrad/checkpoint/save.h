@@ -70,8 +70,10 @@ struct SaveResult {
 ///   auto rng = checkpoint::rng_pieces(tp::rng_tracker(), tp_group);
 ///   pieces.insert(pieces.end(), rng.begin(), rng.end());
 ///   checkpoint::save("ckpt", step, pieces, {{"epoch", epoch}});
+// [save]
 SaveResult save(const std::string& root, int64_t step, const std::vector<TensorPiece>& pieces,
                 const nlohmann::json& metadata = nlohmann::json::object(), const SaveOptions& options = {},
                 const Group& group = Group());
+// [end save]
 
 }  // namespace commgrad::checkpoint
