@@ -2,6 +2,7 @@
 
 #include "commgrad/dist/terminate_handler.h"
 
+#include "commgrad/dist/flight_recorder.h"
 #include "commgrad/dist/group.h"
 
 #include <atomic>
@@ -14,18 +15,6 @@
 namespace commgrad {
 namespace {
 
-// The last collective this process started, until it completes: the
-// handler names it only while it is in flight (or after it failed), never for
-// an error that has nothing to do with communication (a layer's shape error
-// thrown after the last collective finished).
-struct Started {
-  const char* op = nullptr;
-  uint64_t sequence = 0;
-  const void* group_id = nullptr;           // identity of the group, for note_collective_finished
-  std::weak_ptr<detail::GroupState> group;  // not kept alive by this record
-};
-std::mutex g_started_mutex;
-Started g_started;
 std::terminate_handler g_previous = nullptr;
 std::atomic<bool> g_installed{false};
 
@@ -42,11 +31,10 @@ std::atomic<bool> g_installed{false};
     } catch (...) {
     }
   }
-  Started last;
-  if (g_started_mutex.try_lock()) {  // never block a dying process
-    last = g_started;
-    g_started_mutex.unlock();
-  }
+  // Only while a collective is in flight (or failed): an error that has
+  // nothing to do with communication (a layer's shape error thrown after the
+  // last collective finished) blames none.
+  const detail::InFlight last = detail::collective_in_flight();
   if (last.op != nullptr) {
     const auto state = last.group.lock();
     std::cerr << "[commgrad] " << last.op << " " << (state ? Group(state).describe() : std::string("(group gone)"))
@@ -58,6 +46,9 @@ std::atomic<bool> g_installed{false};
                    "all of them instead";
     }
     std::cerr << std::endl;
+    for (const auto& path : detail::try_dump_flight_recorder("terminate: " + what)) {
+      std::cerr << "[commgrad] flight record written to " << path << std::endl;
+    }
   }
   if (g_previous != nullptr) g_previous();
   std::abort();
@@ -75,22 +66,4 @@ void install_terminate_handler() {
 
 bool terminate_handler_installed() { return g_installed.load(); }
 
-namespace detail {
-
-void note_collective_started(const char* op, uint64_t sequence, const std::shared_ptr<GroupState>& group) {
-  std::lock_guard<std::mutex> lock(g_started_mutex);
-  g_started.op = op;
-  g_started.sequence = sequence;
-  g_started.group_id = group.get();
-  g_started.group = group;
-}
-
-void note_collective_finished(uint64_t sequence, const std::shared_ptr<GroupState>& group) {
-  std::lock_guard<std::mutex> lock(g_started_mutex);
-  if (g_started.op != nullptr && g_started.sequence == sequence && g_started.group_id == group.get()) {
-    g_started = Started();
-  }
-}
-
-}  // namespace detail
 }  // namespace commgrad

@@ -46,6 +46,13 @@ const std::vector<Variable>& variables() {
       {"COMMGRAD_LINE_BUFFERED", "1",
        "line-buffer stdout from the moment commgrad loads, so that a rank stopped by the launcher loses no printed "
        "line (commgrad-run sets it for its ranks; set it yourself under another launcher whose ranks write to a pipe)"},
+      {"COMMGRAD_TRACE_BUFFER_SIZE", "collectives >= 0",
+       "flight recorder: the last collectives each rank keeps (default 2000; 0: off)"},
+      {"COMMGRAD_TRACE_DIR", "directory",
+       "flight recorder: where ranks write their dumps (commgrad-run sets a fresh one per job; default "
+       "./commgrad-trace)"},
+      {"COMMGRAD_TRACE_SIGNAL", "USR2, USR1, a number, 0",
+       "flight recorder: the signal that makes a rank dump (default USR2; 0: none)"},
       {"GLOO_SOCKET_IFNAME", "interface[,interface...]", "network interfaces Gloo binds to, as in PyTorch"},
   };
   return list;

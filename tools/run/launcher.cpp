@@ -102,6 +102,7 @@ int Launcher::run() {
       return kExitLaunchFailed;
     }
   }
+  flight_records_ = prepare_flight_records();
   // First, so the watchdog holds no rank pipe and no self-pipe open and
   // cannot run our signal handlers.
   watchdog_.start();
@@ -129,6 +130,8 @@ int Launcher::run() {
   supervise();
   watchdog_.stop();
   restore_signal_handlers();
+  finish_flight_records(flight_records_, exit_code_.value_or(0) != 0,
+                        [this](const std::string& line) { report(line); });
   return exit_code_.value_or(0);
 }
 
@@ -237,7 +240,10 @@ std::vector<std::string> Launcher::rank_variables(const Rank& rank) const {
       // commgrad line-buffers the rank's stdout (see src/dist/environment.cpp).
       {"COMMGRAD_LINE_BUFFERED", "1"},
   };
-  return rank_environment(environ, vars);
+  if (flight_records_.dir.empty()) return rank_environment(environ, vars);
+  auto with_records = vars;
+  with_records.emplace_back("COMMGRAD_TRACE_DIR", flight_records_.dir);
+  return rank_environment(environ, with_records);
 }
 
 bool Launcher::spawn(Rank& rank, const std::string& path) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "flight_records.h"
 #include "options.h"
 #include "output.h"
 #include "process.h"
@@ -83,6 +84,7 @@ class Launcher {
   std::vector<Rank> ranks_;
   Watchdog watchdog_;
   int devnull_ = -1;
+  FlightRecords flight_records_;  // where ranks dump their flight records
 
   // Set once, by the first of: a failed rank, a signal, the timeout.
   std::optional<int> exit_code_;
