@@ -5,7 +5,7 @@
 //                               [--sp] [--microbatches 4] [--steps 10]
 //                               [--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank 2] [--fsdp]
 //                               [--precision fp32|bf16|fp16]
-//                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
+//                               [--save DIR [--save-every K] [--async-save]] [--resume DIR] [--text FILE]
 //                               [--curve PREFIX|none] [--check] [--recompute none|selective|full]
 //                               [--experts E [--topk k] [--ep N] [--moe-every 2]]
 //
@@ -97,6 +97,7 @@ struct Config {
   int stages_per_rank = 0;  // 0: 2 for the interleaved schedule, else 1
   std::string save, resume, text;
   int save_every = 0;
+  bool async_save = false;
   std::string curve = "gpt_train_loss";
   bool check = false;
   std::string recompute = "none";
@@ -120,6 +121,7 @@ gpt::TrainerOptions trainer_options(const Config& c) {
   o.fsdp = c.fsdp;
   o.precision = c.precision;
   o.cp_mode = c.cp_mode;
+  o.async_save = c.async_save;
   return o;
 }
 
@@ -185,6 +187,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--save-every", c.save_every, "and every K steps (needs --save)")
       ->type_name("K")
       ->check(cli::non_negative());
+  app.add_flag("--async-save", c.async_save, "write checkpoints in the background while training goes on");
   app.add_option("--resume", c.resume, "continue from the latest step of the checkpoint in DIR,\nunder any layout")
       ->type_name("DIR");
   app.add_option("--text", c.text, "train on this file's bytes instead of the synthetic corpus")->type_name("FILE");
@@ -221,6 +224,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
                              std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
     }
     check_experts(c);
+    if (c.async_save && c.save.empty()) throw cli::usage_error("--async-save needs --save DIR");
     if (c.save_every > 0 && c.save.empty()) {
       throw cli::usage_error("--save-every needs --save DIR and a positive number of steps");
     }
@@ -347,6 +351,7 @@ int main(int argc, char** argv) {
         saved = k + 1;
       }
     }
+    trainer.finish_saves();
     if (rank == 0) {
       progress.finish();
       if (saved > 0) std::printf("saved step %d in %s\n", saved, c.save.c_str());

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -254,12 +255,15 @@ extern "C" void on_dump_signal(int) {
 
 int signal_number() {
   const auto value = env::get("COMMGRAD_TRACE_SIGNAL");
-  if (!value || value->empty() || *value == "USR2" || *value == "SIGUSR2") return SIGUSR2;
-  if (*value == "USR1" || *value == "SIGUSR1") return SIGUSR1;
-  const auto n = env::get_count("COMMGRAD_TRACE_SIGNAL", "signal");
-  TORCH_CHECK(n && *n < 65, "[commgrad] environment: COMMGRAD_TRACE_SIGNAL='", *value,
-              "' is not a signal (expected USR2, USR1, a number, or 0 for none)");
-  return static_cast<int>(*n);
+  if (!value || value->empty()) return SIGUSR2;
+  const std::string name = value->rfind("SIG", 0) == 0 ? value->substr(3) : *value;
+  if (name == "USR2") return SIGUSR2;
+  if (name == "USR1") return SIGUSR1;
+  char* end = nullptr;
+  const long n = std::strtol(name.c_str(), &end, 10);
+  TORCH_CHECK(!name.empty() && *end == '\0' && n >= 0 && n < NSIG, "[commgrad] environment: COMMGRAD_TRACE_SIGNAL='",
+              *value, "' is not a signal (expected USR2, USR1, a number, or 0 for none)");
+  return static_cast<int>(n);
 }
 
 }  // namespace
@@ -280,8 +284,16 @@ void install_flight_recorder_signal() {
     if (sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) return;  // the program's own
     if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) return;
     std::thread([] {
-      char byte = 0;
-      while (read(g_signal_pipe[0], &byte, 1) == 1 || errno == EINTR) dump("signal", true);
+      for (char byte = 0;;) {
+        const ssize_t n = read(g_signal_pipe[0], &byte, 1);
+        if (n == 1) {
+          dump("signal", true);
+        } else if (n < 0 && errno != EINTR) {
+          return;
+        } else if (n == 0) {
+          return;
+        }
+      }
     }).detach();
     struct sigaction action {};
     action.sa_handler = on_dump_signal;

@@ -8,6 +8,7 @@
 #include "commgrad/ops/collectives.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/util/env.h"
+#include "harness/expect_error.h"
 #include "harness/spawn_ranks.h"
 #include "harness/temp_dir.h"
 
@@ -18,8 +19,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <csignal>
 #include <cstdlib>
+#include <filesystem>
 #include <mutex>
+#include <thread>
 
 namespace commgrad {
 namespace {
@@ -125,6 +130,29 @@ TEST(FlightRecorderTest, TimeoutDumpsAndTheDiagnosisNamesTheRankThatSkipped) {
                                 "which rank 1 never called; it is in all_reduce #1 float32[1] on group 'metrics'"));
   EXPECT_THAT(report, HasSubstr("rank 1 went ahead into all_reduce #1 float32[1] on group 'metrics', which ranks "
                                 "[0, 2] never reached"));
+}
+
+// SIGUSR2 makes the helper thread write every rank's record; a signal name
+// it does not know is an error that names the variable.
+TEST(FlightRecorderTest, SignalDumpsAndAnUnknownSignalIsAnError) {
+  TraceDir dir("signal");
+  ::setenv("COMMGRAD_TRACE_SIGNAL", "HUP-ish", 1);
+  EXPECT_THAT(testing::error_of([] { install_flight_recorder_signal(); }),
+              HasSubstr("COMMGRAD_TRACE_SIGNAL='HUP-ish' is not a signal (expected USR2, USR1, a number, or 0"));
+  ::unsetenv("COMMGRAD_TRACE_SIGNAL");
+  install_flight_recorder_signal();
+  spawn_ranks(1, [](Group& g) { ops::all_reduce(at::ones({2}), {}, g); });
+  ASSERT_EQ(std::raise(SIGUSR2), 0);
+  const auto path = std::filesystem::path(dir.str()) / "rank_0.json";
+  for (int i = 0; i < 200 && !std::filesystem::exists(path); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::vector<std::string> problems;
+  const auto dumps = trace::read_dumps(dir.str(), problems);
+  ASSERT_FALSE(dumps.empty()) << "no dump 10 s after SIGUSR2";
+  EXPECT_EQ(dumps[0].rank, 0);  // (and the ranks of earlier tests in this process)
+  EXPECT_EQ(dumps[0].reason, "signal");
+  EXPECT_EQ(dumps[0].entries.back().describe(), "all_reduce #0 float32[2]");
 }
 
 }  // namespace
