@@ -39,6 +39,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -72,7 +73,6 @@ struct Entry {
   uint64_t record = 0;
   const char* op = nullptr;  // null: an empty slot
   uint64_t sequence = 0;
-  const detail::GroupState* group_id = nullptr;
   std::weak_ptr<detail::GroupState> group;  // not kept alive by the record
   int global_rank = -1;
   bool has_tensor = false;
@@ -90,6 +90,19 @@ int64_t now_us() {
       .count();
 }
 
+// What the dump says of a group: kept from its first collective on, so that
+// a group destroyed before the dump is still named.
+struct GroupInfo {
+  std::string name;
+  std::vector<int> ranks;
+  int rank = -1;
+};
+using GroupKey = std::weak_ptr<detail::GroupState>;  // compared by owner: unique while any copy lives
+
+bool same_owner(const GroupKey& a, const std::shared_ptr<detail::GroupState>& b) {
+  return !a.owner_before(b) && !b.owner_before(a);
+}
+
 // The recorder of this process.
 struct Recorder {
   std::mutex mutex;
@@ -101,6 +114,18 @@ struct Recorder {
   uint64_t last_record = 0;
   bool last_valid = false;
   Entry last;
+
+  // Every group a collective ran on, and a small cache of the ones seen last
+  // (a collective on a known group costs a hash and two comparisons).
+  std::map<GroupKey, GroupInfo, std::owner_less<GroupKey>> groups;
+  std::array<GroupKey, 16> seen;
+
+  void remember(const std::shared_ptr<detail::GroupState>& g) {
+    GroupKey& slot = seen[(reinterpret_cast<uintptr_t>(g.get()) >> 4) % seen.size()];
+    if (same_owner(slot, g)) return;
+    slot = g;
+    groups.try_emplace(GroupKey(g), GroupInfo{g->name, g->ranks, g->rank});
+  }
 
   // The slot of `record`, or null when it was overwritten (or the ring is off).
   Entry* slot(uint64_t record) {
@@ -120,6 +145,9 @@ Recorder& recorder() {
   static Recorder* r = new Recorder();  // never destroyed: ranks may dump while the process exits
   return *r;
 }
+
+// An entry and its group, as a dump writes them.
+using Recorded = std::pair<Entry, GroupInfo>;
 
 // ~~~ JSON ~~~
 
@@ -149,14 +177,10 @@ std::string json_list(const T* begin, const T* end) {
 
 std::string time_or_null(int64_t us) { return us == 0 ? std::string("null") : std::to_string(us); }
 
-void write_entry(std::ostream& out, const Entry& e) {
-  const auto state = e.group.lock();
-  out << "{\"record\": " << e.record << ", \"op\": " << quoted(e.op)
-      << ", \"group\": " << quoted(state ? state->name : std::string("(destroyed)"));
-  if (state) {
-    out << ", \"group_ranks\": " << json_list(state->ranks.data(), state->ranks.data() + state->ranks.size())
-        << ", \"group_rank\": " << state->rank;
-  }
+void write_entry(std::ostream& out, const Entry& e, const GroupInfo& group) {
+  out << "{\"record\": " << e.record << ", \"op\": " << quoted(e.op) << ", \"group\": " << quoted(group.name)
+      << ", \"group_ranks\": " << json_list(group.ranks.data(), group.ranks.data() + group.ranks.size())
+      << ", \"group_rank\": " << group.rank;
   out << ", \"seq\": " << e.sequence;
   if (e.has_tensor) {
     out << ", \"dtype\": " << quoted(dtype_name(e.dtype))
@@ -176,7 +200,7 @@ std::string host_name() {
 
 // Writes rank `rank`'s entries of `entries` (oldest first) to DIR/rank_<rank>.json
 // through a temporary file; returns the path ("" when it could not be written).
-std::string write_dump(const std::string& dir, int rank, const std::vector<Entry>& entries, size_t buffer_size,
+std::string write_dump(const std::string& dir, int rank, const std::vector<Recorded>& entries, size_t buffer_size,
                        const std::string& reason) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -190,10 +214,10 @@ std::string write_dump(const std::string& dir, int rank, const std::vector<Entry
         << ", \"host\": " << quoted(host_name()) << ", \"reason\": " << quoted(reason)
         << ", \"dumped_us\": " << now_us() << ", \"buffer_size\": " << buffer_size << ",\n \"entries\": [";
     bool first = true;
-    for (const Entry& e : entries) {
+    for (const auto& [e, group] : entries) {
       if (e.global_rank != rank) continue;
       out << (first ? "\n  " : ",\n  ");
-      write_entry(out, e);
+      write_entry(out, e, group);
       first = false;
     }
     out << "]}\n";
@@ -203,14 +227,16 @@ std::string write_dump(const std::string& dir, int rank, const std::vector<Entry
   return ec ? std::string() : path;
 }
 
-// The ring's entries oldest first (a copy, taken under the lock).
-std::vector<Entry> snapshot(Recorder& r) {
-  std::vector<Entry> out;
+// The ring's entries oldest first, each with its group (a copy, taken under the lock).
+std::vector<Recorded> snapshot(Recorder& r) {
+  std::vector<Recorded> out;
   const size_t n = r.ring.size();
   const uint64_t first = r.next_record > n ? r.next_record - n : 0;
   for (uint64_t id = first; id < r.next_record; ++id) {
     const Entry& e = r.ring[id % n];
-    if (e.op != nullptr && e.record == id) out.push_back(e);
+    if (e.op == nullptr || e.record != id) continue;
+    const auto group = r.groups.find(e.group);
+    out.push_back({e, group == r.groups.end() ? GroupInfo{"?", {}, -1} : group->second});
   }
   return out;
 }
@@ -229,8 +255,8 @@ std::vector<std::string> dump(const std::string& reason, bool block, int only = 
   const size_t buffer_size = r.ring.size();
   lock.unlock();
   std::set<int> ranks;
-  for (const Entry& e : entries) {
-    if (only < 0 || e.global_rank == only) ranks.insert(e.global_rank);
+  for (const auto& recorded : entries) {
+    if (only < 0 || recorded.first.global_rank == only) ranks.insert(recorded.first.global_rank);
   }
   std::vector<std::string> paths;
   const std::string dir = flight_recorder_directory();
@@ -276,10 +302,10 @@ std::string flight_recorder_directory() {
 std::vector<std::string> dump_flight_recorder(const std::string& reason) { return dump(reason, true); }
 
 void install_flight_recorder_signal() {
+  const int sig = signal_number();  // checked on every call
+  if (sig == 0) return;
   static std::once_flag once;
-  std::call_once(once, [] {
-    const int sig = signal_number();
-    if (sig == 0) return;
+  std::call_once(once, [sig] {
     struct sigaction old {};
     if (sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) return;  // the program's own
     if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) return;
@@ -314,8 +340,8 @@ uint64_t note_collective_started(const char* op, uint64_t sequence, const std::s
   e.record = r.next_record++;
   e.op = op;
   e.sequence = sequence;
-  e.group_id = group.get();
   e.group = group;
+  r.remember(group);
   e.global_rank = group->global_rank;
   e.has_tensor = x.defined();
   if (e.has_tensor) {

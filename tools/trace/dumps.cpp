@@ -64,7 +64,10 @@ std::string Entry::describe() const {
 
 std::string Entry::signature() const {
   std::string out = op + " " + dtype;
-  for (const int64_t s : sizes) out += " " + std::to_string(s);
+  for (const int64_t s : sizes) {
+    out += ' ';
+    out += std::to_string(s);
+  }
   return out;
 }
 
