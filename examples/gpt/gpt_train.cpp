@@ -137,6 +137,15 @@ void add_expert_options(commgrad::cli::App& app, Config& c) {
   app.add_option("--ep", c.ep, "expert-parallel ranks (split the experts; divides --dp)")->check(cli::positive());
 }
 
+// --cp splits every sequence into 2 x cp chunks (head-tail).
+void check_context_parallel(const Config& c) {
+  const int64_t sequence = gpt::GptConfig().sequence;
+  if (c.cp > 1 && sequence % (2 * c.cp) != 0) {
+    throw commgrad::cli::usage_error("--cp " + std::to_string(c.cp) + ": the sequence of " + std::to_string(sequence) +
+                                     " tokens does not split into 2 x " + std::to_string(c.cp) + " chunks (head-tail)");
+  }
+}
+
 // The combinations --experts does not support (yet), named.
 void check_experts(const Config& c) {
   namespace cli = commgrad::cli;
@@ -183,11 +192,11 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--stages-per-rank", c.stages_per_rank,
                  "pipeline stages on each rank under --schedule interleaved\n(0: 2 there, else 1)")
       ->check(cli::non_negative());
-  app.add_option("--save", c.save, "write a sharded checkpoint into DIR at the end")->type_name("DIR");
+  auto* save = app.add_option("--save", c.save, "write a sharded checkpoint into DIR at the end")->type_name("DIR");
   app.add_option("--save-every", c.save_every, "and every K steps (needs --save)")
       ->type_name("K")
       ->check(cli::non_negative());
-  app.add_flag("--async-save", c.async_save, "write checkpoints in the background while training goes on");
+  app.add_flag("--async-save", c.async_save, "write checkpoints in the background while training goes on")->needs(save);
   app.add_option("--resume", c.resume, "continue from the latest step of the checkpoint in DIR,\nunder any layout")
       ->type_name("DIR");
   app.add_option("--text", c.text, "train on this file's bytes instead of the synthetic corpus")->type_name("FILE");
@@ -214,17 +223,12 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       // recomputed layer's forward runs without grad (docs/recompute.md).
       throw cli::usage_error("--recompute full does not combine with --schedule zbh1 yet (selective does)");
     }
-    const int64_t sequence = gpt::GptConfig().sequence;
-    if (c.cp > 1 && sequence % (2 * c.cp) != 0) {
-      throw cli::usage_error("--cp " + std::to_string(c.cp) + ": the sequence of " + std::to_string(sequence) +
-                             " tokens does not split into 2 x " + std::to_string(c.cp) + " chunks (head-tail)");
-    }
+    check_context_parallel(c);
     if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
                              std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
     }
     check_experts(c);
-    if (c.async_save && c.save.empty()) throw cli::usage_error("--async-save needs --save DIR");
     if (c.save_every > 0 && c.save.empty()) {
       throw cli::usage_error("--save-every needs --save DIR and a positive number of steps");
     }

@@ -46,8 +46,8 @@ int main(int argc, char** argv) {
     }
     std::cout << "rank " << rank << " finished" << std::endl;
     commgrad::destroy_process_group();
-  } catch (const std::exception& e) {
-    std::cerr << e.what() << std::endl;
+  } catch (const c10::Error& e) {
+    std::cerr << e.what_without_backtrace() << std::endl;
     return 1;
   }
   return 0;

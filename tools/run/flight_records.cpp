@@ -3,11 +3,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <regex>
-#include <vector>
 
 namespace commgrad::run {
 namespace {
@@ -69,14 +69,15 @@ FlightRecords prepare_flight_records() {
     records.dir = dir;
     return records;
   }
+  // Named, not made: the ranks make it when they first write (a launcher
+  // killed outright leaves nothing behind).
   const char* tmp = std::getenv("TMPDIR");
-  std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/commgrad-trace-XXXXXX";
-  std::vector<char> buffer(pattern.begin(), pattern.end());
-  buffer.push_back('\0');
-  if (mkdtemp(buffer.data()) != nullptr) {
-    records.dir = buffer.data();
-    records.created = true;
-  }
+  const auto now = std::chrono::system_clock::now().time_since_epoch();
+  char name[64];
+  std::snprintf(name, sizeof(name), "/commgrad-trace-%d-%llx", static_cast<int>(getpid()),
+                static_cast<unsigned long long>(std::chrono::duration_cast<std::chrono::microseconds>(now).count()));
+  records.dir = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + name;
+  records.created = true;
   return records;
 }
 

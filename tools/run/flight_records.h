@@ -11,14 +11,14 @@ namespace commgrad::run {
 
 /// Where the ranks of a job write their flight records.
 struct FlightRecords {
-  /// COMMGRAD_TRACE_DIR of the launcher's environment when set, else a fresh
-  /// directory under TMPDIR (empty when it could not be made).
+  /// COMMGRAD_TRACE_DIR of the launcher's environment when set, else a new
+  /// name under TMPDIR (the ranks make the directory when they first write).
   std::string dir;
-  /// True when the launcher made `dir` (and removes it when it stays empty).
+  /// True when the launcher named `dir` (and removes it when it is empty).
   bool created = false;
 };
 
-/// Picks (and makes, when it is the launcher's own) the directory.
+/// Picks the directory.
 FlightRecords prepare_flight_records();
 
 /// After the job: when it failed and ranks wrote records, says where and
