@@ -5,7 +5,7 @@
 //                               [--sp] [--microbatches 4] [--steps 10]
 //                               [--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank 2] [--fsdp]
 //                               [--precision fp32|bf16|fp16]
-//                               [--save DIR [--save-every K]] [--resume DIR] [--text FILE]
+//                               [--save DIR [--save-every K] [--async-save]] [--resume DIR] [--text FILE]
 //                               [--curve PREFIX|none] [--check] [--recompute none|selective|full]
 //                               [--experts E [--topk k] [--ep N] [--moe-every 2]]
 //
@@ -97,6 +97,7 @@ struct Config {
   int stages_per_rank = 0;  // 0: 2 for the interleaved schedule, else 1
   std::string save, resume, text;
   int save_every = 0;
+  bool async_save = false;
   std::string curve = "gpt_train_loss";
   bool check = false;
   std::string recompute = "none";
@@ -120,6 +121,7 @@ gpt::TrainerOptions trainer_options(const Config& c) {
   o.fsdp = c.fsdp;
   o.precision = c.precision;
   o.cp_mode = c.cp_mode;
+  o.async_save = c.async_save;
   return o;
 }
 
@@ -133,6 +135,15 @@ void add_expert_options(commgrad::cli::App& app, Config& c) {
   app.add_option("--moe-every", c.moe_every, "with --experts: every layer (1) or every other (2) MoE")
       ->check(cli::positive());
   app.add_option("--ep", c.ep, "expert-parallel ranks (split the experts; divides --dp)")->check(cli::positive());
+}
+
+// --cp splits every sequence into 2 x cp chunks (head-tail).
+void check_context_parallel(const Config& c) {
+  const int64_t sequence = gpt::GptConfig().sequence;
+  if (c.cp > 1 && sequence % (2 * c.cp) != 0) {
+    throw commgrad::cli::usage_error("--cp " + std::to_string(c.cp) + ": the sequence of " + std::to_string(sequence) +
+                                     " tokens does not split into 2 x " + std::to_string(c.cp) + " chunks (head-tail)");
+  }
 }
 
 // The combinations --experts does not support (yet), named.
@@ -181,10 +192,11 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--stages-per-rank", c.stages_per_rank,
                  "pipeline stages on each rank under --schedule interleaved\n(0: 2 there, else 1)")
       ->check(cli::non_negative());
-  app.add_option("--save", c.save, "write a sharded checkpoint into DIR at the end")->type_name("DIR");
+  auto* save = app.add_option("--save", c.save, "write a sharded checkpoint into DIR at the end")->type_name("DIR");
   app.add_option("--save-every", c.save_every, "and every K steps (needs --save)")
       ->type_name("K")
       ->check(cli::non_negative());
+  app.add_flag("--async-save", c.async_save, "write checkpoints in the background while training goes on")->needs(save);
   app.add_option("--resume", c.resume, "continue from the latest step of the checkpoint in DIR,\nunder any layout")
       ->type_name("DIR");
   app.add_option("--text", c.text, "train on this file's bytes instead of the synthetic corpus")->type_name("FILE");
@@ -211,11 +223,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       // recomputed layer's forward runs without grad (docs/recompute.md).
       throw cli::usage_error("--recompute full does not combine with --schedule zbh1 yet (selective does)");
     }
-    const int64_t sequence = gpt::GptConfig().sequence;
-    if (c.cp > 1 && sequence % (2 * c.cp) != 0) {
-      throw cli::usage_error("--cp " + std::to_string(c.cp) + ": the sequence of " + std::to_string(sequence) +
-                             " tokens does not split into 2 x " + std::to_string(c.cp) + " chunks (head-tail)");
-    }
+    check_context_parallel(c);
     if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
                              std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
@@ -347,6 +355,7 @@ int main(int argc, char** argv) {
         saved = k + 1;
       }
     }
+    trainer.finish_saves();
     if (rank == 0) {
       progress.finish();
       if (saved > 0) std::printf("saved step %d in %s\n", saved, c.save.c_str());

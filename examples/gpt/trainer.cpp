@@ -162,7 +162,16 @@ void Trainer::save(const std::string& root, int step, const std::string& layout)
   if (scaler_) {
     for (auto& p : checkpoint::loss_scaler_pieces(*scaler_)) pieces.push_back(std::move(p));
   }
-  checkpoint::save(root, step, pieces, {{"layout", layout}}, checkpoint::SaveOptions().keep(2));
+  if (!options_.async_save) {
+    checkpoint::save(root, step, pieces, {{"layout", layout}}, checkpoint::SaveOptions().keep(2));
+    return;
+  }
+  if (!saver_) saver_ = std::make_unique<checkpoint::AsyncSaver>(commgrad::world());  // every rank saves
+  saver_->save(root, step, pieces, {{"layout", layout}}, checkpoint::SaveOptions().keep(2));
+}
+
+void Trainer::finish_saves() {
+  if (saver_) saver_->wait();
 }
 
 std::pair<int, std::string> Trainer::load(const std::string& root) {

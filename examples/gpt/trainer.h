@@ -60,6 +60,9 @@ struct TrainerOptions {
   std::string precision = "fp32";
   /// With a context-parallel group: allgather, ring or ulysses (cp::AttentionMode).
   std::string cp_mode = "ring";
+  /// save() copies the state to host memory and writes it in the background
+  /// (checkpoint::AsyncSaver) while training goes on.
+  bool async_save = false;
 };
 
 class Trainer {
@@ -77,6 +80,8 @@ class Trainer {
 
   /// Writes a sharded checkpoint (model and optimizer) of step `step` under `root`.
   void save(const std::string& root, int step, const std::string& layout);
+  /// Waits until every checkpoint save() started is on disk (async_save).
+  void finish_saves();
   /// Loads the latest step under `root`; returns it and the layout it was saved at.
   std::pair<int, std::string> load(const std::string& root);
 
@@ -94,6 +99,7 @@ class Trainer {
   std::vector<commgrad::pp::NoSyncFunction> no_sync_functions();
   std::unique_ptr<commgrad::pp::Pipeline> pipe_;
   commgrad::pp::PipelineStepResult last_;
+  std::unique_ptr<commgrad::checkpoint::AsyncSaver> saver_;  // with async_save, from the first save
 };
 
 }  // namespace gpt

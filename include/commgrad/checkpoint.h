@@ -18,6 +18,7 @@
 //   ...
 //   auto result = checkpoint::load("ckpt", checkpoint::module_pieces(*model));  // any TP size
 
+#include "commgrad/checkpoint/async_save.h"
 #include "commgrad/checkpoint/directory.h"
 #include "commgrad/checkpoint/fsdp_state.h"
 #include "commgrad/checkpoint/load.h"

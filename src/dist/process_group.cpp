@@ -17,6 +17,7 @@
 
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/device.h"
+#include "commgrad/dist/flight_recorder.h"
 #include "commgrad/dist/terminate_handler.h"
 #include "commgrad/dist/transport.h"
 #include "commgrad/util/blas.h"
@@ -252,6 +253,7 @@ Group make_world_group(const InitOptions& options) {
   auto state = world_state("world", env, joined, timeout, root, backend);
   detail::select_cuda_device(env.local_rank);
   if (options.terminate_handler()) install_terminate_handler();
+  install_flight_recorder_signal();  // COMMGRAD_TRACE_SIGNAL (default SIGUSR2) dumps the flight record
   connect_transports(*state, "commgrad/world", "init_process_group");
   return Group(std::move(state));
 }

@@ -2,6 +2,7 @@
 
 #include "commgrad/dist/terminate_handler.h"
 
+#include "commgrad/dist/flight_recorder.h"
 #include "commgrad/dist/group.h"
 #include "commgrad/dist/uncaught_error.h"
 
@@ -16,29 +17,15 @@
 namespace commgrad {
 namespace {
 
-// The last collective this process started, until it completes: the
-// handler names it only while it is in flight (or after it failed), never for
-// an error that has nothing to do with communication (a layer's shape error
-// thrown after the last collective finished).
-struct Started {
-  const char* op = nullptr;
-  uint64_t sequence = 0;
-  const void* group_id = nullptr;           // identity of the group, for note_collective_finished
-  std::weak_ptr<detail::GroupState> group;  // not kept alive by this record
-};
-std::mutex g_started_mutex;
-Started g_started;
 std::terminate_handler g_previous = nullptr;
 std::atomic<bool> g_installed{false};
 
 // The line that names the collective in flight, when one was: the error
 // may be about it (Gloo aborts in its I/O thread), or have cut it short.
+// Only then: an error that has nothing to do with communication (a layer's
+// shape error thrown after the last collective finished) blames none.
 std::string collective_in_flight(const std::string& what) {
-  Started last;
-  if (g_started_mutex.try_lock()) {  // never block a dying process
-    last = g_started;
-    g_started_mutex.unlock();
-  }
+  const detail::InFlight last = detail::collective_in_flight();
   if (last.op == nullptr) return "";
   const auto state = last.group.lock();
   std::string line = std::string("[commgrad] ") + last.op + " " +
@@ -51,14 +38,18 @@ std::string collective_in_flight(const std::string& what) {
         "COMMGRAD_DEBUG=1 on every rank to check each collective across ranks and raise an error on all of them "
         "instead";
   }
+  for (const auto& path : detail::try_dump_flight_recorder("terminate: " + what)) {
+    line += "\n[commgrad] flight record written to " + path;
+  }
   return line;
 }
 
 // Reports an exception nobody could catch (in a transport's I/O thread, or
 // one the program let through main) once, without LibTorch's backtrace
 // unless asked (dist/uncaught_error.h), naming the collective in flight if
-// any. Then the process exits with status 1, as a Python rank does; a
-// handler the program installed before init_process_group runs instead.
+// any (and writing the flight record then). Then the process exits with
+// status 1, as a Python rank does; a handler the program installed before
+// init_process_group runs instead.
 [[noreturn]] void terminate_with_context() {
   const auto error = std::current_exception();
   report_uncaught_error(error, collective_in_flight(describe_error(error)));
@@ -79,22 +70,4 @@ void install_terminate_handler() {
 
 bool terminate_handler_installed() { return g_installed.load(); }
 
-namespace detail {
-
-void note_collective_started(const char* op, uint64_t sequence, const std::shared_ptr<GroupState>& group) {
-  std::lock_guard<std::mutex> lock(g_started_mutex);
-  g_started.op = op;
-  g_started.sequence = sequence;
-  g_started.group_id = group.get();
-  g_started.group = group;
-}
-
-void note_collective_finished(uint64_t sequence, const std::shared_ptr<GroupState>& group) {
-  std::lock_guard<std::mutex> lock(g_started_mutex);
-  if (g_started.op != nullptr && g_started.sequence == sequence && g_started.group_id == group.get()) {
-    g_started = Started();
-  }
-}
-
-}  // namespace detail
 }  // namespace commgrad

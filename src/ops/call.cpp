@@ -5,7 +5,7 @@
 #include "detail/pending.h"
 
 #include "commgrad/dist/check.h"
-#include "commgrad/dist/terminate_handler.h"
+#include "commgrad/dist/flight_recorder.h"
 
 #include <memory>
 
@@ -17,9 +17,9 @@ Call::Call(const char* op_name, const Group& g) : op(op_name), group(raw::resolv
   size = group.size();
 }
 
-void Call::start() {
+void Call::start(const at::Tensor& x) {
   sequence = group.next_sequence();
-  commgrad::detail::note_collective_started(op, sequence, group.state());
+  record = commgrad::detail::note_collective_started(op, sequence, group.state(), x);
 }
 
 raw::Pending Call::ready(at::Tensor result) const {
@@ -27,9 +27,10 @@ raw::Pending Call::ready(at::Tensor result) const {
   s->op = op;
   s->group = group;
   s->sequence = sequence;
+  s->record = record;
   s->result = std::move(result);
   s->done = true;
-  commgrad::detail::note_collective_finished(sequence, group.state());
+  commgrad::detail::note_collective_finished(record);
   return raw::Pending(std::move(s));
 }
 
@@ -38,7 +39,9 @@ raw::Pending Call::pending(std::vector<commgrad::detail::WorkPtr> works, std::fu
   s->op = op;
   s->group = group;
   s->sequence = sequence;
+  s->record = record;
   s->works = std::move(works);
+  commgrad::detail::note_collective_posted(record);
   s->finish = std::move(finish);
   return raw::Pending(std::move(s));
 }

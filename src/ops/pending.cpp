@@ -9,7 +9,7 @@
 #include "detail/pending.h"
 
 #include "commgrad/dist/check.h"
-#include "commgrad/dist/terminate_handler.h"
+#include "commgrad/dist/flight_recorder.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/util/error.h"
 #include "commgrad/util/print.h"
@@ -51,7 +51,7 @@ std::string ranks_behind_addresses(const std::string& message, const Group& grou
 }  // namespace
 
 PendingState::~PendingState() {
-  if (!done && !error && group.defined()) commgrad::detail::note_collective_finished(sequence, group.state());
+  if (!done && !error && group.defined()) commgrad::detail::note_collective_finished(record);
 }
 
 std::string message_of(const std::exception& e) {
@@ -59,8 +59,8 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
-void wait_step(const char* op, const Group& group, uint64_t sequence, const commgrad::detail::WorkPtr& work,
-               Clock::time_point posted) {
+void wait_step(const char* op, const Group& group, uint64_t sequence, uint64_t record,
+               const commgrad::detail::WorkPtr& work, Clock::time_point posted) {
   try {
     commgrad::detail::wait_work(work);
   } catch (const std::exception& e) {
@@ -69,6 +69,9 @@ void wait_step(const char* op, const Group& group, uint64_t sequence, const comm
     const Error* typed = as_commgrad_error(e);
     const std::string transport_message = typed ? typed->detail() : message_of(e);
     const bool timeout = typed ? typed->kind() == ErrorKind::kTimeout : Clock::now() - posted >= group.timeout();
+    commgrad::detail::note_collective_failed(
+        record, timeout,
+        c10::str(timeout ? "timeout" : "failure", ": ", op, " #", sequence, " on group '", group.name(), "'"));
     COMMGRAD_THROW(
         timeout ? ErrorKind::kTimeout : ErrorKind::kPeerFailed, error_site(op, group, static_cast<int64_t>(sequence)),
         "collective #", sequence,
@@ -99,7 +102,7 @@ at::Tensor Pending::wait() {
   if (s.error) std::rethrow_exception(s.error);  // a failed wait fails again, with its type
   if (s.done) return s.result;
   try {
-    for (auto& w : s.works) detail::wait_step(s.op, s.group, s.sequence, w, s.posted);
+    for (auto& w : s.works) detail::wait_step(s.op, s.group, s.sequence, s.record, w, s.posted);
     s.works.clear();
     if (s.finish) {
       auto finish = std::move(s.finish);
@@ -113,7 +116,7 @@ at::Tensor Pending::wait() {
     throw;
   }
   s.done = true;
-  commgrad::detail::note_collective_finished(s.sequence, s.group.state());
+  commgrad::detail::note_collective_finished(s.record);
   return s.result;
 }
 

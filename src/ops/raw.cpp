@@ -129,7 +129,7 @@ Pending all_reduce(const at::Tensor& x, const AllReduceOptions& options, const G
   Call call("all_reduce", group);
   check_tensor(call, x);
   const auto dtype = detail::reduce_dtype(call, x, options.op());
-  call.start();
+  call.start(x);
   check_fingerprint(call, c10::str("all_reduce(", tensor_name(x), ", op=", options.op(), ")"));
   const auto out_dtype = x.scalar_type();
   const int n = call.size;
@@ -163,7 +163,7 @@ Pending all_reduce_(at::Tensor& x, const AllReduceOptions& options, const Group&
   const auto dtype = detail::reduce_dtype(call, x, options.op());
   COMMGRAD_CHECK(x.is_contiguous(), call.op, call.group, "the in-place form needs a contiguous tensor, got ",
                  tensor_name(x), " with strides ", x.strides());
-  call.start();
+  call.start(x);
   check_fingerprint(call, c10::str("all_reduce(", tensor_name(x), ", op=", options.op(), ")"));
   at::Tensor target = x;
   // float16/bfloat16 on a transport that cannot reduce them in float32 goes
@@ -201,7 +201,7 @@ Pending all_gather(const at::Tensor& x, const AllGatherOptions& options, const G
   } else {
     sizes.assign(n, x.size(dim));
   }
-  call.start();
+  call.start(x);
   check_fingerprint(
       call, c10::str("all_gather(", tensor_name(x, uneven ? dim : -1), ", dim=", dim, uneven ? ", sizes)" : ")"),
       uneven ? sizes : std::vector<int64_t>{}, {}, uneven ? CrossCheck::kEqualLists : CrossCheck::kNone);
@@ -254,7 +254,7 @@ Pending reduce_scatter(const at::Tensor& x, const ReduceScatterOptions& options,
     check_divisible(call, x, dim);
     sizes = equal_parts(n, x.size(dim));
   }
-  call.start();
+  call.start(x);
   check_fingerprint(
       call,
       c10::str("reduce_scatter(", tensor_name(x), ", dim=", dim, ", op=", options.op(), uneven ? ", sizes)" : ")"),
@@ -319,7 +319,7 @@ Pending broadcast(const at::Tensor& x, const BroadcastOptions& options, const Gr
   Call call("broadcast", group);
   check_tensor(call, x);
   check_peer(call, "src", options.src());
-  call.start();
+  call.start(x);
   check_fingerprint(call, c10::str("broadcast(", tensor_name(x), ", src=", options.src(), ")"));
   const bool root = call.rank == options.src();
   auto buffer = root ? pooled_copy(x) : pooled_empty(x.sizes(), x.options());
@@ -336,7 +336,7 @@ Pending reduce(const at::Tensor& x, const ReduceOptions& options, const Group& g
   check_tensor(call, x);
   check_peer(call, "dst", options.dst());
   const auto dtype = detail::reduce_dtype(call, x, options.op());
-  call.start();
+  call.start(x);
   check_fingerprint(call, c10::str("reduce(", tensor_name(x), ", dst=", options.dst(), ", op=", options.op(), ")"));
   const bool root = call.rank == options.dst();
   const bool avg = options.op() == ReduceOp::kAvg;
@@ -377,7 +377,7 @@ Pending scatter(const at::Tensor& x, const ScatterOptions& options, const Group&
   check_peer(call, "src", options.src());
   const int64_t dim = check_dim(call, x, options.dim());
   check_divisible(call, x, dim);
-  call.start();
+  call.start(x);
   check_fingerprint(call, c10::str("scatter(", tensor_name(x), ", src=", options.src(), ", dim=", dim, ")"));
   const int n = call.size;
   const int64_t part = x.size(dim) / n;
@@ -403,7 +403,7 @@ Pending gather(const at::Tensor& x, const GatherOptions& options, const Group& g
   check_tensor(call, x);
   check_peer(call, "dst", options.dst());
   const int64_t dim = check_dim(call, x, options.dim());
-  call.start();
+  call.start(x);
   check_fingerprint(call, c10::str("gather(", tensor_name(x), ", dst=", options.dst(), ", dim=", dim, ")"));
   const int n = call.size;
   const bool root = call.rank == options.dst();
@@ -455,7 +455,7 @@ Pending all_to_all(const at::Tensor& x, const AllToAllOptions& options, const Gr
     auto received = all_to_all(counts, {}, call.group).wait();
     out_splits.assign(received.data_ptr<int64_t>(), received.data_ptr<int64_t>() + n);
   }
-  call.start();
+  call.start(x);
   check_fingerprint(call,
                     c10::str("all_to_all(", tensor_name(x, even ? -1 : dim), ", dim=", dim, even ? ")" : ", splits)"),
                     even ? std::vector<int64_t>{} : in_splits, even ? std::vector<int64_t>{} : out_splits,

@@ -51,6 +51,13 @@ const std::vector<Variable>& variables() {
       {"TORCHELASTIC_ERROR_FILE", "path",
        "where a rank that dies of an uncaught error writes it, in torchrun's JSON form, instead of printing it "
        "(commgrad-run and torchrun set it per rank and print each distinct error once)"},
+      {"COMMGRAD_TRACE_BUFFER_SIZE", "collectives >= 0",
+       "flight recorder: the last collectives each rank keeps (default 2000; 0: off)"},
+      {"COMMGRAD_TRACE_DIR", "directory",
+       "flight recorder: where ranks write their dumps (commgrad-run sets a fresh one per job; default "
+       "./commgrad-trace)"},
+      {"COMMGRAD_TRACE_SIGNAL", "USR2, USR1, a number, 0",
+       "flight recorder: the signal that makes a rank dump (default USR2; 0: none)"},
       {"GLOO_SOCKET_IFNAME", "interface[,interface...]", "network interfaces Gloo binds to, as in PyTorch"},
   };
   return list;

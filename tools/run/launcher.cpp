@@ -102,6 +102,7 @@ int Launcher::run() {
       return kExitLaunchFailed;
     }
   }
+  flight_records_ = prepare_flight_records();
   // First, so the watchdog holds no rank pipe and no self-pipe open and
   // cannot run our signal handlers.
   watchdog_.start();
@@ -131,6 +132,8 @@ int Launcher::run() {
   watchdog_.stop();
   restore_signal_handlers();
   report_rank_errors();
+  finish_flight_records(flight_records_, exit_code_.value_or(0) != 0,
+                        [this](const std::string& line) { report(line); });
   return exit_code_.value_or(0);
 }
 
@@ -249,6 +252,7 @@ std::vector<std::string> Launcher::rank_variables(const Rank& rank) const {
   if (const std::string file = error_files_.path_for(rank.rank); !file.empty()) {
     vars.push_back({"TORCHELASTIC_ERROR_FILE", file});
   }
+  if (!flight_records_.dir.empty()) vars.emplace_back("COMMGRAD_TRACE_DIR", flight_records_.dir);
   return rank_environment(environ, vars);
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "error_files.h"
+#include "flight_records.h"
 #include "options.h"
 #include "output.h"
 #include "process.h"
@@ -87,6 +88,7 @@ class Launcher {
   ErrorFiles error_files_;           // where ranks leave an uncaught error
   std::optional<int> first_failed_;  // the rank whose failure stopped the job
   int devnull_ = -1;
+  FlightRecords flight_records_;  // where ranks dump their flight records
 
   // Set once, by the first of: a failed rank, a signal, the timeout.
   std::optional<int> exit_code_;

@@ -21,10 +21,12 @@ struct Call {
   int rank;
   int size;
   uint64_t sequence = 0;
+  uint64_t record = ~uint64_t{0};  // the flight recorder's number of this call (none: not recorded)
 
-  /// Takes the sequence number and records the call as the last one this
-  /// process started (for the terminate handler): call after every local check.
-  void start();
+  /// Takes the sequence number and records the call in the flight recorder
+  /// (queued; the terminate handler names it until it finishes) with the
+  /// dtype and sizes of `x` (none for a barrier): call after every local check.
+  void start(const at::Tensor& x = at::Tensor());
   /// The transport that carries tensors on x's device (CUDA tensors may have their own).
   commgrad::detail::TransportBase& transport(const at::Tensor& x) const { return group.transport(x.device().type()); }
   /// What that transport offers beyond c10d (dist/transport.h).

@@ -25,6 +25,7 @@ struct PendingState {
   const char* op = "";
   Group group;
   uint64_t sequence = 0;
+  uint64_t record = ~uint64_t{0};  // the flight recorder's number of the call (none: not recorded)
   std::vector<commgrad::detail::WorkPtr> works;
   std::function<at::Tensor()> finish;  // runs once, after every work finished (may wait on more)
   at::Tensor result;                   // set by finish (or directly)
@@ -40,7 +41,8 @@ std::string message_of(const std::exception& e);
 /// a failure throws the same error as raw::Pending::wait().
 /// `posted` is when the work was started (a transport that does not say a
 /// failure was a timeout timed out when the wait lasted the group's timeout).
-void wait_step(const char* op, const Group& group, uint64_t sequence, const commgrad::detail::WorkPtr& work,
-               Clock::time_point posted);
+/// `record` is the call's flight-recorder number (marked failed, then dumped).
+void wait_step(const char* op, const Group& group, uint64_t sequence, uint64_t record,
+               const commgrad::detail::WorkPtr& work, Clock::time_point posted);
 
 }  // namespace commgrad::ops::detail
