@@ -28,6 +28,7 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -77,8 +78,8 @@ class Trainer {
 
   /// Writes a sharded checkpoint (model and optimizer) of step `step` under `root`.
   void save(const std::string& root, int step, const std::string& layout);
-  /// Loads the latest step under `root`; returns it and the layout it was saved at.
-  std::pair<int, std::string> load(const std::string& root);
+  /// Loads step `step` (default: the latest) under `root`; returns it and the layout it was saved at.
+  std::pair<int, std::string> load(const std::string& root, std::optional<int64_t> step = std::nullopt);
 
  private:
   TrainerOptions options_;

@@ -92,16 +92,7 @@ int Launcher::run() {
     report("cannot execute '" + options_.program + "': " + program.error);
     return program.exit_code;
   }
-  if (options_.master_port) {
-    port_ = *options_.master_port;
-  } else {
-    std::string error;
-    port_ = pick_free_port(options_.master_addr, &error);
-    if (port_ < 0) {
-      report(error);
-      return kExitLaunchFailed;
-    }
-  }
+  job_id_ = !options_.rdzv_id.empty() ? options_.rdzv_id : options_.nnodes == 1 ? random_job_id() : "";
   // First, so the watchdog holds no rank pipe and no self-pipe open and
   // cannot run our signal handlers.
   watchdog_.start();
@@ -112,24 +103,74 @@ int Launcher::run() {
   }
   // Orphaned descendants come back to us instead of init (see top of file).
   prctl(PR_SET_CHILD_SUBREAPER, 1);
+  if (options_.timeout_s) {
+    job_deadline_ =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*options_.timeout_s));
+  }
+  int code = run_attempt(program.path);
+  while (should_restart()) {
+    ++restart_count_;
+    report("restarting the job (restart " + std::to_string(restart_count_) + " of " +
+           std::to_string(options_.max_restarts) + ")");
+    reset_attempt();
+    code = run_attempt(program.path);
+  }
+  watchdog_.stop();
+  restore_signal_handlers();
+  return code;
+}
 
+// One start of the job: every rank of this node, supervised to the end.
+int Launcher::run_attempt(const std::string& path) {
+  if (options_.master_port) {
+    port_ = *options_.master_port;
+  } else {
+    std::string error;
+    port_ = pick_free_port(options_.master_addr, &error);
+    if (port_ < 0) {
+      report(error);
+      return kExitLaunchFailed;
+    }
+  }
   ranks_.resize(static_cast<std::size_t>(options_.nproc_per_node));
   for (int r = 0; r < options_.nproc_per_node; ++r) {
     ranks_[r].rank = options_.node_rank * options_.nproc_per_node + r;
-    if (!spawn(ranks_[r], program.path)) {
+    if (!spawn(ranks_[r], path)) {
       exit_code_ = kExitLaunchFailed;
       stop_ranks(SIGTERM);
       break;
     }
   }
-  if (options_.timeout_s) {
-    job_deadline_ =
-        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*options_.timeout_s));
-  }
   supervise();
-  watchdog_.stop();
-  restore_signal_handlers();
+  // A rank killed while a group was being set up can leave its shm segment.
+  remove_job_segments(job_id_);
+  if (signalled_ && other_failures_ == 0 && preempted_ > 0) exit_code_ = kExitPreempted;
   return exit_code_.value_or(0);
+}
+
+// After a rank failed (not a signal, not the timeout, not preemption), with restarts left.
+bool Launcher::should_restart() {
+  if (!rank_failed_ || signalled_ || exit_code_ == kExitTimeout) return false;
+  if (restart_count_ < options_.max_restarts) return true;
+  if (options_.max_restarts > 0) {
+    report("no restarts left (--max-restarts " + std::to_string(options_.max_restarts) + "); the job failed");
+  }
+  return false;
+}
+
+void Launcher::reset_attempt() {
+  for (Rank& rank : ranks_) {
+    close_pipe(rank, false);
+    close_pipe(rank, true);
+  }
+  ranks_.clear();
+  exit_code_.reset();
+  rank_failed_ = false;
+  preempted_ = other_failures_ = 0;
+  stopping_ = killed_ = orphan_check_due_ = false;
+  kill_deadline_.reset();
+  stop_deadline_.reset();
+  drain_deadline_.reset();
 }
 
 bool Launcher::install_signal_handlers() {
@@ -234,6 +275,9 @@ std::vector<std::string> Launcher::rank_variables(const Rank& rank) const {
       {"GROUP_RANK", std::to_string(options_.node_rank)},
       {"MASTER_ADDR", options_.master_addr},
       {"MASTER_PORT", std::to_string(port_)},
+      {"TORCHELASTIC_RUN_ID", job_id_.empty() ? "none" : job_id_},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts)},
       // commgrad line-buffers the rank's stdout (see src/dist/environment.cpp).
       {"COMMGRAD_LINE_BUFFERED", "1"},
   };
@@ -434,10 +478,15 @@ void Launcher::on_rank_exit(Rank& rank, const siginfo_t& info) {
   read_pipe(rank, false);
   read_pipe(rank, true);
   const bool exited = info.si_code == CLD_EXITED;
-  if ((exited && info.si_status == 0) || stopping_) return;
+  if (exited && info.si_status == 0) return;
+  const bool preempted = exited && info.si_status == kExitPreempted;
+  (preempted ? preempted_ : other_failures_) += 1;
+  if (stopping_) return;
 
   std::string what;
-  if (exited) {
+  if (preempted) {
+    what = "was preempted (exit code " + std::to_string(kExitPreempted) + ": it saved a checkpoint; not a failure)";
+  } else if (exited) {
     what = "exited with code " + std::to_string(info.si_status);
   } else {
     what = "was killed by signal " + signal_name(info.si_status) + " (" + std::to_string(info.si_status) +
@@ -448,11 +497,13 @@ void Launcher::on_rank_exit(Rank& rank, const siginfo_t& info) {
   if (others > 0) message += "; stopping the other " + ranks_phrase(others);
   report(message);
   exit_code_ = exited ? info.si_status : 128 + info.si_status;
+  rank_failed_ = !preempted;
   stop_ranks_after_delay();
 }
 
 void Launcher::on_signal(int sig) {
   const int running = running_count();
+  signalled_ = true;     // told to stop: no restart follows
   if (stop_deadline_) {  // a failure is stopping the job: forward the signal now
     stop_deadline_.reset();
     stop_ranks(sig);
