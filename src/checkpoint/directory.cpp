@@ -123,17 +123,17 @@ std::string damage_of(const fs::path& dir) {
 LatestComplete latest_complete_step(const std::string& root) {
   LatestComplete found;
   std::vector<int64_t> candidates = saved_steps(root);
-  std::optional<int64_t> latest;
+  int64_t latest = -1;  // -1: no `latest` (or one that names no step)
   try {
-    latest = latest_step(root);
+    latest = latest_step(root).value_or(-1);
   } catch (const std::exception& e) {
     const std::string what = e.what();
     found.skipped.push_back("latest: " + what.substr(0, what.find('\n')));
   }
-  if (latest) {
-    candidates.erase(std::remove_if(candidates.begin(), candidates.end(), [&](int64_t s) { return s >= *latest; }),
+  if (latest >= 0) {
+    candidates.erase(std::remove_if(candidates.begin(), candidates.end(), [&](int64_t s) { return s >= latest; }),
                      candidates.end());
-    candidates.push_back(*latest);
+    candidates.push_back(latest);
   }
   for (auto it = candidates.rbegin(); it != candidates.rend() && !found.step; ++it) {
     const std::string damage = damage_of(fs::path(root) / step_directory_name(*it));

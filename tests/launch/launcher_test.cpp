@@ -495,10 +495,11 @@ TEST(LauncherTest, RanksDieWhenLauncherIsKilled) {
 // ~~~ restarts (--max-restarts), preemption, the job id ~~~
 
 TEST(LauncherRestarts, AFailedJobIsStartedAgainWithTheRestartCount) {
-  const ChildResult r = launch({"-n", "2", "--max-restarts", "2", "--stop-delay", "0", "sh", "-c",
-                                "echo start $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS; "
-                                "if [ $RANK = 0 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then exit 3; fi; "
-                                "if [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then sleep 10; fi"});
+  const ChildResult r =
+      launch({"-n", "2", "--max-restarts", "2", "--stop-delay", "0", "sh", "-c",
+              "echo start $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS; "
+              "if [ $RANK = 0 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then sleep 0.2; exit 3; fi; "
+              "if [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then sleep 10; fi"});
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   for (const std::string rank : {"0", "1"}) {
     for (const std::string count : {"0", "1", "2"}) {
