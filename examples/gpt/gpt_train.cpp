@@ -141,6 +141,20 @@ void add_expert_options(commgrad::cli::App& app, Config& c) {
   app.add_option("--ep", c.ep, "expert-parallel ranks (split the experts; divides --dp)")->check(cli::positive());
 }
 
+// --save, --save-every, --resume.
+void add_checkpoint_options(commgrad::cli::App& app, Config& c) {
+  namespace cli = commgrad::cli;
+  app.add_option("--save", c.save,
+                 "write a sharded checkpoint into DIR at the end (and on\nSIGTERM/SIGUSR1); resume from DIR when it "
+                 "holds one")
+      ->type_name("DIR");
+  app.add_option("--save-every", c.save_every, "and every K steps (needs --save)")
+      ->type_name("K")
+      ->check(cli::non_negative());
+  app.add_option("--resume", c.resume, "continue from the latest step of the checkpoint in DIR,\nunder any layout")
+      ->type_name("DIR");
+}
+
 // The combinations --experts does not support (yet), named.
 void check_experts(const Config& c) {
   namespace cli = commgrad::cli;
@@ -187,15 +201,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--stages-per-rank", c.stages_per_rank,
                  "pipeline stages on each rank under --schedule interleaved\n(0: 2 there, else 1)")
       ->check(cli::non_negative());
-  app.add_option("--save", c.save,
-                 "write a sharded checkpoint into DIR at the end (and on\nSIGTERM/SIGUSR1); resume from DIR when it "
-                 "holds one")
-      ->type_name("DIR");
-  app.add_option("--save-every", c.save_every, "and every K steps (needs --save)")
-      ->type_name("K")
-      ->check(cli::non_negative());
-  app.add_option("--resume", c.resume, "continue from the latest step of the checkpoint in DIR,\nunder any layout")
-      ->type_name("DIR");
+  add_checkpoint_options(app, c);
   app.add_option("--text", c.text, "train on this file's bytes instead of the synthetic corpus")->type_name("FILE");
   app.add_option("--curve", c.curve, "write the loss curve to PREFIX.csv and PREFIX.svg\n(none: do not)")
       ->type_name("PREFIX");

@@ -174,7 +174,7 @@ TEST(Rendezvous, TwoLaunchesOnOnePortNeverShareAWorld) {
                        clean_env({{"COMMGRAD_TIMEOUT", "20"}}), std::chrono::seconds(90));
   };
   auto first = std::async(std::launch::async, launch);
-  auto second = launch();
+  const auto second = launch();
   const auto other = first.get();
   int succeeded = 0;
   for (const auto* r : {&other, &second}) {
