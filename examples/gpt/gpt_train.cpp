@@ -34,7 +34,12 @@
 // otherwise) and writes the loss curve to PREFIX.csv and PREFIX.svg
 // (default gpt_train_loss). --save DIR writes a sharded checkpoint (model
 // and optimizer) at the end, and every K steps with --save-every; --resume
-// DIR continues from its latest step under any layout.
+// DIR continues from its latest step under any layout. A --save DIR that
+// already holds a checkpoint is resumed from (its latest intact step: a job
+// that commgrad-run --max-restarts started again continues where it was).
+// With --save, SIGTERM or SIGUSR1 (a preemption) makes every rank finish the
+// step, save it and exit with 75, which commgrad-run does not count as a
+// failure; a second signal ends the program at once.
 //
 // --experts E makes every layer's FFN a mixture of E experts (commgrad::moe,
 // top-k routing with a per-sequence load-balancing loss), split over --ep
@@ -56,6 +61,7 @@
 //   [0] max relative difference from one rank 7.4e-08 (tolerance 1e-05): ok
 
 #include "gpt/corpus.h"
+#include "gpt/faults.h"
 #include "gpt/loss_curve.h"
 #include "gpt/model.h"
 #include "gpt/progress.h"
@@ -146,6 +152,21 @@ void check_context_parallel(const Config& c) {
   }
 }
 
+// --save, --save-every, --async-save, --resume.
+void add_checkpoint_options(commgrad::cli::App& app, Config& c) {
+  namespace cli = commgrad::cli;
+  auto* save = app.add_option("--save", c.save,
+                              "write a sharded checkpoint into DIR at the end (and on\nSIGTERM/SIGUSR1); resume from "
+                              "DIR when it holds one")
+                   ->type_name("DIR");
+  app.add_option("--save-every", c.save_every, "and every K steps (needs --save)")
+      ->type_name("K")
+      ->check(cli::non_negative());
+  app.add_flag("--async-save", c.async_save, "write checkpoints in the background while training goes on")->needs(save);
+  app.add_option("--resume", c.resume, "continue from the latest step of the checkpoint in DIR,\nunder any layout")
+      ->type_name("DIR");
+}
+
 // The combinations --experts does not support (yet), named.
 void check_experts(const Config& c) {
   namespace cli = commgrad::cli;
@@ -192,13 +213,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--stages-per-rank", c.stages_per_rank,
                  "pipeline stages on each rank under --schedule interleaved\n(0: 2 there, else 1)")
       ->check(cli::non_negative());
-  auto* save = app.add_option("--save", c.save, "write a sharded checkpoint into DIR at the end")->type_name("DIR");
-  app.add_option("--save-every", c.save_every, "and every K steps (needs --save)")
-      ->type_name("K")
-      ->check(cli::non_negative());
-  app.add_flag("--async-save", c.async_save, "write checkpoints in the background while training goes on")->needs(save);
-  app.add_option("--resume", c.resume, "continue from the latest step of the checkpoint in DIR,\nunder any layout")
-      ->type_name("DIR");
+  add_checkpoint_options(app, c);
   app.add_option("--text", c.text, "train on this file's bytes instead of the synthetic corpus")->type_name("FILE");
   app.add_option("--curve", c.curve, "write the loss curve to PREFIX.csv and PREFIX.svg\n(none: do not)")
       ->type_name("PREFIX");
@@ -309,6 +324,52 @@ bool matches_one_rank(const Config& c, const gpt::GptConfig& model_config, const
   return ok;
 }
 
+// Where this run starts: --resume DIR's latest step; else the latest intact
+// step of --save DIR when it holds one (a restarted job); else step 0.
+int resume(const Config& c, gpt::Trainer& trainer, int rank) {
+  std::string root = c.resume;
+  std::optional<int64_t> step;
+  if (root.empty() && !c.save.empty()) {
+    step = commgrad::checkpoint::latest_complete_step(c.save).step;
+    if (step) root = c.save;
+  }
+  if (root.empty()) return 0;
+  const auto [loaded, saved_layout] = trainer.load(root, step);
+  if (rank == 0) std::printf("resumed from step %d of %s (saved at %s)\n", loaded, root.c_str(), saved_layout.c_str());
+  return loaded;
+}
+
+// Trains steps start+1 .. --steps, saving as asked; returns the last step
+// saved (0: none), or -1 after a preemption (the step saved, the ranks stop).
+int train(const Config& c, gpt::Trainer& trainer, const gpt::Corpus& corpus, int start, int rank,
+          std::vector<gpt::CurvePoint>& curve, gpt::Progress& progress) {
+  const auto faults = gpt::Faults::from_environment();
+  std::optional<commgrad::checkpoint::Preemption> preemption;
+  if (!c.save.empty()) preemption.emplace();
+  int saved = 0;
+  for (int k = start; k < c.steps; ++k) {
+    faults.step_begins(k + 1, rank);
+    curve.push_back({k + 1, trainer.step(corpus, k), std::nullopt});
+    if (rank == 0) progress.step(k + 1, curve.back().loss);
+    const bool preempted = preemption && preemption->requested();
+    if (preempted) faults.preemption_save_begins(rank);
+    if (!c.save.empty() && (preempted || k + 1 == c.steps || (c.save_every > 0 && (k + 1) % c.save_every == 0))) {
+      trainer.save(c.save, k + 1, c.layout());
+      saved = k + 1;
+    }
+    if (preempted) {
+      if (rank == 0) {
+        progress.finish();
+        std::printf("preempted: saved step %d in %s; exiting with %d\n", saved, c.save.c_str(),
+                    commgrad::checkpoint::kExitPreempted);
+        std::fflush(stdout);
+      }
+      return -1;
+    }
+  }
+  return saved;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -337,23 +398,14 @@ int main(int argc, char** argv) {
         gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(), state.data_parallel_group(),
                     state.embedding_group(), state.context_parallel_group(), state.data_context_parallel_group(),
                     state.expert_data_parallel_group()});
-    int start = 0;  // steps done before this run
-    if (!c.resume.empty()) {
-      const auto [step, saved_layout] = trainer.load(c.resume);
-      start = step;
-      if (rank == 0)
-        std::printf("resumed from step %d of %s (saved at %s)\n", start, c.resume.c_str(), saved_layout.c_str());
-    }
+    const int start = resume(c, trainer, rank);  // steps done before this run
     std::vector<gpt::CurvePoint> curve;
     gpt::Progress progress(start + 1, c.steps, kBatch * model_config.sequence);
-    int saved = -1;
-    for (int k = start; k < c.steps; ++k) {
-      curve.push_back({k + 1, trainer.step(corpus, k), std::nullopt});
-      if (rank == 0) progress.step(k + 1, curve.back().loss);
-      if (!c.save.empty() && (k + 1 == c.steps || (c.save_every > 0 && (k + 1) % c.save_every == 0))) {
-        trainer.save(c.save, k + 1, c.layout());
-        saved = k + 1;
-      }
+    const int saved = train(c, trainer, corpus, start, rank, curve, progress);
+    if (saved < 0) {  // preempted: saved (on disk before the exit) and stopping
+      trainer.finish_saves();
+      commgrad::destroy_process_group();
+      return commgrad::checkpoint::kExitPreempted;
     }
     trainer.finish_saves();
     if (rank == 0) {

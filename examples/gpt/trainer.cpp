@@ -174,7 +174,7 @@ void Trainer::finish_saves() {
   if (saver_) saver_->wait();
 }
 
-std::pair<int, std::string> Trainer::load(const std::string& root) {
+std::pair<int, std::string> Trainer::load(const std::string& root, std::optional<int64_t> step) {
   if (expert_zero_) throw std::invalid_argument("checkpoints of a model with experts are not supported yet");
   auto model = options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_);
   auto optim = options_.fsdp ? checkpoint::fsdp_optimizer_load_pieces(sharded_, *optimizer_)
@@ -183,7 +183,7 @@ std::pair<int, std::string> Trainer::load(const std::string& root) {
   all.insert(all.end(), optim.begin(), optim.end());
   const auto scaler = scaler_ ? checkpoint::loss_scaler_pieces(*scaler_) : std::vector<checkpoint::TensorPiece>{};
   all.insert(all.end(), scaler.begin(), scaler.end());
-  const auto result = checkpoint::load(root, all);
+  const auto result = checkpoint::load(root, all, checkpoint::LoadOptions().step(step));
   if (scaler_) {
     checkpoint::restore_loss_scaler(*scaler_,
                                     std::vector<checkpoint::TensorPiece>(all.end() - scaler.size(), all.end()), result);

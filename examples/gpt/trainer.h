@@ -28,6 +28,7 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -82,8 +83,8 @@ class Trainer {
   void save(const std::string& root, int step, const std::string& layout);
   /// Waits until every checkpoint save() started is on disk (async_save).
   void finish_saves();
-  /// Loads the latest step under `root`; returns it and the layout it was saved at.
-  std::pair<int, std::string> load(const std::string& root);
+  /// Loads step `step` (default: the latest) under `root`; returns it and the layout it was saved at.
+  std::pair<int, std::string> load(const std::string& root, std::optional<int64_t> step = std::nullopt);
 
  private:
   TrainerOptions options_;

@@ -11,6 +11,7 @@
 //   optimizer_state.h  optimizer_pieces() / restore_optimizer(): a ZeroOptimizer's sharded state
 //   loss_scaler_state.h  loss_scaler_pieces() / restore_loss_scaler(): a DynamicLossScaler's state
 //   training_state.h  save_training_state() / load_training_state(): all of the above in one call
+//   preemption.h    Preemption: SIGTERM / SIGUSR1 to "finish the step, save, exit 75"
 //
 // Example:
 //   auto pieces = checkpoint::module_pieces(*model);
@@ -25,6 +26,7 @@
 #include "commgrad/checkpoint/loss_scaler_state.h"
 #include "commgrad/checkpoint/module_state.h"
 #include "commgrad/checkpoint/optimizer_state.h"
+#include "commgrad/checkpoint/preemption.h"
 #include "commgrad/checkpoint/rng_state.h"
 #include "commgrad/checkpoint/safetensors_file.h"
 #include "commgrad/checkpoint/save.h"

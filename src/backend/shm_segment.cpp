@@ -7,11 +7,17 @@
 // a clear error instead of a SIGBUS in the middle of a collective) and
 // publishes the name under a store key that also carries a per-rank
 // generation number, so that a second group over the same store prefix
-// never reads a stale name. Every rank maps the segment, writes its pid into
-// its control block and arrives at the segment's first barrier; the rank
-// that completes that barrier unlinks the name. No rank leaves the
-// constructor before that barrier, so from then on only the mappings keep
-// the memory alive and a kill -9 of any rank leaves nothing in /dev/shm.
+// never reads a stale name. Under a launcher that sets TORCHELASTIC_RUN_ID
+// the name starts with it ("/commgrad-shm-<job>-<hex>"), so the launcher can
+// remove what a job it stopped left behind. Every rank maps the segment,
+// writes its pid into its control block and arrives at the segment's first
+// barrier; the rank that completes that barrier unlinks the name. No rank
+// leaves the constructor before that barrier, so from then on only the
+// mappings keep the memory alive and a kill -9 of any rank leaves nothing
+// in /dev/shm. Before it, a rank that cannot join unlinks the name itself
+// and leaves its reason in the store; the waiting ranks look there, and at
+// the liveness of the ranks not yet mapped (each stored its pid first),
+// every 50 ms, and give up at once, unlinking the name too.
 //
 // Layout (every offset computed the same way by every rank, see Layout::compute):
 //
@@ -24,6 +30,7 @@
 #include "detail/shm_segment.h"
 
 #include "commgrad/detail/torch_compat.h"
+#include "commgrad/util/env.h"
 #include "commgrad/util/error.h"
 
 #include <c10/util/Exception.h>
@@ -40,7 +47,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <climits>
 #include <cstring>
 #include <new>
@@ -85,6 +95,16 @@ std::string shm_free_space() {
 
 }  // namespace
 
+std::string segment_name_prefix() {
+  // The launcher's job id (torchrun's run id), when it is a plain word: the
+  // launcher removes what a job it ran left behind by this prefix.
+  const std::string job = env::get("TORCHELASTIC_RUN_ID").value_or("");
+  const bool plain = !job.empty() && job.size() <= 64 && job != "none" &&
+                     std::all_of(job.begin(), job.end(),
+                                 [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+  return plain ? "/commgrad-shm-" + job + "-" : std::string("/commgrad-shm-");
+}
+
 Layout Layout::compute(int size, uint64_t chunk_bytes, uint64_t mailbox_bytes) {
   Layout l;
   l.size = size;
@@ -105,6 +125,11 @@ Segment::Segment(const SegmentConfig& config)
   // The key carries this rank's count of groups created over the store.
   const int64_t generation = config.store->add(c10::str("shm/generation/", config.rank), 1);
   const std::string key = c10::str("shm/", generation, "/segment");
+  keys_ = c10::str("shm/", generation, "/");
+  // Before anything can fail: who this rank is, so that a waiting peer can
+  // tell when it died before it mapped the segment.
+  const std::string me = c10::str(getpid(), " ", pid_namespace());
+  config.store->set(keys_ + c10::str("pid/", config.rank), std::vector<uint8_t>(me.begin(), me.end()));
   if (config.rank == 0) {
     create(config);
     const std::string& n = name_;
@@ -119,11 +144,29 @@ Segment::Segment(const SegmentConfig& config)
     }
     const auto bytes = config.store->get(key);
     name_.assign(bytes.begin(), bytes.end());
-    open(config);
+    try {
+      open(config);
+    } catch (const std::exception& e) {
+      give_up(config, e.what());
+      throw;
+    }
   }
   rank_block(config.rank).pid_namespace = pid_namespace();
   rank_block(config.rank).pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   wait_until_mapped(config);
+}
+
+// A rank that cannot join removes the name itself (rank 0, which created it,
+// may be stopped by the launcher before it notices) and leaves its reason in
+// the store, where the waiting ranks find it.
+void Segment::give_up(const SegmentConfig& config, const std::string& reason) {
+  shm_unlink(name_.c_str());  // ENOENT is fine: someone was first
+  const std::string what = reason.substr(0, reason.find('\n'));
+  try {
+    config.store->set(keys_ + "failed", std::vector<uint8_t>(what.begin(), what.end()));
+  } catch (const std::exception&) {
+    // The store is gone too: the peers time out instead.
+  }
 }
 
 Segment::~Segment() {
@@ -133,7 +176,7 @@ Segment::~Segment() {
 void Segment::create(const SegmentConfig& config) {
   int fd = -1;
   for (int attempt = 0; attempt < 4 && fd < 0; ++attempt) {
-    name_ = "/commgrad-shm-" + random_hex(16);
+    name_ = segment_name_prefix() + random_hex(16);
     fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, S_IRUSR | S_IWUSR);
     if (fd < 0 && errno != EEXIST) break;
   }
@@ -222,11 +265,16 @@ void Segment::wait_until_mapped(const SegmentConfig& config) {
     return;
   }
   const auto deadline = std::chrono::steady_clock::now() + config.timeout;
+  auto next_look = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
   while (true) {
     const uint32_t v = bell.value.load(std::memory_order_acquire);
     if (v >= n) return;
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) break;
+    if (now >= next_look) {  // a peer that failed or died, at most every 50 ms
+      next_look = now + std::chrono::milliseconds(50);
+      check_peers(config);
+    }
     bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
     if (bell.value.load(std::memory_order_seq_cst) == v) {
       futex_wait(&bell.value, v, std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(50)));
@@ -237,12 +285,53 @@ void Segment::wait_until_mapped(const SegmentConfig& config) {
   for (int r = 0; r < config.size; ++r) {
     if (rank_block(r).pid.load(std::memory_order_relaxed) == 0) missing.push_back(r);
   }
-  shm_unlink(name_.c_str());  // nobody else may join now; ENOENT is fine
-  munmap(base_, layout_.total_bytes);
-  base_ = nullptr;
+  abandon();
   COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, "[commgrad] shm ", config.context, ": ",
                          describe_ranks(missing), " did not map the shared-memory segment within ",
                          config.timeout.count() / 1000.0, "s");
+}
+
+void Segment::abandon() {
+  shm_unlink(name_.c_str());  // nobody else may join now; ENOENT is fine
+  munmap(base_, layout_.total_bytes);
+  base_ = nullptr;
+}
+
+// Throws (after removing the name) when a peer left its reason for not
+// joining, or died before it mapped the segment.
+void Segment::check_peers(const SegmentConfig& config) {
+  std::string failure;
+  try {
+    if (config.store->check({keys_ + "failed"})) {
+      const auto bytes = config.store->get(keys_ + "failed");
+      failure.assign(bytes.begin(), bytes.end());
+    }
+  } catch (const std::exception& e) {
+    failure = c10::str("the store is gone (", std::string(e.what()).substr(0, 200), ")");
+  }
+  if (!failure.empty()) {
+    abandon();
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context,
+                           ": a peer could not join the shared-memory segment: ", failure);
+  }
+  const uint64_t my_namespace = pid_namespace();
+  for (int r = 0; r < config.size; ++r) {
+    if (rank_block(r).pid.load(std::memory_order_acquire) != 0) continue;
+    long long pid = 0;
+    unsigned long long ns = 0;
+    try {
+      const std::string key = keys_ + c10::str("pid/", r);
+      if (!config.store->check({key})) continue;
+      const auto bytes = config.store->get(key);
+      if (std::sscanf(std::string(bytes.begin(), bytes.end()).c_str(), "%lld %llu", &pid, &ns) != 2) continue;
+    } catch (const std::exception&) {
+      continue;
+    }
+    if (ns != my_namespace || process_alive(static_cast<int32_t>(pid))) continue;
+    abandon();
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] shm ", config.context, ": rank ", r,
+                           " (pid ", pid, ") exited before it mapped the shared-memory segment");
+  }
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {

@@ -9,6 +9,9 @@
 
 #include "detail/directory.h"
 #include "detail/files.h"
+#include "detail/index.h"
+
+#include "commgrad/util/logging.h"
 
 #include <c10/util/Exception.h>
 
@@ -63,6 +66,20 @@ int remove_stale_partials(const std::string& root) {
   return removed;
 }
 
+void prune_before_save(const std::string& root, int64_t keep, int64_t step) {
+  if (keep <= 0) return;
+  std::vector<int64_t> others;
+  for (const int64_t s : saved_steps(root)) {
+    if (s != step) others.push_back(s);
+  }
+  // Never the newest: a save that fails must leave a step to resume from.
+  const int64_t room = std::max<int64_t>(keep - 1, 1);
+  std::error_code ec;
+  for (size_t i = 0; static_cast<int64_t>(others.size() - i) > room; ++i) {
+    fs::remove_all(fs::path(root) / step_directory_name(others[i]), ec);
+  }
+}
+
 void prune_steps(const std::string& root, int64_t keep, int64_t current) {
   if (keep <= 0) return;
   auto steps = saved_steps(root);
@@ -76,6 +93,62 @@ void prune_steps(const std::string& root, int64_t keep, int64_t current) {
 }
 
 }  // namespace detail
+
+namespace {
+
+// Why step directory `dir` cannot be loaded, or "" when it looks intact.
+std::string damage_of(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir / kIndexFileName, ec)) return "it has no index.json";
+  detail::Index index;
+  try {
+    index =
+        detail::parse_index(detail::read_whole_file((dir / kIndexFileName).string()), (dir / kIndexFileName).string());
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    return "its index does not parse: " + what.substr(0, what.find('\n'));
+  }
+  for (const auto& [name, file] : index.files) {
+    const auto size = fs::file_size(dir / name, ec);
+    if (ec) return name + " is missing";
+    if (static_cast<int64_t>(size) != file.bytes) {
+      return c10::str(name, " has ", size, " bytes, the index records ", file.bytes);
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+LatestComplete latest_complete_step(const std::string& root) {
+  LatestComplete found;
+  std::vector<int64_t> candidates = saved_steps(root);
+  int64_t latest = -1;  // -1: no `latest` (or one that names no step)
+  try {
+    latest = latest_step(root).value_or(-1);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    found.skipped.push_back("latest: " + what.substr(0, what.find('\n')));
+  }
+  if (latest >= 0) {
+    candidates.erase(std::remove_if(candidates.begin(), candidates.end(), [&](int64_t s) { return s >= latest; }),
+                     candidates.end());
+    candidates.push_back(latest);
+  }
+  for (auto it = candidates.rbegin(); it != candidates.rend() && !found.step; ++it) {
+    const std::string damage = damage_of(fs::path(root) / step_directory_name(*it));
+    if (damage.empty()) {
+      found.step = *it;
+    } else {
+      found.skipped.push_back(step_directory_name(*it) + ": " + damage);
+    }
+  }
+  for (const auto& s : found.skipped) {
+    COMMGRAD_LOG(kWarn, "checkpoint: skipped ", s, " in ", root,
+                 found.step ? c10::str("; resuming from step ", *found.step) : std::string("; no step is intact"));
+  }
+  return found;
+}
 
 std::optional<int64_t> latest_step(const std::string& root) {
   const fs::path path = fs::path(root) / kLatestFileName;

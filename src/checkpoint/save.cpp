@@ -12,7 +12,8 @@
 //   write     each writer writes rank-<r>.safetensors (fsync), reports its
 //             size and the crc32 of every piece
 //   publish   rank 0 writes index.json, renames the partial directory to
-//             step-N (fsync of root), replaces `latest` atomically, prunes
+//             step-N (fsync of root), replaces `latest` atomically
+//             (latest.tmp, fsync, rename, fsync of root), prunes
 //
 // Until `publish` renames the directory nothing of step N is visible; until
 // it replaces `latest`, load() without a step keeps finding the previous
@@ -180,6 +181,7 @@ struct SaveRun {
       COMMGRAD_CHECK(fs::is_directory(root), kOp, group, "cannot create the checkpoint root ", root, ": ",
                      ec ? ec.message() : "it is not a directory");
       detail::remove_stale_partials(root);
+      detail::prune_before_save(root, options.keep(), step);
       COMMGRAD_CHECK(fs::create_directory(partial_dir, ec), kOp, group, "cannot create ", partial_dir.string(), ": ",
                      ec.message());
       return std::string();
@@ -211,6 +213,18 @@ struct SaveRun {
     });
   }
 
+  void published(const char* what) const {
+    if (options.on_publish()) options.on_publish()(what);
+  }
+
+  // A failed write or publish: rank 0 removes the partial directory, so that
+  // a full disk is not kept full (a rank killed instead leaves it to the next save).
+  void clean_up() const {
+    if (rank != 0) return;
+    std::error_code ec;
+    fs::remove_all(partial_dir, ec);
+  }
+
   // publish: rank 0 completes the index, renames the directory into place,
   // points "latest" at it and prunes old steps.
   void publish(Plan& plan, const std::vector<std::string>& written) const {
@@ -232,13 +246,21 @@ struct SaveRun {
       detail::write_file_durably(index_path, text);
       detail::fsync_directory(partial_dir.string());
       notify(options, index_path, static_cast<int64_t>(text.size()));
+      published("index");
       detail::rename_directory_into_place(partial_dir.string(), final_dir.string());
       detail::fsync_directory(root);
+      published("renamed");
       const std::string latest = (fs::path(root) / kLatestFileName).string();
       const std::string pointer = step_directory_name(step) + "\n";
-      detail::replace_file_atomically(latest, pointer);
+      detail::write_file_durably(latest + ".tmp", pointer);
+      published("latest.tmp");
+      COMMGRAD_CHECK(std::rename((latest + ".tmp").c_str(), latest.c_str()) == 0, kOp, group, "cannot rename ", latest,
+                     ".tmp to ", latest, ": ", detail::errno_message());
+      detail::fsync_directory(root);
       notify(options, latest, static_cast<int64_t>(pointer.size()));
+      published("latest");
       detail::prune_steps(root, options.keep(), step);
+      published("pruned");
       return std::string();
     });
   }
@@ -259,8 +281,13 @@ SaveResult save(const std::string& root, int64_t step, const std::vector<TensorP
   plan.index.metadata = metadata;
   run.prepare();
   int64_t bytes_written = 0;
-  const auto written = run.write(plan, bytes_written);
-  run.publish(plan, written);
+  try {
+    const auto written = run.write(plan, bytes_written);
+    run.publish(plan, written);
+  } catch (...) {
+    run.clean_up();
+    throw;
+  }
   return SaveResult{step, run.final_dir.string(), bytes_written};
 }
 

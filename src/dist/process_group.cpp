@@ -38,6 +38,7 @@
 #include <iostream>
 #include <mutex>
 #include <set>
+#include <sstream>
 #include <thread>
 
 namespace commgrad {
@@ -115,6 +116,97 @@ std::vector<std::string> arrive_and_wait(const detail::StorePtr& store, const st
   return payloads;
 }
 
+// Rank 0 hosts the store: when the join times out, it tells the waiting
+// ranks which ranks are missing (under key/verdict, then it sets key/done to
+// wake them) and keeps the store up until they have read it, at most this
+// long. The others wait this much longer than rank 0, so that rank 0 judges.
+constexpr std::chrono::milliseconds kVerdictWait(5000);
+
+std::vector<int> absent_ranks(const detail::StorePtr& store, const std::string& key, int size) {
+  std::vector<int> missing;
+  for (int r = 0; r < size; ++r) {
+    if (!store->check({c10::str(key, "/", r)})) missing.push_back(r);
+  }
+  return missing;
+}
+
+// arrive_and_wait for the world's join: every rank that waits learns which
+// ranks are missing (`missing`), or that the store went away (`lost`: why).
+std::vector<std::string> join_barrier(const detail::StorePtr& store, const std::string& key, int rank, int size,
+                                      const std::string& payload, std::chrono::milliseconds timeout,
+                                      std::vector<int>& missing, std::string& lost) {
+  const std::string done = key + "/done";
+  const std::string verdict = key + "/verdict";
+  store->set(c10::str(key, "/", rank), std::vector<uint8_t>(payload.begin(), payload.end()));
+  if (store->add(key + "/count", 1) == size) store->set(done, std::vector<uint8_t>{1});
+  try {
+    store->wait({done}, rank == 0 ? timeout : timeout + kVerdictWait);
+  } catch (const std::exception& e) {
+    try {
+      missing = absent_ranks(store, key, size);
+    } catch (const std::exception&) {
+      lost = std::string(e.what()).substr(0, 200);
+      return {};
+    }
+    if (!missing.empty() && rank == 0) {
+      std::string list;
+      for (int r : missing) list += c10::str(r, " ");
+      store->set(verdict, std::vector<uint8_t>(list.begin(), list.end()));
+      store->set(done, std::vector<uint8_t>{1});
+      const auto give_up = std::chrono::steady_clock::now() + kVerdictWait;
+      const int64_t readers = size - static_cast<int64_t>(missing.size()) - 1;
+      while (store->add(key + "/verdict-read", 0) < readers && std::chrono::steady_clock::now() < give_up) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    if (!missing.empty()) return {};
+    store->wait({done}, timeout);  // everyone arrived just now
+  }
+  if (rank != 0 && store->check({verdict})) {
+    const auto bytes = store->get(verdict);
+    std::istringstream in(std::string(bytes.begin(), bytes.end()));
+    for (int r; in >> r;) missing.push_back(r);
+    store->add(key + "/verdict-read", 1);
+    return {};
+  }
+  std::vector<std::string> payloads;
+  for (int r = 0; r < size; ++r) {
+    const auto bytes = store->get(c10::str(key, "/", r));
+    payloads.emplace_back(bytes.begin(), bytes.end());
+  }
+  return payloads;
+}
+
+// Two jobs started on one port must not join each other's world: rank 0
+// writes its job's id (TORCHELASTIC_RUN_ID, which commgrad-run sets, or
+// torchrun's --rdzv-id) into the store it hosts, every other rank compares
+// its own with it, and each rank claims its rank number once.
+void check_job(const detail::StorePtr& store, const LaunchEnvironment& env, const std::string& job,
+               std::chrono::milliseconds timeout) {
+  const std::string where = c10::str(" (store ", env.master_addr, ":", env.master_port, ")");
+  const std::string key = "commgrad/world/job";
+  const std::string mine = "id:" + job;
+  if (env.rank == 0) {
+    store->set(key, std::vector<uint8_t>(mine.begin(), mine.end()));
+  } else {
+    store->wait({key}, timeout);
+    const auto bytes = store->get(key);
+    const std::string theirs(bytes.begin(), bytes.end());
+    if (!job.empty() && theirs.size() > 3 && theirs != mine) {
+      COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, init_prefix(env),
+                             "the rendezvous store belongs to another job (its job id '", theirs.substr(3),
+                             "', this rank's '", job, "')", where,
+                             ": two jobs on one --master-port? Give each job its own port");
+    }
+  }
+  const std::string claim = c10::str("commgrad/world/claim/", env.rank);
+  if (store->add(claim, 1) > 1) {
+    COMMGRAD_THROW_MESSAGE(
+        ::commgrad::ErrorKind::kPeerFailed, init_prefix(env), "another process already joined as rank ", env.rank,
+        where, ": two jobs on one --master-port? Give each job its own port (or its own TORCHELASTIC_RUN_ID)");
+  }
+}
+
 // What each rank says of itself at the join: its host identity and its
 // address towards the rendezvous host (errors name the ranks behind an address).
 struct Joined {
@@ -122,11 +214,19 @@ struct Joined {
   std::vector<std::string> addresses;
 };
 
-// Waits until every rank has joined.
-Joined join(const detail::StorePtr& store, const LaunchEnvironment& env, std::chrono::milliseconds timeout) {
+// Waits until every rank has joined. `job`: this rank's job id ("" to not check).
+Joined join(const detail::StorePtr& store, const LaunchEnvironment& env, std::chrono::milliseconds timeout,
+            const std::string& job = "") {
+  check_job(store, env, job, timeout);
   std::vector<int> missing;
+  std::string lost;
   const std::string me = host_identity() + "\n" + detail::local_address_towards(env.master_addr);
-  auto said = arrive_and_wait(store, "commgrad/world/join", env.rank, env.world_size, me, timeout, missing);
+  auto said = join_barrier(store, "commgrad/world/join", env.rank, env.world_size, me, timeout, missing, lost);
+  if (!lost.empty()) {
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, init_prefix(env), "rendezvous timed out after ",
+                           seconds(timeout), ": the store's host (rank 0) went away before every rank joined (store ",
+                           env.master_addr, ":", env.master_port, "): ", lost);
+  }
   if (!missing.empty()) {
     COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, init_prefix(env), "rendezvous timed out after ",
                            seconds(timeout), ": ", env.world_size - missing.size(), " of ", env.world_size,
@@ -245,7 +345,12 @@ Group make_world_group(const InitOptions& options) {
 
   detail::StorePtr root = options.store() ? options.store() : connect_store(env, timeout);
   root->setTimeout(timeout);
-  auto joined = join(root, env, timeout);
+  std::string job;
+  if (!options.store()) {
+    job = env::get("TORCHELASTIC_RUN_ID").value_or("");
+    if (job == "none") job.clear();  // torchrun's default --rdzv-id
+  }
+  auto joined = join(root, env, timeout, job);
 
   // COMMGRAD_BACKEND lets a launch script pick the transport of an unchanged program.
   std::string backend = options.backend();

@@ -27,6 +27,12 @@ const std::vector<Variable>& variables() {
       {"SLURM_NTASKS", "integer", "world size under srun"},
       {"SLURM_LOCALID", "integer", "local rank under srun"},
       {"SLURM_NTASKS_PER_NODE", "integer (regular layouts)", "ranks on this host under srun"},
+      {"TORCHELASTIC_RUN_ID", "a word",
+       "the job's id (commgrad-run, torchrun's --rdzv-id): ranks of another job "
+       "that meet at the same rendezvous port are refused; names the job's shm segments"},
+      {"TORCHELASTIC_RESTART_COUNT", "integer >= 0",
+       "how often the launcher restarted the job (commgrad-run "
+       "--max-restarts, torchrun); read by programs, e.g. to resume from a checkpoint"},
       // Behaviour.
       {"COMMGRAD_BACKEND", "auto, gloo, shm, hierarchical, nccl",
        "transport for init_process_group(\"auto\") (default auto)"},

@@ -9,6 +9,12 @@
 //                          "ops"); the other ranks print the error they get
 //                          and exit with 3 (they ignore SIGTERM, so the launcher's
 //                          teardown cannot hide whether they noticed)
+//   shm_job mismatch       rank 1 sets another COMMGRAD_SHM_CHUNK_BYTES: every rank
+//                          prints the error it gets ("rank r setup failed: ...")
+//                          and exits 3
+//   shm_job die            rank 1 SIGKILLs itself once rank 0's segment shows in
+//                          /dev/shm (named after TORCHELASTIC_RUN_ID), while the
+//                          group is being set up
 //
 // Rank 0 prints "segment <name>" for the shm backend, so that the test can
 // check that /dev/shm holds nothing of the job afterwards.
@@ -19,10 +25,12 @@
 
 #include <ATen/ATen.h>
 
+#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -112,6 +120,36 @@ int run_kill(bool via_ops) {
   return 1;
 }
 
+int run_setup_failure(bool die) {
+  const char* rank = std::getenv("RANK");
+  const bool rank1 = rank != nullptr && std::string(rank) == "1";
+  if (rank1 && !die) setenv("COMMGRAD_SHM_CHUNK_BYTES", "8192", 1);
+  if (rank1 && die) {
+    const std::string prefix = std::string("commgrad-shm-") + std::getenv("TORCHELASTIC_RUN_ID") + "-";
+    std::thread([prefix] {
+      for (;;) {
+        if (DIR* dir = opendir("/dev/shm")) {
+          while (const dirent* e = readdir(dir)) {
+            if (std::string(e->d_name).rfind(prefix, 0) == 0) kill(getpid(), SIGKILL);
+          }
+          closedir(dir);
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    }).detach();
+  }
+  try {
+    commgrad::init_process_group(commgrad::InitOptions().backend("shm"));
+  } catch (const std::exception& e) {
+    std::string message = e.what();
+    std::cerr << "rank " << (rank ? rank : "?") << " setup failed: " << message.substr(0, message.find('\n'))
+              << std::endl;
+    _exit(3);
+  }
+  std::cerr << "rank " << (rank ? rank : "?") << ": the group was set up" << std::endl;
+  return 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -119,10 +157,11 @@ int main(int argc, char** argv) {
   try {
     if (mode == "ops") return run_ops(argc > 2 ? argv[2] : "shm");
     if (mode == "kill") return run_kill(argc > 2 && std::string(argv[2]) == "ops");
+    if (mode == "mismatch" || mode == "die") return run_setup_failure(mode == "die");
   } catch (const std::exception& e) {
     std::cerr << "shm_job: " << e.what() << std::endl;
     return 1;
   }
-  std::cerr << "usage: shm_job ops [backend] | shm_job kill [ops]\n";
+  std::cerr << "usage: shm_job ops [backend] | shm_job kill [ops] | shm_job mismatch | shm_job die\n";
   return 2;
 }

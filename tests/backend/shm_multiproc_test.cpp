@@ -9,9 +9,11 @@
 
 #include <gtest/gtest.h>
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include <string>
+#include <vector>
 
 namespace commgrad::testing {
 namespace {
@@ -109,6 +111,49 @@ TEST(ShmFailure, KilledRankDuringOpsNamesOneCollectiveNumber) {
     EXPECT_EQ(count("collective #"), 1u) << line;
     EXPECT_EQ(count("[commgrad]"), 1u) << line;
   }
+}
+
+// What /dev/shm holds of the job `id` (its segments are named after it).
+std::vector<std::string> segments_of_job(const std::string& id) {
+  std::vector<std::string> found;
+  const std::string prefix = "commgrad-shm-" + id + "-";
+  if (DIR* dir = opendir("/dev/shm")) {
+    while (const dirent* e = readdir(dir)) {
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) found.push_back(e->d_name);
+    }
+    closedir(dir);
+  }
+  return found;
+}
+
+// A rank started with another COMMGRAD_SHM_CHUNK_BYTES: rank 0 names the
+// mismatch at once (not "within the timeout"), and nothing is left in /dev/shm.
+TEST(ShmSetupFailure, ARankWithOtherSettingsIsNamedAtOnceAndLeavesNothingBehind) {
+  const std::string id = "shm_mismatch_" + std::to_string(getpid());
+  auto r = run_process({launcher_path(), "-n", "2", "--rdzv-id", id, "--timeout", "90", job(), "mismatch"}, shm_env(),
+                       std::chrono::seconds(120));
+  EXPECT_EQ(r.exit_code, 3) << r.out << r.err;
+  EXPECT_TRUE(contains(r.err, "[1] rank 1 setup failed: ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "all ranks must use the same")) << r.err;
+  const auto rank0 = lines_with_prefix(r.err, "[0] rank 0 setup failed: ");
+  if (!rank0.empty()) {  // unless the launcher stopped it first
+    EXPECT_TRUE(contains(rank0[0], "a peer could not join the shared-memory segment")) << rank0[0];
+    EXPECT_FALSE(contains(rank0[0], "within")) << rank0[0];
+  }
+  EXPECT_LT(r.seconds, 20);
+  EXPECT_TRUE(segments_of_job(id).empty()) << "left in /dev/shm: " << segments_of_job(id)[0];
+}
+
+// A rank killed while the group is being set up (rank 0 waiting for it to
+// map the segment): nothing is left in /dev/shm.
+TEST(ShmSetupFailure, ARankKilledDuringSetupLeavesNothingBehind) {
+  const std::string id = "shm_die_" + std::to_string(getpid());
+  auto r = run_process({launcher_path(), "-n", "2", "--rdzv-id", id, "--timeout", "90", job(), "die"}, shm_env(),
+                       std::chrono::seconds(120));
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;
+  EXPECT_TRUE(contains(r.err, "rank 1 (pid ")) << r.err;
+  EXPECT_LT(r.seconds, 20);
+  EXPECT_TRUE(segments_of_job(id).empty()) << "left in /dev/shm: " << segments_of_job(id)[0];
 }
 
 }  // namespace

@@ -7,9 +7,12 @@
 #include "backend/shm_harness.h"
 #include "commgrad/util/error.h"
 
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <fstream>
 #include <random>
 #include <thread>
@@ -208,21 +211,53 @@ TEST(ShmErrors, PointToPointMismatchIsAnErrorAndLaterMessagesStillArrive) {
   });
 }
 
-TEST(ShmErrors, DifferentSegmentSettingsFailConstructionAndLeaveNothingBehind) {
+// A rank with other settings unlinks the segment itself and tells the
+// others, which fail at once naming the mismatch (not after the timeout:
+// under a launcher they would be stopped before they could unlink it).
+TEST(ShmErrors, DifferentSegmentSettingsFailConstructionAtOnceNamingThemAndLeaveNothingBehind) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(2);
   std::vector<std::thread> threads;
+  const auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       errors[r] = error_of([&] {
         ShmProcessGroup pg(store, r, 2,
-                           ShmOptions().chunk_bytes(r == 0 ? 1024 : 2048).timeout(std::chrono::milliseconds(500)));
+                           ShmOptions().chunk_bytes(r == 0 ? 1024 : 2048).timeout(std::chrono::seconds(20)));
       });
     });
   }
   for (auto& t : threads) t.join();
-  EXPECT_NE(errors[0].find("rank 1 did not map the shared-memory segment"), std::string::npos) << errors[0];
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_NE(errors[0].find("a peer could not join the shared-memory segment: "), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("all ranks must use the same"), std::string::npos) << errors[0];
+  EXPECT_EQ(errors[0].find("within"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("all ranks must use the same"), std::string::npos) << errors[1];
+  const auto key = store->get("shm/1/segment");
+  const std::string name(key.begin(), key.end());
+  EXPECT_NE(access(("/dev/shm" + name).c_str(), F_OK), 0) << name << " was left in /dev/shm";
+}
+
+// Rank 1 announced itself (pid and pid namespace, as every rank does first)
+// and died before it mapped the segment: rank 0 names it at once and removes
+// the name, instead of waiting out the timeout (or being stopped first).
+TEST(ShmSegment, ARankThatDiedBeforeMappingIsNamedAtOnceAndLeavesNothingBehind) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  ASSERT_GT(child, 0);
+  waitpid(child, nullptr, 0);
+  struct stat ns {};
+  ASSERT_EQ(stat("/proc/self/ns/pid", &ns), 0);
+  const std::string announced = std::to_string(child) + " " + std::to_string(ns.st_ino);
+  store->set("shm/1/pid/1", std::vector<uint8_t>(announced.begin(), announced.end()));
+  const auto start = std::chrono::steady_clock::now();
+  const std::string error =
+      error_of([&] { ShmProcessGroup pg(store, 0, 2, ShmOptions().timeout(std::chrono::seconds(20))); });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_NE(error.find("rank 1 (pid " + std::to_string(child) + ") exited before it mapped the shared-memory segment"),
+            std::string::npos)
+      << error;
   const auto key = store->get("shm/1/segment");
   const std::string name(key.begin(), key.end());
   EXPECT_NE(access(("/dev/shm" + name).c_str(), F_OK), 0) << name << " was left in /dev/shm";

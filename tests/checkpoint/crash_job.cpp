@@ -1,11 +1,12 @@
 // A small checkpointing program for checkpoint_crash_test (started by
 // commgrad-run, one process per rank, Gloo):
 //
-//   checkpoint_crash_job save ROOT STEP [KILL_RANK shard|index]
+//   checkpoint_crash_job save ROOT STEP [KILL_RANK shard|index|renamed|latest.tmp|latest|pruned]
 //       saves "x" (float32 [12], split over the ranks; element i holds
-//       100 * STEP + i) and "r" (int64 [3], replicated) as step STEP; with
-//       KILL_RANK, that rank SIGKILLs itself once its shard file is on disk
-//       (shard) or, on rank 0, once index.json is (index: before the rename)
+//       100 * STEP + i) and "r" (int64 [3], replicated) as step STEP, keeping
+//       2 steps; with KILL_RANK, that rank SIGKILLs itself once its shard
+//       file is on disk (shard) or, on rank 0, at that step of the publish
+//       sequence (SaveOptions::on_publish: index is before the rename)
 //   checkpoint_crash_job load ROOT
 //       loads the latest step at this world size and prints
 //       "rank r loaded step S ok" when every element is what that step saved
@@ -60,15 +61,21 @@ int main(int argc, char** argv) {
     const at::Tensor x = expected_x(step);
     std::vector<ckpt::TensorPiece> pieces = {x_piece(world, x),
                                              ckpt::TensorPiece::whole("r", at::full({3}, step, at::kLong))};
-    auto options = ckpt::SaveOptions().on_file_written([&](const std::string& path, int64_t) {
-      if (world.rank() != kill_rank) return;
-      const bool shard = path.find(".safetensors") != std::string::npos;
-      const bool index = path.find("index.json") != std::string::npos;
-      if ((kill_at == "shard" && shard) || (kill_at == "index" && index)) {
-        std::cout << "rank " << world.rank() << " killing itself after " << path << std::endl;
-        ::kill(::getpid(), SIGKILL);
-      }
-    });
+    auto die = [&](const std::string& where) {
+      std::cout << "rank " << world.rank() << " killing itself after " << where << std::endl;
+      ::kill(::getpid(), SIGKILL);
+    };
+    auto options =
+        ckpt::SaveOptions()
+            .keep(2)
+            .on_file_written([&](const std::string& path, int64_t) {
+              if (world.rank() == kill_rank && kill_at == "shard" && path.find(".safetensors") != std::string::npos) {
+                die(path);
+              }
+            })
+            .on_publish([&](const std::string& step_done) {
+              if (world.rank() == kill_rank && kill_at == step_done) die(step_done);
+            });
     ckpt::save(root, step, pieces, {{"mode", "crash_job"}}, options, world);
     std::cout << "rank " << world.rank() << " saved step " << step << std::endl;
   } else if (mode == "load") {

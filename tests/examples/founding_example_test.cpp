@@ -118,6 +118,79 @@ TEST(Rendezvous, TimeoutNamesTheMissingRanks) {
   EXPECT_LT(r.seconds, 20);
 }
 
+// Ranks 0 and 1 of 4 under one launcher (node 0 of 2; node 1 never comes):
+// both print the verdict with the missing ranks, not only the store's host
+// (rank 1 used to print c10d's "Failed to recv, got 0 bytes").
+TEST(Rendezvous, EveryWaitingRankNamesTheMissingRanks) {
+  auto r = run_process({launcher_path(), "--nnodes", "2", "--node-rank", "0", "-n", "2", "--master-addr", "127.0.0.1",
+                        "--master-port", std::to_string(free_port()), "--stop-delay", "3", example()},
+                       clean_env({{"COMMGRAD_TIMEOUT", "2"}}));
+  EXPECT_NE(r.exit_code, 0);
+  for (const std::string rank : {"0", "1"}) {
+    const auto lines = lines_with_prefix(r.err, "[" + rank + "] ");
+    std::string all;
+    for (const auto& line : lines) all += line + "\n";
+    EXPECT_THAT(all, HasSubstr("init_process_group rank " + rank +
+                               "/4: rendezvous timed out after 2s: 2 of 4 ranks joined; missing ranks: [2, 3]"))
+        << r.err;
+    EXPECT_THAT(all, ::testing::Not(HasSubstr("Failed to recv"))) << r.err;
+  }
+  EXPECT_LT(r.seconds, 20);
+}
+
+// Two jobs on one port: rank 1 of job B reaches job A's store (A's rank 0 is
+// waiting for its own rank 1) and is refused, naming both job ids; A's own
+// rank 1 then joins and A runs to the end.
+TEST(Rendezvous, ARankOfAnotherJobOnTheSamePortIsRefused) {
+  const auto port = std::to_string(free_port());
+  auto env = [&](int rank, const std::string& job) {
+    return clean_env({{"RANK", std::to_string(rank)},
+                      {"WORLD_SIZE", "2"},
+                      {"MASTER_ADDR", "127.0.0.1"},
+                      {"MASTER_PORT", port},
+                      {"TORCHELASTIC_RUN_ID", job},
+                      {"COMMGRAD_TIMEOUT", "30"}});
+  };
+  auto a0 = std::async(std::launch::async,
+                       [&] { return run_process({example()}, env(0, "jobA"), std::chrono::seconds(60)); });
+  auto b1 = run_process({example()}, env(1, "jobB"), std::chrono::seconds(60));
+  EXPECT_EQ(b1.exit_code, 1) << b1.out << b1.err;
+  EXPECT_THAT(b1.err, HasSubstr("init_process_group rank 1/2: the rendezvous store belongs to another job (its job id "
+                                "'jobA', this rank's 'jobB') (store 127.0.0.1:" +
+                                port + "): two jobs on one --master-port?"));
+  auto a1 = run_process({example()}, env(1, "jobA"), std::chrono::seconds(60));
+  EXPECT_EQ(a1.exit_code, 0) << a1.out << a1.err;
+  const auto r0 = a0.get();
+  expect_founding_output(r0, 2, "");
+}
+
+// Two launches on one --master-port at once: no rank ever joins the other
+// job's world. Whichever job hosts the store runs; the other fails with a
+// message that says why (it cannot host the store, or it is refused).
+TEST(Rendezvous, TwoLaunchesOnOnePortNeverShareAWorld) {
+  const auto port = std::to_string(free_port());
+  auto launch = [&] {
+    return run_process({launcher_path(), "-n", "2", "--master-port", port, "--timeout", "60", example()},
+                       clean_env({{"COMMGRAD_TIMEOUT", "20"}}), std::chrono::seconds(90));
+  };
+  auto first = std::async(std::launch::async, launch);
+  const auto second = launch();
+  const auto other = first.get();
+  int succeeded = 0;
+  for (const auto* r : {&other, &second}) {
+    if (r->exit_code == 0) {
+      ++succeeded;
+      expect_founding_output(*r, 2, "[0] ");
+    } else {
+      EXPECT_THAT(r->err, ::testing::AnyOf(HasSubstr("could not host the rendezvous store"),
+                                           HasSubstr("the rendezvous store belongs to another job"),
+                                           HasSubstr("another process already joined as rank")))
+          << r->err;
+    }
+  }
+  EXPECT_GE(succeeded, 1) << other.err << "\n---\n" << second.err;
+}
+
 TEST(Rendezvous, UnreachableStoreIsAClearError) {
   auto r = run_process({example()}, clean_env({{"RANK", "1"},
                                                {"WORLD_SIZE", "2"},

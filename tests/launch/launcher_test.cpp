@@ -86,8 +86,9 @@ class TempDir {
 TEST(LauncherTest, HelpMentionsEveryOption) {
   const ChildResult r = launch({"--help"});
   EXPECT_EQ(r.code, 0);
-  for (const char* opt : {"-n,", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-                          "--timeout", "--grace", "--no-prefix", "--help", "--version"}) {
+  for (const char* opt :
+       {"-n,", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--timeout", "--grace",
+        "--no-prefix", "--help", "--version", "--max-restarts", "--rdzv-id"}) {
     EXPECT_NE(r.out.find(opt), std::string::npos) << opt;
   }
   EXPECT_TRUE(r.err.empty()) << r.err;
@@ -489,6 +490,101 @@ TEST(LauncherTest, RanksDieWhenLauncherIsKilled) {
   EXPECT_EQ(r.code, 137);
   EXPECT_NO_LEFTOVERS(marker);
   EXPECT_NO_LEFTOVERS(direct);
+}
+
+// ~~~ restarts (--max-restarts), preemption, the job id ~~~
+
+TEST(LauncherRestarts, AFailedJobIsStartedAgainWithTheRestartCount) {
+  const ChildResult r =
+      launch({"-n", "2", "--max-restarts", "2", "--stop-delay", "0", "sh", "-c",
+              "echo start $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS; "
+              "if [ $RANK = 0 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then sleep 0.2; exit 3; fi; "
+              "if [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then sleep 10; fi"});
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  for (const std::string rank : {"0", "1"}) {
+    for (const std::string count : {"0", "1", "2"}) {
+      EXPECT_TRUE(has_line(r.out, "[" + rank + "] start " + count + " of 2")) << r.out;
+    }
+  }
+  EXPECT_NE(r.err.find("commgrad-run: rank 0 (pid "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("commgrad-run: restarting the job (restart 1 of 2)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("commgrad-run: restarting the job (restart 2 of 2)"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, kFastTeardownS);
+}
+
+TEST(LauncherRestarts, WithNoRestartsLeftTheJobFailsNamingTheRankAndTheReason) {
+  const std::string marker = unique_marker();
+  const ChildResult r = launch({"-n", "2", "--max-restarts", "1", "sh", "-c",
+                                "echo start $TORCHELASTIC_RESTART_COUNT; if [ $RANK = 1 ]; then kill -9 $$; fi; "
+                                "sleep " +
+                                    marker});
+  EXPECT_EQ(r.code, 137) << r.err;
+  EXPECT_TRUE(has_line(r.out, "[1] start 1")) << r.out;
+  EXPECT_FALSE(has_line(r.out, "[1] start 2")) << r.out;
+  const auto last = r.err.rfind("commgrad-run: rank 1 (pid ");
+  ASSERT_NE(last, std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("was killed by signal SIGKILL (9)", last), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("commgrad-run: no restarts left (--max-restarts 1); the job failed", last), std::string::npos)
+      << r.err;
+  EXPECT_LT(r.seconds, kFastTeardownS);
+  EXPECT_NO_LEFTOVERS(marker);
+}
+
+TEST(LauncherRestarts, APreemptedRankIsNotAFailureAndIsNotRestarted) {
+  const ChildResult r =
+      launch({"-n", "2", "--max-restarts", "3", "sh", "-c", "echo start $TORCHELASTIC_RESTART_COUNT; exit 75"});
+  EXPECT_EQ(r.code, 75) << r.err;
+  EXPECT_FALSE(has_line(r.out, "[0] start 1")) << r.out;
+  EXPECT_NE(r.err.find("was preempted (exit code 75: it saved a checkpoint; not a failure)"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("restarting"), std::string::npos) << r.err;
+}
+
+TEST(LauncherRestarts, ASignalledLauncherWhoseRanksSavedExitsWithThePreemptedCode) {
+  // The ranks catch SIGTERM, "save" and exit 75; the launcher is not restarted.
+  const ChildResult r = launch({"-n", "2", "--max-restarts", "3", "sh", "-c",
+                                "trap 'echo saving; exit 75' TERM; echo up; "
+                                "if [ $RANK = 0 ]; then sleep 0.3; kill -TERM $PPID; fi; "
+                                "i=0; while [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done"});
+  EXPECT_EQ(r.code, 75) << r.out << r.err;
+  EXPECT_TRUE(has_line(r.out, "[0] saving")) << r.out;
+  EXPECT_TRUE(has_line(r.out, "[1] saving")) << r.out;
+  EXPECT_EQ(r.err.find("restarting"), std::string::npos) << r.err;
+}
+
+TEST(LauncherRestarts, EveryRankOfAJobHasItsJobIdAndJobsDiffer) {
+  const std::string print = "echo id=$TORCHELASTIC_RUN_ID";
+  const ChildResult a = launch({"-n", "2", "sh", "-c", print});
+  const ChildResult b = launch({"-n", "1", "sh", "-c", print});
+  ASSERT_EQ(a.code, 0) << a.err;
+  std::string id0;
+  std::string id1;
+  for (const std::string& line : lines_of(a.out)) {
+    if (line.rfind("[0] id=", 0) == 0) id0 = line.substr(7);
+    if (line.rfind("[1] id=", 0) == 0) id1 = line.substr(7);
+  }
+  EXPECT_EQ(id0.size(), 16u) << a.out;
+  EXPECT_EQ(id0, id1);
+  EXPECT_FALSE(has_line(b.out, "[0] id=" + id0)) << b.out;
+  const ChildResult given = launch({"--rdzv-id", "job_7", "sh", "-c", print});
+  EXPECT_TRUE(has_line(given.out, "[0] id=job_7")) << given.out;
+  const ChildResult bad = launch({"--rdzv-id", "a b", "true"});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("expected letters, digits and '_'"), std::string::npos) << bad.err;
+}
+
+TEST(LauncherRestarts, WhatAJobLeftInDevShmIsRemoved) {
+  // As a rank 0 killed while a group was being set up leaves its segment.
+  const ChildResult r = launch({"--rdzv-id", "leftover_" + std::to_string(getpid()), "sh", "-c",
+                                "touch /dev/shm/commgrad-shm-${TORCHELASTIC_RUN_ID}-0123; "
+                                "touch /dev/shm/commgrad-shm-${TORCHELASTIC_RUN_ID}x-0123; kill -9 $$"});
+  EXPECT_EQ(r.code, 137) << r.err;
+  const std::string id = "leftover_" + std::to_string(getpid());
+  EXPECT_NE(access(("/dev/shm/commgrad-shm-" + id + "-0123").c_str(), F_OK), 0) << "left in /dev/shm";
+  // Another job's segment stays.
+  const std::string other = "/dev/shm/commgrad-shm-" + id + "x-0123";
+  EXPECT_EQ(access(other.c_str(), F_OK), 0);
+  unlink(other.c_str());
 }
 
 }  // namespace

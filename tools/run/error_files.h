@@ -29,6 +29,8 @@ class ErrorFiles {
 
   /// Makes the directory (under TMPDIR); false, with errno set, on failure.
   bool create();
+  /// True once create() succeeded.
+  bool created() const { return !dir_.empty(); }
   /// The file rank `rank` writes; empty when create() was not called or failed.
   std::string path_for(int rank) const;
 

@@ -92,6 +92,36 @@ int Launcher::run() {
     report("cannot execute '" + options_.program + "': " + program.error);
     return program.exit_code;
   }
+  job_id_ = !options_.rdzv_id.empty() ? options_.rdzv_id : options_.nnodes == 1 ? random_job_id() : "";
+  // First, so the watchdog holds no rank pipe and no self-pipe open and
+  // cannot run our signal handlers.
+  watchdog_.start();
+  devnull_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (devnull_ < 0 || !install_signal_handlers()) {
+    report(std::string("cannot set up: ") + std::strerror(errno));
+    return kExitLaunchFailed;
+  }
+  // Orphaned descendants come back to us instead of init (see top of file).
+  prctl(PR_SET_CHILD_SUBREAPER, 1);
+  if (options_.timeout_s) {
+    job_deadline_ =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*options_.timeout_s));
+  }
+  int code = run_attempt(program.path);
+  while (should_restart()) {
+    ++restart_count_;
+    report("restarting the job (restart " + std::to_string(restart_count_) + " of " +
+           std::to_string(options_.max_restarts) + ")");
+    reset_attempt();
+    code = run_attempt(program.path);
+  }
+  watchdog_.stop();
+  restore_signal_handlers();
+  return code;
+}
+
+// One start of the job: every rank of this node, supervised to the end.
+int Launcher::run_attempt(const std::string& path) {
   if (options_.master_port) {
     port_ = *options_.master_port;
   } else {
@@ -103,34 +133,20 @@ int Launcher::run() {
     }
   }
   flight_records_ = prepare_flight_records();
-  // First, so the watchdog holds no rank pipe and no self-pipe open and
-  // cannot run our signal handlers.
-  watchdog_.start();
-  devnull_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  if (devnull_ < 0 || !install_signal_handlers()) {
-    report(std::string("cannot set up: ") + std::strerror(errno));
-    return kExitLaunchFailed;
-  }
-  // Orphaned descendants come back to us instead of init (see top of file).
-  prctl(PR_SET_CHILD_SUBREAPER, 1);
-
-  error_files_.create();  // without it, ranks print their errors themselves
+  if (!error_files_.created()) error_files_.create();  // without it, ranks print their errors themselves
   ranks_.resize(static_cast<std::size_t>(options_.nproc_per_node));
   for (int r = 0; r < options_.nproc_per_node; ++r) {
     ranks_[r].rank = options_.node_rank * options_.nproc_per_node + r;
-    if (!spawn(ranks_[r], program.path)) {
+    if (!spawn(ranks_[r], path)) {
       exit_code_ = kExitLaunchFailed;
       stop_ranks(SIGTERM);
       break;
     }
   }
-  if (options_.timeout_s) {
-    job_deadline_ =
-        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*options_.timeout_s));
-  }
   supervise();
-  watchdog_.stop();
-  restore_signal_handlers();
+  // A rank killed while a group was being set up can leave its shm segment.
+  remove_job_segments(job_id_);
+  if (signalled_ && other_failures_ == 0 && preempted_ > 0) exit_code_ = kExitPreempted;
   report_rank_errors();
   finish_flight_records(flight_records_, exit_code_.value_or(0) != 0,
                         [this](const std::string& line) { report(line); });
@@ -142,6 +158,32 @@ void Launcher::report_rank_errors() {
   std::vector<int> ranks;
   for (const Rank& rank : ranks_) ranks.push_back(rank.rank);
   for (const std::string& line : error_files_.report(ranks, first_failed_)) report(line);
+}
+
+// After a rank failed (not a signal, not the timeout, not preemption), with restarts left.
+bool Launcher::should_restart() {
+  if (!rank_failed_ || signalled_ || exit_code_ == kExitTimeout) return false;
+  if (restart_count_ < options_.max_restarts) return true;
+  if (options_.max_restarts > 0) {
+    report("no restarts left (--max-restarts " + std::to_string(options_.max_restarts) + "); the job failed");
+  }
+  return false;
+}
+
+void Launcher::reset_attempt() {
+  for (Rank& rank : ranks_) {
+    close_pipe(rank, false);
+    close_pipe(rank, true);
+  }
+  ranks_.clear();
+  exit_code_.reset();
+  first_failed_.reset();
+  rank_failed_ = false;
+  preempted_ = other_failures_ = 0;
+  stopping_ = killed_ = orphan_check_due_ = false;
+  kill_deadline_.reset();
+  stop_deadline_.reset();
+  drain_deadline_.reset();
 }
 
 bool Launcher::install_signal_handlers() {
@@ -246,6 +288,9 @@ std::vector<std::string> Launcher::rank_variables(const Rank& rank) const {
       {"GROUP_RANK", std::to_string(options_.node_rank)},
       {"MASTER_ADDR", options_.master_addr},
       {"MASTER_PORT", std::to_string(port_)},
+      {"TORCHELASTIC_RUN_ID", job_id_.empty() ? "none" : job_id_},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count_)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts)},
       // commgrad line-buffers the rank's stdout (see src/dist/environment.cpp).
       {"COMMGRAD_LINE_BUFFERED", "1"},
   };
@@ -450,10 +495,15 @@ void Launcher::on_rank_exit(Rank& rank, const siginfo_t& info) {
   read_pipe(rank, false);
   read_pipe(rank, true);
   const bool exited = info.si_code == CLD_EXITED;
-  if ((exited && info.si_status == 0) || stopping_) return;
+  if (exited && info.si_status == 0) return;
+  const bool preempted = exited && info.si_status == kExitPreempted;
+  (preempted ? preempted_ : other_failures_) += 1;
+  if (stopping_) return;
 
   std::string what;
-  if (exited) {
+  if (preempted) {
+    what = "was preempted (exit code " + std::to_string(kExitPreempted) + ": it saved a checkpoint; not a failure)";
+  } else if (exited) {
     what = "exited with code " + std::to_string(info.si_status);
   } else {
     what = "was killed by signal " + signal_name(info.si_status) + " (" + std::to_string(info.si_status) +
@@ -465,11 +515,13 @@ void Launcher::on_rank_exit(Rank& rank, const siginfo_t& info) {
   report(message);
   first_failed_ = rank.rank;
   exit_code_ = exited ? info.si_status : 128 + info.si_status;
+  rank_failed_ = !preempted;
   stop_ranks_after_delay();
 }
 
 void Launcher::on_signal(int sig) {
   const int running = running_count();
+  signalled_ = true;     // told to stop: no restart follows
   if (stop_deadline_) {  // a failure is stopping the job: forward the signal now
     stop_deadline_.reset();
     stop_ranks(sig);
@@ -538,49 +590,6 @@ void Launcher::close_pipe(Rank& rank, bool is_err) {
   if (forwarder) forwarder->finish();
   close(fd);
   fd = -1;
-}
-
-void Launcher::stop_ranks(int sig) {
-  stopping_ = true;
-  for (const Rank& rank : ranks_) {
-    signal_rank(rank, sig);
-    // A stopped rank could not act on the signal until continued.
-    if (sig != SIGKILL) signal_rank(rank, SIGCONT);
-  }
-  kill_deadline_ =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.grace_s));
-}
-
-// A failed rank's peers often fail alike a moment later; SIGTERM waits the
-// stop delay, so that what they are writing reaches the log (torchrun's
-// agent notices a failure only at its next monitor interval, too). The
-// verdict is the first failure's either way.
-void Launcher::stop_ranks_after_delay() {
-  stopping_ = true;
-  if (options_.stop_delay_s <= 0) {
-    stop_ranks(SIGTERM);
-    return;
-  }
-  stop_deadline_ =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.stop_delay_s));
-}
-
-void Launcher::signal_rank(const Rank& rank, int sig) {
-  if (!rank.running) return;
-  kill(-rank.pid, sig);
-  // A rank that moved itself to another group (setsid) is signalled by pid;
-  // it is our unreaped child, so the pid cannot belong to anyone else.
-  if (getpgid(rank.pid) != rank.pid) kill(rank.pid, sig);
-}
-
-void Launcher::kill_orphans() {
-  orphan_check_due_ = false;
-  std::vector<pid_t> known;
-  if (watchdog_.pid() > 0) known.push_back(watchdog_.pid());
-  for (const Rank& rank : ranks_) {
-    if (rank.running) known.push_back(rank.pid);
-  }
-  for (pid_t pid : orphaned_children(known)) kill(pid, SIGKILL);
 }
 
 }  // namespace commgrad::run

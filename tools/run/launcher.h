@@ -24,6 +24,10 @@ namespace commgrad::run {
 constexpr int kExitTimeout = 124;
 /// Exit code when the launcher itself failed (fork, pipe, port).
 constexpr int kExitLaunchFailed = 1;
+/// Exit code of a rank that was preempted: told to stop (SIGTERM, SIGUSR1),
+/// it saved a checkpoint and exited. Not a failure: no restart is spent on
+/// it, and commgrad-run exits with it too (EX_TEMPFAIL of sysexits.h).
+constexpr int kExitPreempted = 75;
 
 /// Runs one node's share of a job to the end.
 ///
@@ -59,6 +63,9 @@ class Launcher {
     std::unique_ptr<LineForwarder> err;
   };
 
+  int run_attempt(const std::string& path);
+  void reset_attempt();
+  bool should_restart();
   bool install_signal_handlers();
   void restore_signal_handlers();
   bool spawn(Rank& rank, const std::string& path);
@@ -83,6 +90,8 @@ class Launcher {
 
   LaunchOptions options_;
   int port_ = 0;
+  std::string job_id_;     // TORCHELASTIC_RUN_ID ("" across nodes without --rdzv-id)
+  int restart_count_ = 0;  // TORCHELASTIC_RESTART_COUNT of the ranks running now
   std::vector<Rank> ranks_;
   Watchdog watchdog_;
   ErrorFiles error_files_;           // where ranks leave an uncaught error
@@ -90,8 +99,12 @@ class Launcher {
   int devnull_ = -1;
   FlightRecords flight_records_;  // where ranks dump their flight records
 
-  // Set once, by the first of: a failed rank, a signal, the timeout.
+  // Set once per start, by the first of: a failed rank, a signal, the timeout.
   std::optional<int> exit_code_;
+  bool rank_failed_ = false;  // the verdict is a rank's failure (a restart may follow)
+  bool signalled_ = false;    // the launcher was told to stop (never restarted)
+  int preempted_ = 0;         // ranks that exited with kExitPreempted
+  int other_failures_ = 0;    // ranks that exited otherwise non-zero
   bool stopping_ = false;
   bool killed_ = false;  // SIGKILL already sent after the grace period
   std::optional<Clock::time_point> job_deadline_;

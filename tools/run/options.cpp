@@ -3,6 +3,8 @@
 #include "cli/cli.h"
 #include "commgrad/config.h"
 
+#include <algorithm>
+#include <cctype>
 #include <limits>
 
 namespace commgrad::run {
@@ -13,6 +15,7 @@ namespace {
 constexpr int kMaxProcPerNode = 1024;
 constexpr int kMaxNodes = 1 << 20;
 constexpr double kMaxSeconds = 1e9;
+constexpr int kMaxRestarts = 1000000;
 
 // The usage line names the program that follows the options.
 class Formatter : public CLI::Formatter {
@@ -39,8 +42,15 @@ grace period, and commgrad-run exits with that rank's code
 ranks and commgrad-run then exits with 128+signal. Ranks die with the launcher,
 even when it is killed with SIGKILL.
 
+With --max-restarts K, a failed job (a rank that exits non-zero or is
+killed) is stopped as above and started again, up to K times, on the same
+--master-port (or a new free one); TORCHELASTIC_RESTART_COUNT tells the
+ranks which start this is. A rank that exits with 75 (preempted: it saved a
+checkpoint on SIGTERM/SIGUSR1) is not a failure: the job stops without a
+restart and commgrad-run exits with 75.
+
 exit codes: the first failing rank's code, 0 if all succeed, 2 bad usage,
-  124 timeout, 126 program not executable, 127 program not found.)";
+  75 preempted, 124 timeout, 126 program not executable, 127 program not found.)";
 
 // After parsing: the program and its arguments (what CLI11 left over), and
 // the checks that take more than one option.
@@ -109,6 +119,23 @@ std::optional<int> parse_options(int argc, const char* const* argv, LaunchOption
                  "finish writing)")
       ->type_name("S")
       ->check(cli::number(0, /*inclusive=*/true, kMaxSeconds));
+  app.add_option("--max-restarts", opts.max_restarts,
+                 "start the whole job again, up to K times, when a rank fails\n"
+                 "(TORCHELASTIC_RESTART_COUNT counts the restarts)")
+      ->type_name("K")
+      ->check(cli::integer(0, kMaxRestarts));
+  app.add_option("--rdzv-id", opts.rdzv_id,
+                 "the job's id (TORCHELASTIC_RUN_ID; the same on every node):\n"
+                 "ranks of another job at the same port are refused\n(default: a random one on a single node)")
+      ->type_name("ID")
+      ->check(CLI::Validator(
+          [](std::string& id) {
+            const bool plain = !id.empty() && id.size() <= 64 && std::all_of(id.begin(), id.end(), [](char c) {
+              return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
+            });
+            return plain ? std::string() : "expected letters, digits and '_' (at most 64), got '" + id + "'";
+          },
+          "", "job id"));
   app.add_flag_callback(
       "--no-prefix", [&opts] { opts.prefix = false; },
       "pass output through unchanged instead of prefixing\nevery line with \"[RANK] \"");

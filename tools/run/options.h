@@ -30,6 +30,14 @@ struct LaunchOptions {
   /// Seconds between a rank's failure and SIGTERM to the others
   /// (`--stop-delay`): ranks that are exiting anyway finish writing first.
   double stop_delay_s = 0.5;
+  /// Times the whole job is started again after a rank fails
+  /// (`--max-restarts`, torchrun's flag); each start sets
+  /// TORCHELASTIC_RESTART_COUNT to the number of restarts before it.
+  int max_restarts = 0;
+  /// The job's id (`--rdzv-id`, set as TORCHELASTIC_RUN_ID): ranks of another
+  /// job that reach the same rendezvous are refused. Empty: a random one on
+  /// a single node; none (no check) across nodes unless given.
+  std::string rdzv_id;
   /// Pass output through without the `[rank] ` prefix (`--no-prefix`).
   bool prefix = true;
   /// The program and its arguments.

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 
 namespace commgrad::run {
 namespace {
@@ -61,6 +62,38 @@ bool is_removed_variable(const std::string& name) {
 }
 
 }  // namespace
+
+std::string random_job_id() {
+  unsigned char bytes[8] = {};
+  const int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  bool ok = fd >= 0 && read(fd, bytes, sizeof(bytes)) == static_cast<ssize_t>(sizeof(bytes));
+  if (fd >= 0) close(fd);
+  if (!ok) {  // unlikely: mix the pid and the time instead
+    const std::uint64_t v = (static_cast<std::uint64_t>(getpid()) << 32) ^ static_cast<std::uint64_t>(time(nullptr));
+    for (int i = 0; i < 8; ++i) bytes[i] = static_cast<unsigned char>(v >> (8 * i));
+  }
+  static const char* digits = "0123456789abcdef";
+  std::string id;
+  for (unsigned char b : bytes) {
+    id.push_back(digits[b >> 4]);
+    id.push_back(digits[b & 15]);
+  }
+  return id;
+}
+
+int remove_job_segments(const std::string& job_id) {
+  if (job_id.empty()) return 0;
+  const std::string prefix = "commgrad-shm-" + job_id + "-";
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return 0;
+  int removed = 0;
+  while (const dirent* e = readdir(dir)) {
+    if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) != 0) continue;
+    if (unlinkat(dirfd(dir), e->d_name, 0) == 0) ++removed;
+  }
+  closedir(dir);
+  return removed;
+}
 
 ResolvedProgram resolve_program(const std::string& program) {
   ResolvedProgram result;

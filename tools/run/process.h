@@ -51,6 +51,15 @@ bool write_all(int fd, const char* data, std::size_t size);
 std::vector<std::string> rank_environment(const char* const* parent,
                                           const std::vector<std::pair<std::string, std::string>>& vars);
 
+/// 16 random hexadecimal digits: a job id for TORCHELASTIC_RUN_ID.
+std::string random_job_id();
+
+/// Removes what the job `job_id` left in /dev/shm: commgrad's shm segments
+/// are named "commgrad-shm-<job id>-<random>" under a launcher that sets
+/// TORCHELASTIC_RUN_ID, and a rank killed while a group was being set up can
+/// leave one. Returns how many were removed (none for an empty id).
+int remove_job_segments(const std::string& job_id);
+
 /// Children of this process that are not in `known`: descendants orphaned by
 /// a rank and re-parented here (the launcher is a child subreaper).
 std::vector<pid_t> orphaned_children(const std::vector<pid_t>& known);

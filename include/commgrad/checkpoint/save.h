@@ -9,16 +9,18 @@
 //      (replicas on data-parallel ranks, TP-replicated biases) are written
 //      once, by the lowest of those ranks; the pieces written must cover
 //      every tensor exactly once (else an error names the tensor).
-//   2. rank 0 removes what interrupted saves left and creates the hidden
-//      directory root/.step-N.partial.
+//   2. rank 0 removes what interrupted saves left, prunes old steps so that
+//      keep(k) needs room for k steps (see SaveOptions::keep), and creates
+//      the hidden directory root/.step-N.partial.
 //   3. every rank with pieces to write writes rank-<r>.safetensors there and
 //      fsyncs it.
 //   4. rank 0 writes index.json, renames the directory to root/step-N and
 //      replaces root/latest atomically (write, fsync, rename).
 // Each phase ends in an exchange of every rank's status: when any rank
 // fails, every rank throws (none waits for the failed one), and the previous
-// checkpoint stays the one `latest` names. A rank killed mid-save leaves
-// the partial directory, which the next save removes.
+// checkpoint stays the one `latest` names, and rank 0 removes the partial
+// directory (a full disk stays full no longer than the failed save). A rank
+// killed mid-save leaves the partial directory, which the next save removes.
 
 #include "commgrad/checkpoint/tensor_piece.h"
 #include "commgrad/dist/group.h"
@@ -41,12 +43,20 @@ struct SaveOptions {
   /// Called after each file this rank wrote is on disk (its shard file; on
   /// rank 0 also index.json and latest), with the path and its size.
   using FileWritten = std::function<void(const std::string& path, int64_t bytes)>;
+  using PublishStep = std::function<void(const std::string& step)>;
 
-  /// Keep only the newest `keep` complete steps (0: keep every step).
+  /// Keep only the newest `keep` complete steps (0: keep every step). The
+  /// oldest are removed before the save writes, down to keep - 1 but never
+  /// the newest, so the root needs room for `keep` steps (2 when keep is 1).
   TORCH_ARG(int64_t, keep) = 0;
   /// Progress callback (tests use it to kill a rank at a chosen point). An
   /// exception it throws fails the save on every rank.
   TORCH_ARG(FileWritten, on_file_written);
+  /// Called on rank 0 after each step of the publish sequence: "index"
+  /// (index.json durable in the partial directory), "renamed" (step-N in
+  /// place), "latest.tmp" (the new pointer durable beside `latest`),
+  /// "latest" (replaced) and "pruned". Tests kill the process there.
+  TORCH_ARG(PublishStep, on_publish);
 };
 
 /// What save() did.

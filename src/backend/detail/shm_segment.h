@@ -116,6 +116,11 @@ struct SegmentConfig {
 /// maps it and writes its pid; the last rank to map it unlinks the name, and
 /// the constructor returns only once every rank has mapped it. So after
 /// construction nothing is left in /dev/shm, whatever happens to the job.
+/// Before it: a rank that cannot join (other settings, a missing segment)
+/// unlinks the name itself and leaves its reason under the group's store
+/// key "failed"; a waiting rank looks there, and at the liveness of the
+/// ranks that have not mapped it yet (each publishes its pid first), every
+/// 50 ms, and gives up at once, removing the name.
 class Segment {
  public:
   explicit Segment(const SegmentConfig& config);
@@ -147,9 +152,13 @@ class Segment {
   void create(const SegmentConfig& config);
   void open(const SegmentConfig& config);
   void wait_until_mapped(const SegmentConfig& config);
+  void give_up(const SegmentConfig& config, const std::string& reason);
+  void check_peers(const SegmentConfig& config);
+  void abandon();
 
   Layout layout_;
   std::string name_;
+  std::string keys_;  // "shm/<generation>/": this group's store keys
   uint8_t* base_ = nullptr;
 };
 
@@ -164,6 +173,11 @@ inline void ring(Bell& bell) {
   bell.value.fetch_add(1, std::memory_order_seq_cst);
   if (bell.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&bell.value);
 }
+
+/// "/commgrad-shm-" followed by "<job id>-" when TORCHELASTIC_RUN_ID (set by
+/// commgrad-run) is a plain word: every segment of a job shares the prefix,
+/// so its launcher can remove what a killed rank 0 left behind.
+std::string segment_name_prefix();
 
 /// "rank 2" or "ranks 1, 3".
 std::string describe_ranks(const std::vector<int>& ranks);

@@ -1,0 +1,53 @@
+#include "gpt/faults.h"
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+
+#include <unistd.h>
+
+namespace gpt {
+
+Faults Faults::from_environment() {
+  Faults f;
+  const char* text = std::getenv("GPT_TRAIN_FAULT");
+  if (text == nullptr || *text == '\0') return f;
+  char kind[32] = {};
+  int step = -1;
+  int starts = 1;
+  const int n = std::sscanf(text, "%31[a-z-]:%d:%d", kind, &step, &starts);
+  f.kind_ = kind;
+  f.step_ = step;
+  f.starts_ = starts;
+  const bool known = f.kind_ == "kill" || f.kind_ == "preempt" || f.kind_ == "preempt-twice";
+  if (n < 2 || !known || step < 1 || starts < 1) {
+    throw std::invalid_argument(std::string("GPT_TRAIN_FAULT='") + text +
+                                "': expected kill:N[:R], preempt:N or preempt-twice:N");
+  }
+  return f;
+}
+
+void Faults::step_begins(int step, int rank) const {
+  if (rank != 0 || step != step_) return;
+  if (kind_ == "kill") {
+    const char* count = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    if ((count == nullptr ? 0 : std::atoi(count)) >= starts_) return;
+    std::printf("fault: rank 0 kills itself (SIGKILL) as step %d begins\n", step);
+    std::fflush(stdout);
+    ::kill(::getpid(), SIGKILL);
+  } else if (kind_ == "preempt" || kind_ == "preempt-twice") {
+    std::printf("fault: rank 0 sends SIGTERM to the launcher as step %d begins\n", step);
+    std::fflush(stdout);
+    ::kill(::getppid(), SIGTERM);
+  }
+}
+
+void Faults::preemption_save_begins(int rank) const {
+  if (rank != 0 || kind_ != "preempt-twice") return;
+  std::printf("fault: rank 0 sends a second SIGTERM to the launcher as the save begins\n");
+  std::fflush(stdout);
+  ::kill(::getppid(), SIGTERM);
+}
+
+}  // namespace gpt

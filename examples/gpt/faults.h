@@ -1,0 +1,33 @@
+#pragma once
+// Faults on purpose, for the restart and preemption tests of gpt_train:
+// GPT_TRAIN_FAULT names one (unset: none).
+//
+//   kill:N[:R]          rank 0 SIGKILLs itself as step N begins, on the
+//                       job's first R starts (TORCHELASTIC_RESTART_COUNT < R;
+//                       R defaults to 1: the restarted job runs through)
+//   preempt:N           rank 0 sends SIGTERM to its launcher as step N begins
+//                       (the launcher forwards it to every rank: a preemption)
+//   preempt-twice:N     ... and a second SIGTERM as the save of the
+//                       preemption begins (the launcher then SIGKILLs the ranks)
+
+#include <string>
+
+namespace gpt {
+
+class Faults {
+ public:
+  /// Reads GPT_TRAIN_FAULT; throws std::invalid_argument naming a bad value.
+  static Faults from_environment();
+
+  /// As step `step` (1-based) begins on rank `rank`.
+  void step_begins(int step, int rank) const;
+  /// As the save after a preemption begins on rank `rank`.
+  void preemption_save_begins(int rank) const;
+
+ private:
+  std::string kind_;
+  int step_ = -1;
+  int starts_ = 1;
+};
+
+}  // namespace gpt
