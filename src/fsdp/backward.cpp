@@ -21,6 +21,13 @@
 // every reduce-scatter in launch order, adds this rank's part to the
 // pieces' `.grad()`, frees every gathered buffer and resets. A backward that
 // fails half way drops the callback; its destructor drains instead.
+//
+// Tripwires. An optimizer built over the module's parameters before
+// fully_shard holds the tensors the module's code reads, whose gradients
+// backward drops: it would skip them, silently. So after a synchronised
+// backward each of them gets an empty gradient, which such an optimizer
+// steps (an in-place update of an empty tensor, bumping its version); the
+// unit's next forward finds the version changed and says what happened.
 
 #include "detail/unit.h"
 
@@ -83,6 +90,9 @@ struct EndOfBackward {
     }
     t.launched.clear();
     for (Unit* u : t.units) u->end_backward();
+    if (t.sync && !failed && !error) {
+      for (Unit* u : t.units) u->arm_tripwires();
+    }
     if (t.sync) {
       t.last_order = std::move(t.order);
       t.order.clear();
@@ -240,6 +250,27 @@ void Unit::finish_reduction() {
     } else {
       g = alias(master, p.shard_offset, {p.length});
     }
+  }
+}
+
+void Unit::arm_tripwires() {
+  for (auto& p : params_) {
+    if (!p.requires_grad || p.compute.grad().defined()) continue;
+    p.compute.mutable_grad() = at::empty({0}, p.compute.options());
+    p.tripwire = static_cast<int64_t>(p.compute._version());
+  }
+}
+
+void Unit::check_tripwires() {
+  for (auto& p : params_) {
+    if (p.tripwire < 0) continue;
+    const bool stepped = static_cast<int64_t>(p.compute._version()) != p.tripwire;
+    p.tripwire = -1;
+    if (p.compute.grad().defined() && p.compute.grad().numel() == 0) p.compute.mutable_grad().reset();
+    COMMGRAD_CHECK(!stepped, "fully_shard", group_, "an optimizer stepped parameter '", p.name, "' of the unit of ",
+                   module_.expired() ? std::string("?") : module_.lock()->name(),
+                   " as it was before fully_shard (the tensor fully_shard replaced by this rank's piece), so the "
+                   "model does not train: build the optimizer over module->parameters() after fully_shard");
   }
 }
 

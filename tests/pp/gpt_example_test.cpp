@@ -118,6 +118,11 @@ TEST(GptTrainExample, Float16WithTheLossScalerFollowsTheOneRankCurveAndResumes) 
                                "--check", "--curve", "none"});
   ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
   EXPECT_THAT(resumed.out, HasSubstr("(tolerance 1e-03): ok\n"));
+  // Without --fsdp: ZeRO-2 with the same policy and scaler.
+  auto zero = gpt_train(2, {"--dp", "2", "--precision", "fp16", "--steps", "3", "--check", "--curve", "none"});
+  ASSERT_EQ(zero.exit_code, 0) << zero.out << zero.err;
+  EXPECT_THAT(zero.out, HasSubstr("loss scale 65536, 0 steps skipped"));
+  EXPECT_THAT(zero.out, HasSubstr("(tolerance 1e-03): ok\n"));
 }
 
 TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
@@ -291,7 +296,7 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
           {{"--pp", "2", "--stages-per-rank", "2"}, "--stages-per-rank 2 needs --schedule interleaved"},
           {{"--save-every", "2"}, "--save-every needs --save DIR"},
           {{"--fsdp", "--pp", "2", "--schedule", "zbh1"}, "--fsdp does not combine with --schedule zbh1"},
-          {{"--precision", "fp16"}, "--precision fp16 needs --fsdp"},
+          {{"--precision", "fp16", "--experts", "2"}, "--precision fp16 does not combine with --experts"},
           {{"--precision", "fp8"}, "--precision: expected one of fp32, bf16, fp16, got 'fp8'"},
           {{"--recompute", "partial"}, "--recompute: expected one of none, selective, full, got 'partial'"},
           {{"--recompute", "full", "--schedule", "zbh1"}, "--recompute full does not combine with --schedule zbh1"},

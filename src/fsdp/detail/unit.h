@@ -50,6 +50,7 @@ struct Param {
   commgrad::detail::NodePtr accumulator;
   uintptr_t hook_key = 0;
   bool ready = false;
+  int64_t tripwire = -1;  // the compute tensor's version when its tripwire gradient was set (-1: none)
 };
 
 class Unit : public std::enable_shared_from_this<Unit> {
@@ -78,6 +79,12 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void finish_reduction();
   /// Resets what one backward set.
   void end_backward();
+  /// After a synchronised backward: gives each compute tensor without a
+  /// gradient an empty one, so that an optimizer built over the parameters
+  /// before fully_shard steps it (and bumps its version) instead of
+  /// silently skipping it; check_tripwires() at the next forward notices.
+  void arm_tripwires();
+  void check_tripwires();
 
   // Storage (unit.cpp).
   void unshard();
