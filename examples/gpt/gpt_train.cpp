@@ -203,9 +203,6 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
     }
     if (c.precision == "fp16" && c.experts > 0)
       throw cli::usage_error("--precision fp16 does not combine with --experts yet");
-    if (c.fsdp && c.schedule == "zbh1") {
-      throw cli::usage_error("--fsdp does not combine with --schedule zbh1 yet (deferred weight gradients)");
-    }
     if (c.recompute == "full" && c.schedule == "zbh1") {
       // zbh1 defers weight gradients when the forward runs; a fully
       // recomputed layer's forward runs without grad (docs/recompute.md).

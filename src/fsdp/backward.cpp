@@ -5,6 +5,14 @@
 // reaches it, the unit is gathered again (unless it still is) and the unit
 // that ran before it in forward is prefetched.
 //
+// Deferred weight gradients (zero-bubble schedules: tp/weight_gradients.h)
+// accumulate in W, after the unit's backward has resharded it; a pre hook on
+// the accumulator gives the compute tensor its shape for that (over the
+// freed buffer, which accumulation does not read) and the post hook takes
+// it back. The pipeline runs every B and W but the stage's last W under
+// no_sync, so the gradients accumulate unsharded and the reduce-scatters
+// start at the end of that last W, once every deferred gradient is in.
+//
 // After. Each parameter's gradient accumulator has a post hook; when every
 // parameter of the unit that requires grad has its gradient, the unit's
 // backward is over: the gradients are packed (in the reduction dtype,
@@ -36,6 +44,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -57,6 +66,20 @@ class PreBackward : public torch::autograd::Node {
 
  private:
   std::weak_ptr<Unit> unit_;
+};
+
+// Calls Unit::before_accumulate before the parameter's AccumulateGrad.
+class BeforeAccumulate : public torch::autograd::FunctionPreHook {
+ public:
+  BeforeAccumulate(std::weak_ptr<Unit> unit, size_t param) : unit_(std::move(unit)), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (auto unit = unit_.lock()) unit->before_accumulate(param_);
+    return grads;
+  }
+
+ private:
+  std::weak_ptr<Unit> unit_;
+  size_t param_;
 };
 
 // Runs the tree's end of backward from the engine's final callbacks, or
@@ -142,7 +165,12 @@ void Unit::install_hooks() {
           if (auto self = weak.lock()) self->on_gradient(i);
           return outputs;
         }));
+    p.accumulator->add_pre_hook(std::make_unique<BeforeAccumulate>(weak, i));
   }
+}
+
+void Unit::before_accumulate(size_t param) {
+  if (!unsharded_) params_[param].compute.set_data(params_[param].view);
 }
 
 void Unit::before_backward() {
@@ -155,8 +183,9 @@ void Unit::before_backward() {
 }
 
 void Unit::on_gradient(size_t param) {
-  ensure_end_of_backward(tree_);
   auto& p = params_[param];
+  if (!unsharded_) p.compute.set_data(empty_);  // after before_accumulate
+  ensure_end_of_backward(tree_);
   COMMGRAD_CHECK(in_order_, "fully_shard", group_, "parameter '", p.name,
                  "' got a gradient, but its unit did not run through commgrad::fsdp::call in this step (a sharded "
                  "module's code must run inside call() or call_function() of its unit)");

@@ -73,6 +73,12 @@ class Unit : public std::enable_shared_from_this<Unit> {
   // Backward (backward.cpp).
   void before_backward();
   void on_gradient(size_t param);
+  /// Before a gradient accumulates into a resharded unit's parameter (a
+  /// deferred weight gradient of a zero-bubble schedule's W): gives the
+  /// compute tensor its shape (over the freed buffer: nothing reads it) so
+  /// that autograd accumulates a gradient of that shape; on_gradient puts
+  /// the empty tensor back.
+  void before_accumulate(size_t param);
   /// Packs the gradients (zeros for the missing) and starts the reduce-scatter.
   void launch_reduction();
   /// Waits for the reduce-scatter and adds the result to the pieces' grads.
