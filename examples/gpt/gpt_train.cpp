@@ -202,9 +202,8 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_flag("--fsdp", c.fsdp,
                "shard parameters, gradients and optimizer state over DP\n(commgrad::fsdp, one unit per layer) instead "
                "of ZeRO-2");
-  app.add_option(
-         "--precision", c.precision,
-         "fp32, bf16 (bfloat16 compute, float32 masters) or fp16\n(float16 compute with loss scaling; needs --fsdp)")
+  app.add_option("--precision", c.precision,
+                 "fp32, bf16 (bfloat16 compute, float32 masters) or fp16\n(float16 compute with loss scaling)")
       ->check(cli::one_of({"fp32", "bf16", "fp16"}));
   app.add_option("--microbatches", c.microbatches, "microbatches per step and replica")->check(cli::positive());
   app.add_option("--steps", c.steps, "train to this step (after a resume too)")->check(cli::positive());
@@ -229,10 +228,8 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       throw cli::usage_error("--stages-per-rank " + std::to_string(c.stages_per_rank) +
                              " needs --schedule interleaved");
     }
-    if (c.precision == "fp16" && !c.fsdp) throw cli::usage_error("--precision fp16 needs --fsdp (its loss scaler)");
-    if (c.fsdp && c.schedule == "zbh1") {
-      throw cli::usage_error("--fsdp does not combine with --schedule zbh1 yet (deferred weight gradients)");
-    }
+    if (c.precision == "fp16" && c.experts > 0)
+      throw cli::usage_error("--precision fp16 does not combine with --experts yet");
     if (c.recompute == "full" && c.schedule == "zbh1") {
       // zbh1 defers weight gradients when the forward runs; a fully
       // recomputed layer's forward runs without grad (docs/recompute.md).
@@ -264,7 +261,7 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   const commgrad::Group alone = commgrad::self_group();
   c.schedule = "1f1b";
   c.stages_per_rank = 1;
-  c.fsdp = c.precision == "fp16";  // the same precision; float16 trains only under fsdp
+  c.fsdp = c.fsdp && c.precision == "fp16";  // float16 on one rank as the run shards it (bf16: ZeRO's masters)
   auto config = model_config;
   config.ep_group = commgrad::Group();  // every expert on this rank
   config.sequence_parallel = false;

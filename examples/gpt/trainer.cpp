@@ -48,20 +48,21 @@ void Trainer::make_optimizer() {
   if (options_.fsdp && model_->config().experts > 0) {
     throw std::invalid_argument("experts do not combine with fsdp yet (ZeRO-2 only)");
   }
+  // 16-bit compute, float32 reductions and masters (both wrappers).
+  const auto policy = commgrad::dp::MixedPrecisionPolicy().param_dtype(dtype).reduce_dtype(
+      dtype ? c10::optional<at::ScalarType>(at::kFloat) : c10::nullopt);
+  if (options_.precision == "fp16") {
+    if (model_->config().experts > 0) throw std::invalid_argument("experts do not combine with fp16 yet");
+    scaler_ = std::make_unique<commgrad::optim::DynamicLossScaler>(
+        commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups(
+            {layout_.replicas(), layout_.tp, layout_.pp}));
+  }
   if (options_.fsdp) {
-    const auto policy = commgrad::dp::MixedPrecisionPolicy().param_dtype(dtype).reduce_dtype(
-        dtype ? c10::optional<at::ScalarType>(at::kFloat) : c10::nullopt);
     sharded_ = model_->fully_shard(commgrad::fsdp::FullyShardOptions(layout_.replicas()).mixed_precision(policy),
                                    layout_.embedding);
     optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), adamw);
-    if (options_.precision == "fp16") {
-      scaler_ = std::make_unique<commgrad::optim::DynamicLossScaler>(
-          commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups(
-              {layout_.replicas(), layout_.tp, layout_.pp}));
-    }
     return;
   }
-  if (options_.precision == "fp16") throw std::invalid_argument("precision fp16 needs fsdp (the loss scaler)");
   if (dtype) model_->to(*dtype);  // ZeroOptimizer keeps float32 masters
   auto make_adamw = [adamw](std::vector<torch::Tensor> shards) {
     return std::make_unique<torch::optim::AdamW>(shards, adamw);
@@ -74,6 +75,7 @@ void Trainer::make_optimizer() {
         model_, make_adamw,
         commgrad::optim::ZeroOptimizerOptions(commgrad::moe::expert_ddp_options(*model_, layout_.replicas(), edp))
             .stage(2)
+            .mixed_precision(policy)
             .tensor_parallel_group(layout_.tp));  // experts are TP-replicated: their squares counted once
     ddp = commgrad::moe::dense_ddp_options(*model_, layout_.replicas(), ddp);
   }
@@ -81,6 +83,8 @@ void Trainer::make_optimizer() {
       model_, make_adamw,
       commgrad::optim::ZeroOptimizerOptions(ddp)
           .stage(2)
+          .mixed_precision(policy)
+          .loss_scaler(scaler_.get())  // fp16: unscaled and skipped together
           .max_grad_norm(1.0)
           .clip_partner(expert_zero_.get())  // one global norm over dense and expert parameters
           .clip_partner_group(model_->config().ep_group)
@@ -108,6 +112,7 @@ double Trainer::step(const Corpus& corpus, int k) {
     zero_->zero_grad();
     if (expert_zero_) expert_zero_->zero_grad();
     last_ = pipe_->step(x, y);
+    if (scaler_) unscale_losses(scaler_->scale());  // before step() updates the scale
     zero_->step();
     if (expert_zero_) expert_zero_->step();
   }
@@ -142,14 +147,18 @@ void Trainer::step_sharded() {
     clip_and_step();
     return;
   }
-  const double scale = scaler_->scale();
-  last_.loss /= scale;
-  for (auto& l : last_.microbatch_losses) l /= scale;
+  unscale_losses(scaler_->scale());
   std::vector<torch::Tensor> grads;
   for (const auto& p : model_->parameters()) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
   scaler_->step(grads, clip_and_step);
+}
+
+// The pipeline reports the scaled loss (fp16).
+void Trainer::unscale_losses(double scale) {
+  last_.loss /= scale;
+  for (auto& l : last_.microbatch_losses) l /= scale;
 }
 
 // FSDP and ZeRO-2 write the same format: a checkpoint of either loads into either.

@@ -13,9 +13,11 @@
 // the DP size), clipped with the dense parameters by one global norm that
 // counts every expert once (ZeroOptimizerOptions::clip_partner). Precision bf16
 // computes in bfloat16 (FSDP: float32 shards, float32 gradient reductions;
-// ZeRO-2: bfloat16 parameters with float32 masters); fp16 computes in float16
-// under FSDP with optim::DynamicLossScaler (initial scale 2^16; the inf/NaN
-// check agreed over DP, TP and PP; a skipped step leaves every rank as it was). A step takes
+// ZeRO-2: bfloat16 parameters with float32 masters and float32 reductions,
+// one dp::MixedPrecisionPolicy for both); fp16 computes in float16 under
+// either with optim::DynamicLossScaler (initial scale 2^16; the inf/NaN
+// check agreed over DP, TP and PP; a skipped step leaves every rank as it
+// was; not with experts yet). A step takes
 // batch k of a corpus: every replica its batch/dp rows, split into the
 // microbatches; under context parallelism each rank of a CP group its
 // head-tail part of every sequence (the loss is the mean over its tokens,
@@ -57,7 +59,7 @@ struct TrainerOptions {
   /// (commgrad::fsdp, one unit per layer) instead of ZeRO-2.
   bool fsdp = false;
   /// "fp32", "bf16" (bfloat16 compute, float32 masters and reductions) or
-  /// "fp16" (float16 compute with dynamic loss scaling; needs fsdp).
+  /// "fp16" (float16 compute with dynamic loss scaling).
   std::string precision = "fp32";
   /// With a context-parallel group: allgather, ring or ulysses (cp::AttentionMode).
   std::string cp_mode = "ring";
@@ -97,6 +99,7 @@ class Trainer {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;           // with fsdp
   std::unique_ptr<commgrad::optim::DynamicLossScaler> scaler_;   // with fp16
   void step_sharded();
+  void unscale_losses(double scale);
   std::vector<commgrad::pp::NoSyncFunction> no_sync_functions();
   std::unique_ptr<commgrad::pp::Pipeline> pipe_;
   commgrad::pp::PipelineStepResult last_;

@@ -17,25 +17,35 @@
 namespace commgrad::dp {
 namespace {
 
-CommWork sum_in_place(at::Tensor flat, const Group& group) {
-  return CommWork{ops::raw::all_reduce_(flat, {}, group), nullptr};
+// The rest of a split average, once the sum has arrived.
+std::function<void()> post_divide(const at::Tensor& buffer, double factor) {
+  if (factor == 1) return nullptr;
+  return [buffer, factor] { buffer.div_(factor); };
+}
+
+CommWork sum_in_place(at::Tensor flat, const Group& group, double factor) {
+  return CommWork{ops::raw::all_reduce_(flat, {}, group), post_divide(flat, factor)};
 }
 
 // Sums `bucket` through a copy in `wire_dtype`, written back when done.
 CommWork sum_compressed(GradBucket& bucket, at::ScalarType wire_dtype) {
   const auto& buffer = bucket.buffer();
-  if (bucket.group().size() == 1) return {};
-  if (buffer.scalar_type() == wire_dtype) return sum_in_place(buffer, bucket.group());
+  if (bucket.group().size() == 1) return CommWork{{}, post_divide(buffer, bucket.post_divide())};
+  if (buffer.scalar_type() == wire_dtype) return sum_in_place(buffer, bucket.group(), bucket.post_divide());
   auto wire = buffer.to(wire_dtype);
-  return CommWork{ops::raw::all_reduce_(wire, {}, bucket.group()), [buffer, wire] { buffer.copy_(wire); }};
+  const double factor = bucket.post_divide();
+  return CommWork{ops::raw::all_reduce_(wire, {}, bucket.group()), [buffer, wire, factor] {
+                    buffer.copy_(wire);
+                    if (factor != 1) buffer.div_(factor);
+                  }};
 }
 
 }  // namespace
 
 CommHook allreduce_hook() {
   return [](GradBucket& bucket) -> CommWork {
-    if (bucket.group().size() == 1) return {};
-    return sum_in_place(bucket.buffer(), bucket.group());
+    if (bucket.group().size() == 1) return CommWork{{}, post_divide(bucket.buffer(), bucket.post_divide())};
+    return sum_in_place(bucket.buffer(), bucket.group(), bucket.post_divide());
   };
 }
 

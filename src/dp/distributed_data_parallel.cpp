@@ -22,6 +22,19 @@ namespace detail {
 namespace {
 
 constexpr const char* kOp = "DistributedDataParallel";
+
+// The trainable floating parameters in the policy's compute dtype (in
+// place: each keeps its autograd identity), before the replica check.
+void cast_parameters(const std::vector<NamedTensor>& params, const MixedPrecisionPolicy& policy) {
+  if (!policy.param_dtype()) return;
+  at::NoGradGuard no_grad;
+  for (const auto& [name, p] : params) {
+    if (!p.requires_grad() || !p.is_floating_point() || p.scalar_type() == *policy.param_dtype()) continue;
+    at::Tensor t = p;
+    t.set_data(p.to(*policy.param_dtype()));
+    if (t.grad().defined()) t.mutable_grad() = t.grad().to(*policy.param_dtype());
+  }
+}
 }  // namespace
 }  // namespace detail
 
@@ -39,6 +52,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
                  " and first_bucket_cap_mb ", options.first_bucket_cap_mb());
   COMMGRAD_CHECK(options.average_divisor() >= 0, kOp, group, "average_divisor must be >= 0 (0: the group size), got ",
                  options.average_divisor());
+  const auto& policy = options.mixed_precision();
+  check_policy(policy, kOp);
+  COMMGRAD_CHECK(!policy.output_dtype(), kOp, group, "the mixed-precision policy (", policy.describe(),
+                 ") sets output_dtype, but DistributedDataParallel does not wrap forward: cast the outputs in the "
+                 "module (or shard it with fully_shard)");
 
   // Parameters and buffers, each tensor once (tied weights have several names).
   std::unordered_set<const c10::TensorImpl*> seen;
@@ -52,6 +70,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     COMMGRAD_CHECK(p.is_leaf(), kOp, group, "parameter '", item.key(), "' is not a leaf tensor");
     params.emplace_back(item.key(), p);
   }
+  detail::cast_parameters(params, policy);
   std::vector<detail::NamedTensor> buffers;
   for (const auto& item : module_->named_buffers(/*recurse=*/true)) {
     if (!item.value().defined() || !seen.insert(item.value().unsafeGetTensorImpl()).second) continue;

@@ -5,7 +5,7 @@
 namespace commgrad::dp {
 
 std::string MixedPrecisionPolicy::describe() const {
-  if (!param_dtype() && !reduce_dtype() && !output_dtype()) return "full precision";
+  if (full_precision()) return "full precision";
   std::string out;
   auto add = [&out](const char* what, const c10::optional<at::ScalarType>& t) {
     if (!t) return;
@@ -30,6 +30,14 @@ double predivide_factor(int64_t world_size) {
   int64_t factor = 1;
   while (world_size % factor == 0 && world_size / factor > factor) factor *= 2;
   return static_cast<double>(factor);
+}
+
+AverageSplit split_average(const MixedPrecisionPolicy& policy, at::ScalarType reduce_dtype, int64_t divisor) {
+  if (divisor <= 1) return {};
+  const bool half = reduce_dtype == at::kHalf || reduce_dtype == at::kBFloat16;
+  if (!half || policy.full_precision()) return {static_cast<double>(divisor), 1.0};
+  const double before = predivide_factor(divisor);
+  return {before, static_cast<double>(divisor) / before};
 }
 
 }  // namespace commgrad::dp

@@ -164,7 +164,12 @@ DdpReducer::DdpReducer(Group group, DistributedDataParallelOptions options, std:
   COMMGRAD_CHECK(multiple >= 1, kOp, group_, "bucket_multiple must be at least 1, got ", multiple);
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket bucket;
-    bucket.dtype = ordered[assignment[b].front()].scalar_type();
+    bucket.param_dtype = ordered[assignment[b].front()].scalar_type();
+    bucket.dtype = options_.mixed_precision().reduction_dtype(bucket.param_dtype);
+    if (options_.reduction() == GradReduction::kAverage) {
+      const int64_t divisor = options_.average_divisor() > 0 ? options_.average_divisor() : group_.size();
+      bucket.average = split_average(options_.mixed_precision(), bucket.dtype, divisor);
+    }
     bucket.params = assignment[b];
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
       auto& p = params_[bucket.params[slot]];
@@ -181,7 +186,7 @@ DdpReducer::DdpReducer(Group group, DistributedDataParallelOptions options, std:
       // Gradients that already exist move into the bucket now.
       for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
         auto& grad = params_[bucket.params[slot]].tensor.mutable_grad();
-        if (as_bucket_view() && grad.defined() && !grad.is_sparse()) {
+        if (as_bucket_view(bucket) && grad.defined() && !grad.is_sparse()) {
           bucket.views[slot].copy_(grad);
           grad = bucket.views[slot];
         }
@@ -199,7 +204,7 @@ DdpReducer::~DdpReducer() { remove_hooks(); }
 void DdpReducer::ensure_buffer(Bucket& bucket) {
   if (bucket.buffer.defined()) return;
   const auto& first = params_[bucket.params.front()].tensor;
-  bucket.buffer = at::zeros({bucket.padded_numel}, first.options().requires_grad(false));
+  bucket.buffer = at::zeros({bucket.padded_numel}, first.options().dtype(bucket.dtype).requires_grad(false));
   bucket.views.clear();
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
     bucket.views.push_back(
@@ -254,7 +259,9 @@ void DdpReducer::sync_buffers() {
 
 std::vector<DdpBucketInfo> DdpReducer::bucket_info() const {
   std::vector<DdpBucketInfo> info;
-  for (const auto& b : buckets_) info.push_back(DdpBucketInfo{b.dtype, b.numel, b.padded_numel, b.names});
+  for (const auto& b : buckets_) {
+    info.push_back(DdpBucketInfo{b.dtype, b.param_dtype, b.numel, b.padded_numel, b.names});
+  }
   return info;
 }
 
@@ -303,19 +310,22 @@ void DdpReducer::mark_ready(size_t index) {
   ensure_buffer(bucket);
   auto& slot = bucket.views[p.slot];
   auto& grad = p.tensor.mutable_grad();
-  const int64_t divisor = options_.average_divisor() > 0 ? options_.average_divisor() : group_.size();
-  const bool average = options_.reduction() == GradReduction::kAverage && divisor > 1;
+  const double divisor = bucket.average.before;
+  const bool average = divisor != 1;
   if (grad.defined()) {
     COMMGRAD_CHECK(!grad.is_sparse(), kOp, group_, "parameter '", p.name,
                    "' has a sparse gradient; only dense gradients are supported");
-    COMMGRAD_CHECK(grad.sizes() == p.tensor.sizes() && grad.scalar_type() == bucket.dtype, kOp, group_,
+    COMMGRAD_CHECK(grad.sizes() == p.tensor.sizes() && grad.scalar_type() == bucket.param_dtype, kOp, group_,
                    "gradient of parameter '", p.name, "' is ", tensor_name(grad), ", but the parameter is ",
-                   dtype_name(bucket.dtype), shape_name(p.tensor.sizes()));
-    if (as_bucket_view()) {
+                   dtype_name(bucket.param_dtype), shape_name(p.tensor.sizes()));
+    if (as_bucket_view(bucket)) {
       if (!same_memory(grad, slot)) {
         slot.copy_(grad);
         grad = slot;
       }
+      if (average) slot.div_(divisor);
+    } else if (bucket.dtype != bucket.param_dtype) {
+      slot.copy_(grad);  // cast into the reduction dtype, divided there
       if (average) slot.div_(divisor);
     } else if (average) {
       at::div_out(slot, grad, at::scalar_tensor(divisor, slot.options()));
@@ -333,7 +343,7 @@ void DdpReducer::mark_ready(size_t index) {
 void DdpReducer::launch_ready_buckets(bool during_backward) {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     auto& b = buckets_[next_bucket_];
-    GradBucket view(next_bucket_, buckets_.size(), b.buffer, b.views, b.names, group_);
+    GradBucket view(next_bucket_, buckets_.size(), b.buffer, b.views, b.names, group_, b.average.after);
     b.work = comm_hook_(view);
     b.launched = true;
     if (during_backward) ++launched_in_backward_;
@@ -472,15 +482,16 @@ void DdpReducer::write_back(const std::vector<int32_t>& global_use) {
   if (release()) return;  // the hook's result is the only copy
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    const auto& slot = buckets_[p.bucket].views[p.slot];
+    const auto& bucket = buckets_[p.bucket];
+    const auto& slot = bucket.views[p.slot];
     auto& grad = p.tensor.mutable_grad();
     const bool used_anywhere = global_use.empty() || global_use[i] > 0;
-    if (as_bucket_view()) {
+    if (as_bucket_view(bucket)) {
       if (!grad.defined() && used_anywhere) grad = slot;  // otherwise grad is the slot already
     } else if (grad.defined()) {
-      grad.copy_(slot);
+      grad.copy_(slot);  // rounds a wider reduction into the parameter's dtype
     } else if (used_anywhere) {
-      grad = slot.clone();
+      grad = slot.to(bucket.param_dtype, /*non_blocking=*/false, /*copy=*/true);
     }
   }
 }

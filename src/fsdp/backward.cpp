@@ -5,6 +5,14 @@
 // reaches it, the unit is gathered again (unless it still is) and the unit
 // that ran before it in forward is prefetched.
 //
+// Deferred weight gradients (zero-bubble schedules: tp/weight_gradients.h)
+// accumulate in W, after the unit's backward has resharded it; a pre hook on
+// the accumulator gives the compute tensor its shape for that (over the
+// freed buffer, which accumulation does not read) and the post hook takes
+// it back. The pipeline runs every B and W but the stage's last W under
+// no_sync, so the gradients accumulate unsharded and the reduce-scatters
+// start at the end of that last W, once every deferred gradient is in.
+//
 // After. Each parameter's gradient accumulator has a post hook; when every
 // parameter of the unit that requires grad has its gradient, the unit's
 // backward is over: the gradients are packed (in the reduction dtype,
@@ -21,6 +29,13 @@
 // every reduce-scatter in launch order, adds this rank's part to the
 // pieces' `.grad()`, frees every gathered buffer and resets. A backward that
 // fails half way drops the callback; its destructor drains instead.
+//
+// Tripwires. An optimizer built over the module's parameters before
+// fully_shard holds the tensors the module's code reads, whose gradients
+// backward drops: it would skip them, silently. So after a synchronised
+// backward each of them gets an empty gradient, which such an optimizer
+// steps (an in-place update of an empty tensor, bumping its version); the
+// unit's next forward finds the version changed and says what happened.
 
 #include "detail/unit.h"
 
@@ -29,6 +44,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -50,6 +66,20 @@ class PreBackward : public torch::autograd::Node {
 
  private:
   std::weak_ptr<Unit> unit_;
+};
+
+// Calls Unit::before_accumulate before the parameter's AccumulateGrad.
+class BeforeAccumulate : public torch::autograd::FunctionPreHook {
+ public:
+  BeforeAccumulate(std::weak_ptr<Unit> unit, size_t param) : unit_(std::move(unit)), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (auto unit = unit_.lock()) unit->before_accumulate(param_);
+    return grads;
+  }
+
+ private:
+  std::weak_ptr<Unit> unit_;
+  size_t param_;
 };
 
 // Runs the tree's end of backward from the engine's final callbacks, or
@@ -83,6 +113,9 @@ struct EndOfBackward {
     }
     t.launched.clear();
     for (Unit* u : t.units) u->end_backward();
+    if (t.sync && !failed && !error) {
+      for (Unit* u : t.units) u->arm_tripwires();
+    }
     if (t.sync) {
       t.last_order = std::move(t.order);
       t.order.clear();
@@ -132,7 +165,12 @@ void Unit::install_hooks() {
           if (auto self = weak.lock()) self->on_gradient(i);
           return outputs;
         }));
+    p.accumulator->add_pre_hook(std::make_unique<BeforeAccumulate>(weak, i));
   }
+}
+
+void Unit::before_accumulate(size_t param) {
+  if (!unsharded_) params_[param].compute.set_data(params_[param].view);
 }
 
 void Unit::before_backward() {
@@ -145,8 +183,9 @@ void Unit::before_backward() {
 }
 
 void Unit::on_gradient(size_t param) {
-  ensure_end_of_backward(tree_);
   auto& p = params_[param];
+  if (!unsharded_) p.compute.set_data(empty_);  // after before_accumulate
+  ensure_end_of_backward(tree_);
   COMMGRAD_CHECK(in_order_, "fully_shard", group_, "parameter '", p.name,
                  "' got a gradient, but its unit did not run through commgrad::fsdp::call in this step (a sharded "
                  "module's code must run inside call() or call_function() of its unit)");
@@ -240,6 +279,27 @@ void Unit::finish_reduction() {
     } else {
       g = alias(master, p.shard_offset, {p.length});
     }
+  }
+}
+
+void Unit::arm_tripwires() {
+  for (auto& p : params_) {
+    if (!p.requires_grad || p.compute.grad().defined()) continue;
+    p.compute.mutable_grad() = at::empty({0}, p.compute.options());
+    p.tripwire = static_cast<int64_t>(p.compute._version());
+  }
+}
+
+void Unit::check_tripwires() {
+  for (auto& p : params_) {
+    if (p.tripwire < 0) continue;
+    const bool stepped = static_cast<int64_t>(p.compute._version()) != p.tripwire;
+    p.tripwire = -1;
+    if (p.compute.grad().defined() && p.compute.grad().numel() == 0) p.compute.mutable_grad().reset();
+    COMMGRAD_CHECK(!stepped, "fully_shard", group_, "an optimizer stepped parameter '", p.name, "' of the unit of ",
+                   module_.expired() ? std::string("?") : module_.lock()->name(),
+                   " as it was before fully_shard (the tensor fully_shard replaced by this rank's piece), so the "
+                   "model does not train: build the optimizer over module->parameters() after fully_shard");
   }
 }
 

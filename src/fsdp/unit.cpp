@@ -275,6 +275,7 @@ void Unit::free_storage() {
 
 void Unit::before_forward() {
   Tree& t = *tree_;
+  check_tripwires();
   if (t.depth == 0) {
     ++t.forward_id;
     check_not_replaced();

@@ -31,13 +31,26 @@
 // clip_grad_norm_. Then the inner step, and one all-gather per bucket of
 // each rank's chunk back into the flat parameter buffers (all started
 // before the first is waited for).
+//
+// Mixed precision. DDP casts the parameters to the policy's param_dtype and
+// builds its buckets in the reduce dtype, so the reduce-scatter sums (and
+// this rank's gradient arrives) in that dtype; a 16-bit sum was divided by
+// part of the group size before it and is divided by the rest here. With
+// float32 masters the inner optimizer steps float32 copies of this rank's
+// ranges; their gradients are the reduced ones cast to float32 (no copy
+// when the reduction already was), and the parameters take the rounded
+// result. With a loss scaler the masters' gradients are unscaled after the
+// partial and tied sums, and one flag per group of the scaler (MAX) tells
+// every rank whether some rank found inf/NaN: then nobody clips, steps or
+// all-gathers, and the scale backs off.
 
-#include "commgrad/optim/zero_optimizer.h"
+#include "detail/zero_impl.h"
 
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/parallel_state.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/optim/clip_grad.h"
+#include "commgrad/optim/loss_scaler.h"
 #include "commgrad/tp/sharding.h"
 #include "commgrad/tp/wiring_checks.h"
 #include "commgrad/util/names.h"
@@ -47,74 +60,47 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 
 namespace commgrad::optim {
 namespace {
 
-constexpr const char* kOp = "ZeroOptimizer";
-constexpr const char* kMaster = "master";  // the state name of float32 master weights
+constexpr const char* kOp = detail::kZeroOp;
+using detail::alias;
+using detail::bytes_of;
 
-// A contiguous alias of `numel` elements of `buffer` at `offset`, shaped
-// `sizes` (not an autograd view, like DDP's bucket slots).
-at::Tensor alias(const at::Tensor& buffer, int64_t offset, at::IntArrayRef sizes) {
-  auto out = at::empty({0}, buffer.options());
-  out.set_(buffer.storage(), buffer.storage_offset() + offset, sizes);
-  return out;
+// The policy: the options' own, or, when it sets no dtype, the one in their
+// DDP options (with the options' float32_master).
+dp::MixedPrecisionPolicy resolve_policy(const ZeroOptimizerOptions& options, const Group& group) {
+  auto policy = options.mixed_precision();
+  if (policy.full_precision()) {
+    const auto& given = options.ddp().mixed_precision();
+    policy.param_dtype(given.param_dtype()).reduce_dtype(given.reduce_dtype()).output_dtype(given.output_dtype());
+  }
+  dp::check_policy(policy, kOp);
+  COMMGRAD_CHECK(!policy.output_dtype(), kOp, group, "the mixed-precision policy (", policy.describe(),
+                 ") sets output_dtype, but ZeroOptimizer does not wrap forward: cast the outputs in the module");
+  return policy;
 }
 
-int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
+// The scaler must agree over the data-parallel group, or the ranks of one
+// bucket could step and skip apart.
+void check_loss_scaler(const ZeroOptimizerOptions& options, const Group& group) {
+  const auto* scaler = options.loss_scaler();
+  if (scaler == nullptr) return;
+  COMMGRAD_CHECK(options.clip_partner() == nullptr, kOp, group,
+                 "loss_scaler does not combine with clip_partner yet (the partner's gradients are not unscaled)");
+  if (group.size() == 1) return;
+  const auto& groups = scaler->groups();
+  COMMGRAD_CHECK(std::find(groups.begin(), groups.end(), group) != groups.end(), kOp, group,
+                 "the loss scaler agrees on inf/NaN over ", groups.size(),
+                 " groups, none of which is the data-parallel group ", group.describe(),
+                 ": give it DynamicLossScalerOptions().groups({...}) with that group");
+}
 
 }  // namespace
-
-struct ZeroOptimizer::Impl {
-  struct Shard {
-    ZeroShardInfo info;
-    int64_t chunk = 0;
-    std::vector<std::string> names;  // the bucket's parameters, in slot order
-    std::vector<int64_t> offsets;    // their offsets in the bucket
-    at::Tensor params;               // the bucket's flat parameter buffer (padded)
-    at::Tensor master;               // this rank's range of it, or a float32 copy (the inner optimizer's parameter)
-    bool separate_master = false;    // master is a float32 copy of a 16-bit range
-    at::ScalarType state_dtype;      // of master, gradient and state (the same on every rank)
-    at::Tensor grad;                 // this rank's averaged gradient of the range (the bucket's dtype;
-                                     // ZeRO-1: an alias of DDP's bucket buffer)
-    std::vector<char> counted;       // per segment: part of the global norm on this rank
-    std::vector<char> partial;       // per segment: a partial_grad parameter, summed over TP in step()
-    bool tied = false;               // the bucket of a tied parameter, summed over the tied group in step()
-    bool fresh = false;              // reduced since the last step
-  };
-
-  std::shared_ptr<torch::nn::Module> module;
-  ZeroOptimizerOptions options;
-  std::map<std::string, at::Tensor> params;  // by name
-  std::vector<Shard> shards;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  std::unique_ptr<dp::DistributedDataParallel> ddp;  // last: its hook refers to the shards
-  Group group;
-  Group partial_group;  // the TP group of partial_grad (sequence-parallel) parameters
-
-  void build_shards();
-  void check_tied() const;
-  void sum_partial_gradients();
-  void sum_tied_gradients();
-  void install_hook();
-  double local_squares(bool master) const;
-  double clip();
-  void all_gather_parameters();
-  Shard* shard_with(const std::string& param, int64_t param_begin, size_t* segment);
-  /// The state of a shard's range: the inner optimizer's, plus "master" for
-  /// float32 master weights; nullopt before the first step.
-  std::optional<ParamState> state_of(const Shard& s) const;
-};
-
-std::optional<ParamState> ZeroOptimizer::Impl::state_of(const Shard& s) const {
-  if (!s.master.defined()) return std::nullopt;
-  auto state = get_param_state(*optimizer, s.master);
-  if (state && s.separate_master) state->tensors.emplace_back(kMaster, s.master);
-  return state;
-}
 
 ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, OptimizerFactory make_optimizer,
                              ZeroOptimizerOptions options)
@@ -142,6 +128,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
     m.options.pipeline_parallel_group(default_pipeline_parallel_group());
   }
   const Group group = m.options.ddp().group();
+  m.options.mixed_precision(resolve_policy(m.options, group));
+  check_loss_scaler(m.options, group);
   for (const auto& name : m.options.tied_parameters()) {
     const auto* p = m.module->named_parameters().find(name);
     COMMGRAD_CHECK(p != nullptr && p->requires_grad(), kOp, group, "tied parameter '", name,
@@ -154,7 +142,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
       .own_bucket(own_bucket)
       .bucket_multiple(group.size())
       .release_gradients(m.options.stage() == 2)
-      .gradient_as_bucket_view(m.options.stage() == 1);
+      .gradient_as_bucket_view(m.options.stage() == 1)
+      .mixed_precision(m.options.mixed_precision());
   m.ddp = std::make_unique<dp::DistributedDataParallel>(m.module, ddp_options);
   m.group = m.ddp->group();
   for (const auto& item : m.module->named_parameters()) {
@@ -196,8 +185,9 @@ void ZeroOptimizer::Impl::build_shards() {
     s.info.end = std::min<int64_t>((rank + 1) * s.chunk, bucket.numel);
     const auto& first = params.at(bucket.names.front());
     s.params = at::zeros({bucket.padded_numel}, first.options().requires_grad(false));
-    const bool sixteen_bit = bucket.dtype == at::kHalf || bucket.dtype == at::kBFloat16;
-    s.state_dtype = options.float32_master() && sixteen_bit ? at::kFloat : bucket.dtype;
+    const bool sixteen_bit = bucket.param_dtype == at::kHalf || bucket.param_dtype == at::kBFloat16;
+    s.state_dtype = options.mixed_precision().float32_master() && sixteen_bit ? at::kFloat : bucket.param_dtype;
+    s.grad_dtype = bucket.dtype;
     s.info.state_dtype = s.state_dtype;
     int64_t offset = 0;
     for (const auto& name : bucket.names) {
@@ -225,10 +215,11 @@ void ZeroOptimizer::Impl::build_shards() {
     }
     if (s.info.end > s.info.begin) {
       const int64_t len = s.info.end - s.info.begin;
-      s.separate_master = s.state_dtype != bucket.dtype;
+      s.separate_master = s.state_dtype != bucket.param_dtype;
       s.master = s.separate_master ? s.params.narrow(0, s.info.begin, len).to(at::kFloat)
                                    : alias(s.params, s.info.begin, {len});
-      if (options.stage() == 2) s.grad = at::zeros({len}, s.params.options());  // ZeRO-1: set by the hook
+      // ZeRO-1: set by the hook (DDP's bucket, in the reduction dtype)
+      if (options.stage() == 2) s.grad = at::zeros({len}, s.params.options().dtype(s.grad_dtype));
     }
     shards.push_back(std::move(s));
   }
@@ -243,17 +234,20 @@ void ZeroOptimizer::Impl::install_hook() {
       // shard's gradient (the bucket buffer lives as long as DDP).
       s.grad = alias(bucket.buffer(), s.info.begin, {len});
     }
-    if (bucket.group().size() == 1) {  // the bucket is the result: no copy for ZeRO-1, one for ZeRO-2
+    const double post_divide = bucket.post_divide();  // the rest of a split 16-bit average
+    if (bucket.group().size() == 1) {                 // the bucket is the result: no copy for ZeRO-1, one for ZeRO-2
       const auto buffer = bucket.buffer();
-      return dp::CommWork{{}, [buffer, &s, len] {
+      return dp::CommWork{{}, [buffer, &s, len, post_divide] {
                             if (len > 0 && !s.grad.is_alias_of(buffer)) s.grad.copy_(buffer.narrow(0, 0, len));
+                            if (len > 0 && post_divide != 1) s.grad.div_(post_divide);
                             s.fresh = true;
                           }};
     }
     auto pending = ops::raw::reduce_scatter(bucket.buffer(), {}, bucket.group());
-    return dp::CommWork{pending, [pending, &s, len]() mutable {
+    return dp::CommWork{pending, [pending, &s, len, post_divide]() mutable {
                           const auto part = pending.wait();
                           if (len > 0) s.grad.copy_(part.narrow(0, 0, len));
+                          if (len > 0 && post_divide != 1) s.grad.div_(post_divide);
                           s.fresh = true;
                         }};
   });
@@ -378,6 +372,20 @@ void ZeroOptimizer::Impl::all_gather_parameters() {
   for (size_t b = 0; b < shards.size(); ++b) shards[b].params.copy_(pending[b].wait());
 }
 
+// Unscales the masters' gradients and agrees on inf/NaN over the scaler's
+// groups; true when every rank skips this step (the scaler updated).
+bool ZeroOptimizer::Impl::skip_for_loss_scaler() {
+  auto* scaler = options.loss_scaler();
+  if (scaler == nullptr) return false;
+  std::vector<at::Tensor> grads;
+  for (auto& s : shards) {
+    if (s.master.defined()) grads.push_back(s.master.grad());
+  }
+  const bool found_inf = scaler->unscale_and_check(grads);
+  if (found_inf) scaler->update(true);
+  return found_inf;
+}
+
 double ZeroOptimizer::step() {
   auto& m = *impl_;
   at::NoGradGuard no_grad;
@@ -386,21 +394,23 @@ double ZeroOptimizer::step() {
                    "(bucket ", b, " of ", m.shards.size(),
                    " was not reduced: call backward() outside no_sync() before step())");
   }
-  // The inner parameters' gradients: the shards' own, or float32 copies
-  // for float32 masters (kept only during the step).
+  // The inner parameters' gradients: the shards' own, or copies in the
+  // state dtype (float32 for float32 masters; kept only during the step).
   for (auto& s : m.shards) {
-    if (s.master.defined()) s.master.mutable_grad() = s.separate_master ? s.grad.to(at::kFloat) : s.grad;
+    if (s.master.defined()) s.master.mutable_grad() = s.grad.to(s.state_dtype);
   }
   m.sum_partial_gradients();
   m.sum_tied_gradients();
-  const double norm = m.options.max_grad_norm() > 0 ? m.clip() : -1.0;
-  m.optimizer->step();
+  const bool skip = m.skip_for_loss_scaler();
+  const double norm = skip ? std::numeric_limits<double>::quiet_NaN() : m.options.max_grad_norm() > 0 ? m.clip() : -1.0;
+  if (!skip) m.optimizer->step();
   for (auto& s : m.shards) {
-    if (!s.separate_master) continue;
-    s.params.narrow(0, s.info.begin, s.master.numel()).copy_(s.master);  // rounds
+    if (!s.master.defined()) continue;
+    if (s.separate_master && !skip) s.params.narrow(0, s.info.begin, s.master.numel()).copy_(s.master);  // rounds
     s.master.mutable_grad() = at::Tensor();
   }
-  m.all_gather_parameters();
+  if (!skip) m.all_gather_parameters();
+  if (!skip && m.options.loss_scaler() != nullptr) m.options.loss_scaler()->update(false);
   for (auto& s : m.shards) s.fresh = false;
   return norm;
 }
@@ -444,158 +454,10 @@ int64_t ZeroOptimizer::gradient_bytes() const {
   int64_t bytes = 0;
   for (const auto& s : impl_->shards) {
     // ZeRO-1: DDP's buckets (the shards' gradients are aliases of them).
-    bytes += impl_->options.stage() == 1 ? s.info.padded_numel * static_cast<int64_t>(s.params.element_size())
+    bytes += impl_->options.stage() == 1 ? s.info.padded_numel * static_cast<int64_t>(c10::elementSize(s.grad_dtype))
                                          : bytes_of(s.grad);
   }
   return bytes;
-}
-
-std::vector<ZeroOptimizer::StateShard> ZeroOptimizer::state_shards() const {
-  std::vector<StateShard> out;
-  for (const auto& s : impl_->shards) {
-    const auto state = impl_->state_of(s);
-    if (!state) continue;
-    for (const auto& seg : s.info.segments) {
-      for (const auto& [name, tensor] : state->tensors) {
-        out.push_back({seg.name, name, seg.param_begin, tensor.narrow(0, seg.shard_offset, seg.length)});
-      }
-    }
-  }
-  return out;
-}
-
-std::vector<std::string> ZeroOptimizer::state_names() {
-  auto names = param_state_names(*impl_->optimizer);
-  const bool masters = std::any_of(impl_->shards.begin(), impl_->shards.end(),
-                                   [](const Impl::Shard& s) { return s.state_dtype != s.params.scalar_type(); });
-  if (masters) names.push_back(kMaster);
-  return names;
-}
-
-int64_t ZeroOptimizer::step_count() const {
-  for (const auto& s : impl_->shards) {
-    if (auto state = impl_->state_of(s)) return state->step.value_or(0);
-  }
-  return 0;
-}
-
-ZeroOptimizer::Impl::Shard* ZeroOptimizer::Impl::shard_with(const std::string& param, int64_t param_begin,
-                                                            size_t* segment) {
-  for (auto& s : shards) {
-    for (size_t i = 0; i < s.info.segments.size(); ++i) {
-      if (s.info.segments[i].name == param && s.info.segments[i].param_begin == param_begin) {
-        *segment = i;
-        return &s;
-      }
-    }
-  }
-  return nullptr;
-}
-
-void ZeroOptimizer::load_state_shards(const std::vector<StateShard>& shards, int64_t step) {
-  auto& m = *impl_;
-  at::NoGradGuard no_grad;
-  std::map<Impl::Shard*, std::map<std::string, at::Tensor>> states;
-  for (const auto& in : shards) {
-    size_t i = 0;
-    auto* s = m.shard_with(in.param, in.param_begin, &i);
-    COMMGRAD_CHECK(s, kOp, m.group, "load_state_shards: no range of this rank starts at element ", in.param_begin,
-                   " of parameter '", in.param, "'");
-    const auto& seg = s->info.segments[i];
-    COMMGRAD_CHECK(in.tensor.numel() == seg.length, kOp, m.group, "load_state_shards: state '", in.state,
-                   "' of parameter '", in.param, "' from element ", in.param_begin, " has ", in.tensor.numel(),
-                   " elements, but this rank's range of it has ", seg.length);
-    if (in.state == kMaster) {
-      COMMGRAD_CHECK(s->separate_master, kOp, m.group, "load_state_shards: master weights of parameter '", in.param,
-                     "' given, but this optimizer keeps none (float32_master with float16/bfloat16 parameters)");
-      s->master.narrow(0, seg.shard_offset, seg.length).copy_(in.tensor.reshape({-1}));
-      s->params.narrow(0, s->info.begin + seg.shard_offset, seg.length).copy_(in.tensor.reshape({-1}));
-      continue;
-    }
-    auto& t = states[s][in.state];
-    if (!t.defined()) t = at::zeros({s->info.end - s->info.begin}, s->master.options());
-    t.narrow(0, seg.shard_offset, seg.length).copy_(in.tensor.reshape({-1}));
-  }
-  for (auto& [s, tensors] : states) {
-    ParamState state;
-    for (auto& [name, t] : tensors) state.tensors.emplace_back(name, t);
-    state.step = step;
-    set_param_state(*m.optimizer, s->master, state);
-  }
-}
-
-torch::OrderedDict<std::string, at::Tensor> ZeroOptimizer::full_state_dict() {
-  auto& m = *impl_;
-  at::NoGradGuard no_grad;
-  const auto names = state_names();
-  torch::OrderedDict<std::string, at::Tensor> out;
-  // Which state tensors exist anywhere (a rank with empty ranges has none).
-  auto present = at::zeros({static_cast<int64_t>(names.size()) + 1}, at::kLong);
-  for (const auto& s : m.shards) {
-    if (auto state = m.state_of(s)) {
-      for (size_t k = 0; k < names.size(); ++k) {
-        for (const auto& entry : state->tensors) {
-          if (entry.first == names[k]) present[k] = 1;
-        }
-      }
-      present[names.size()] = std::max<int64_t>(present[names.size()].item<int64_t>(), state->step.value_or(0));
-    }
-  }
-  ops::raw::all_reduce_(present, ops::AllReduceOptions().op(ReduceOp::kMax), m.group).wait();
-  for (size_t k = 0; k < names.size(); ++k) {
-    if (present[k].item<int64_t>() == 0) continue;
-    for (auto& s : m.shards) {
-      // Every rank's ranges of a bucket share one dtype (the master's).
-      auto mine = at::zeros({s.chunk}, s.params.options().dtype(s.state_dtype));
-      if (auto state = m.state_of(s)) {
-        for (const auto& entry : state->tensors) {
-          if (entry.first == names[k]) mine.narrow(0, 0, entry.second.numel()).copy_(entry.second);
-        }
-      }
-      const auto full = ops::raw::all_gather(mine, {}, m.group).wait();
-      for (size_t i = 0; i < s.names.size(); ++i) {
-        const auto& p = m.params.at(s.names[i]);
-        out.insert(s.names[i] + "/" + names[k], full.narrow(0, s.offsets[i], p.numel()).view(p.sizes()).clone());
-      }
-    }
-  }
-  out.insert("step", at::scalar_tensor(present[names.size()].item<int64_t>(), at::kLong));
-  return out;
-}
-
-void ZeroOptimizer::load_full_state_dict(const torch::OrderedDict<std::string, at::Tensor>& full) {
-  auto& m = *impl_;
-  const auto names = state_names();
-  const auto* step = full.find("step");
-  COMMGRAD_CHECK(step, kOp, m.group, "load_full_state_dict: no 'step' entry");
-  std::vector<StateShard> mine;
-  for (const auto& s : m.shards) {
-    for (const auto& seg : s.info.segments) {
-      for (const auto& name : names) {
-        const auto* t = full.find(seg.name + "/" + name);
-        if (!t || (name == kMaster && !s.separate_master)) continue;
-        const auto& p = m.params.at(seg.name);
-        COMMGRAD_CHECK(t->numel() == p.numel(), kOp, m.group, "load_full_state_dict: '", seg.name, "/", name, "' is ",
-                       tensor_name(*t), ", but the parameter is ", tensor_name(p));
-        mine.push_back({seg.name, name, seg.param_begin, t->reshape({-1}).narrow(0, seg.param_begin, seg.length)});
-      }
-    }
-  }
-  load_state_shards(mine, step->item<int64_t>());
-}
-
-torch::OrderedDict<std::string, at::Tensor> unsharded_state_dict(const torch::nn::Module& module,
-                                                                 torch::optim::Optimizer& optimizer) {
-  torch::OrderedDict<std::string, at::Tensor> out;
-  int64_t step = 0;
-  for (const auto& item : module.named_parameters()) {
-    const auto state = get_param_state(optimizer, item.value());
-    if (!state) continue;
-    for (const auto& [name, t] : state->tensors) out.insert(item.key() + "/" + name, t.clone());
-    step = std::max(step, state->step.value_or(0));
-  }
-  out.insert("step", at::scalar_tensor(step, at::kLong));
-  return out;
 }
 
 }  // namespace commgrad::optim

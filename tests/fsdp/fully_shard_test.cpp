@@ -386,6 +386,37 @@ TEST(FullyShardErrors, RanksWithDifferentUnitsGetAnErrorNotAHang) {
   });
 }
 
+// An optimizer over the parameters as they were before fully_shard would
+// step tensors whose gradients backward drops: the next forward says so,
+// naming the parameter; Adam and SGD built afterwards train without it.
+TEST(FullyShardErrors, AnOptimizerBuiltBeforeFullyShardIsAnErrorAtTheNextForward) {
+  spawn_ranks(2, [&](Group& world) {
+    for (bool adam : {false, true}) {
+      Mlp net(4, 6, 2, 1);
+      std::unique_ptr<torch::optim::Optimizer> early;
+      if (adam) {
+        early = std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-2));
+      } else {
+        early = std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
+      }
+      auto sharded = fsdp::fully_shard(net, world);
+      const auto x = seeded_randn({3, 4}, 9 + world.rank());
+      fsdp::call(net, x).sum().backward();
+      early->step();
+      EXPECT_THROW_WITH(fsdp::call(net, x), "fully_shard", "rank", "an optimizer stepped parameter 'fc",
+                        "before fully_shard", "after fully_shard");
+    }
+    Mlp net(4, 6, 2, 1);
+    auto sharded = fsdp::fully_shard(net, world);
+    torch::optim::Adam late(net->parameters(), torch::optim::AdamOptions(1e-2));
+    for (int step = 0; step < 3; ++step) {
+      late.zero_grad();
+      fsdp::call(net, seeded_randn({3, 4}, 9 + world.rank())).sum().backward();
+      late.step();
+    }
+  });
+}
+
 TEST(FullyShard, FrozenParametersAreNotReduced) {
   spawn_ranks(2, [&](Group& world) {
     Mlp net(4, 6, 2, 1);

@@ -80,6 +80,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, {"--tp", "2", "--dp", "2", "--sp", "--fsdp"}, "tp2_dp2_sp_fsdp"},
         Case{4, {"--pp", "2", "--dp", "2", "--schedule", "interleaved", "--fsdp"}, "pp2_dp2_interleaved_fsdp"},
         Case{8, {"--tp", "2", "--pp", "2", "--dp", "2", "--fsdp"}, "tp2_pp2_dp2_fsdp"},
+        Case{4, {"--pp", "2", "--dp", "2", "--schedule", "zbh1", "--fsdp"}, "pp2_dp2_zero_bubble_fsdp"},
         Case{4, {"--tp", "2", "--dp", "2", "--sp", "--recompute", "full"}, "tp2_dp2_sp_recompute_full"},
         Case{4,
              {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved", "--recompute", "full"},
@@ -118,6 +119,11 @@ TEST(GptTrainExample, Float16WithTheLossScalerFollowsTheOneRankCurveAndResumes) 
                                "--check", "--curve", "none"});
   ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
   EXPECT_THAT(resumed.out, HasSubstr("(tolerance 1e-03): ok\n"));
+  // Without --fsdp: ZeRO-2 with the same policy and scaler.
+  auto zero = gpt_train(2, {"--dp", "2", "--precision", "fp16", "--steps", "3", "--check", "--curve", "none"});
+  ASSERT_EQ(zero.exit_code, 0) << zero.out << zero.err;
+  EXPECT_THAT(zero.out, HasSubstr("loss scale 65536, 0 steps skipped"));
+  EXPECT_THAT(zero.out, HasSubstr("(tolerance 1e-03): ok\n"));
 }
 
 TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
@@ -290,8 +296,7 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
           {{"--dp", "65536", "--microbatches", "65536"}, "does not split into 65536 replicas x 65536 microbatches"},
           {{"--pp", "2", "--stages-per-rank", "2"}, "--stages-per-rank 2 needs --schedule interleaved"},
           {{"--save-every", "2"}, "--save-every needs --save DIR"},
-          {{"--fsdp", "--pp", "2", "--schedule", "zbh1"}, "--fsdp does not combine with --schedule zbh1"},
-          {{"--precision", "fp16"}, "--precision fp16 needs --fsdp"},
+          {{"--precision", "fp16", "--experts", "2"}, "--precision fp16 does not combine with --experts"},
           {{"--precision", "fp8"}, "--precision: expected one of fp32, bf16, fp16, got 'fp8'"},
           {{"--recompute", "partial"}, "--recompute: expected one of none, selective, full, got 'partial'"},
           {{"--recompute", "full", "--schedule", "zbh1"}, "--recompute full does not combine with --schedule zbh1"},

@@ -21,7 +21,10 @@ namespace commgrad::dp {
 /// gradients back to back (in bucket order), then zeros up to the
 /// bucket_multiple option's multiple. When DistributedDataParallel
 /// averages, the buffer is already divided by the group size, so a hook only
-/// has to *sum* it over `group()` and leave the sum in `buffer()`.
+/// has to *sum* it over `group()` and leave the sum in `buffer()`. A 16-bit
+/// reduction under a mixed-precision policy divides only part of the average
+/// before the sum: the hook divides the sum by `post_divide()` (1 otherwise)
+/// once it has arrived.
 ///
 /// Example (inside a hook):
 ///   auto buffer = bucket.buffer();
@@ -29,13 +32,14 @@ namespace commgrad::dp {
 class GradBucket {
  public:
   GradBucket(size_t index, size_t count, at::Tensor buffer, std::vector<at::Tensor> gradients,
-             std::vector<std::string> names, Group group)
+             std::vector<std::string> names, Group group, double post_divide = 1)
       : index_(index),
         count_(count),
         buffer_(std::move(buffer)),
         gradients_(std::move(gradients)),
         names_(std::move(names)),
-        group_(std::move(group)) {}
+        group_(std::move(group)),
+        post_divide_(post_divide) {}
 
   /// Position of the bucket (0 is reduced first) and the number of buckets.
   size_t index() const { return index_; }
@@ -49,6 +53,9 @@ class GradBucket {
   const std::vector<std::string>& names() const { return names_; }
   /// The data-parallel group.
   const Group& group() const { return group_; }
+  /// What the sum must still be divided by (1 unless a 16-bit reduction
+  /// splits the average around the sum).
+  double post_divide() const { return post_divide_; }
 
  private:
   size_t index_;
@@ -57,6 +64,7 @@ class GradBucket {
   std::vector<at::Tensor> gradients_;
   std::vector<std::string> names_;
   Group group_;
+  double post_divide_ = 1;
 };
 
 /// What a hook returns: the collective it started (may be empty) and what to

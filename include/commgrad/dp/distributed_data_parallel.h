@@ -11,6 +11,7 @@
 
 #include "commgrad/dist/group.h"
 #include "commgrad/dp/comm_hooks.h"
+#include "commgrad/dp/mixed_precision.h"
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -94,6 +95,18 @@ struct DistributedDataParallelOptions {
   /// size (0: the group size). Expert parameters are summed over the
   /// expert-data group and divided by the data x context size (docs/moe.md).
   TORCH_ARG(int64_t, average_divisor) = 0;
+  /// Mixed precision (dp/mixed_precision.h): `param_dtype` casts the
+  /// module's trainable floating parameters at construction (the module then
+  /// computes in it); `reduce_dtype` is the dtype of the buckets (gradients
+  /// are cast into them, summed, and cast back into `.grad()`); a 16-bit
+  /// reduction divides part of the average before the sum and the rest after
+  /// it. `output_dtype` is an error (DDP does not wrap forward);
+  /// `float32_master` is the caller's optimizer's business.
+  ///
+  /// Example:
+  ///   DistributedDataParallelOptions(dp).mixed_precision(
+  ///       commgrad::dp::MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat))
+  TORCH_ARG(MixedPrecisionPolicy, mixed_precision);
 };
 
 /// One bucket as built at construction (for inspection and tests).
@@ -101,7 +114,10 @@ struct DistributedDataParallelOptions {
 /// Example:
 ///   for (const auto& b : ddp.buckets()) std::cout << b.names.size() << " parameters, " << b.numel << "\n";
 struct DdpBucketInfo {
+  /// The dtype the bucket is reduced in (mixed_precision's reduce_dtype).
   at::ScalarType dtype;
+  /// The dtype of its parameters and their gradients.
+  at::ScalarType param_dtype;
   /// Elements of the parameters in the bucket (without padding).
   int64_t numel = 0;
   /// Elements of the buffer: numel rounded up to bucket_multiple.

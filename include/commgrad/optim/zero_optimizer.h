@@ -14,6 +14,7 @@
 
 #include "commgrad/dist/group.h"
 #include "commgrad/dp/distributed_data_parallel.h"
+#include "commgrad/dp/mixed_precision.h"
 #include "commgrad/optim/param_state.h"
 
 #include <ATen/core/Tensor.h>
@@ -34,8 +35,11 @@ class Optimizer;
 namespace commgrad::optim {
 
 class ZeroOptimizer;
+class DynamicLossScaler;
 /// A ZeroOptimizer in an options struct (TORCH_ARG needs one name for the type).
 using ZeroOptimizerPtr = ZeroOptimizer*;
+/// A DynamicLossScaler in an options struct.
+using DynamicLossScalerPtr = DynamicLossScaler*;
 
 /// Makes the optimizer that steps this rank's shards (one flat tensor per
 /// bucket). Any torch::optim optimizer whose update is per element works
@@ -64,11 +68,36 @@ struct ZeroOptimizerOptions {
   /// The norm is over every shard and, with tensor_parallel_group, every TP
   /// rank, counting TP-replicated parameters once.
   TORCH_ARG(double, max_grad_norm) = 0;
-  /// float16/bfloat16 parameters: keep this rank's ranges in float32 (master
-  /// weights), with float32 gradients and state, and give the parameters the
-  /// rounded result after each step (mixed precision). Off: step in the
-  /// parameters' own dtype.
-  TORCH_ARG(bool, float32_master) = true;
+  /// Mixed precision (dp/mixed_precision.h), the struct fully_shard and DDP
+  /// take: `param_dtype` casts the module's parameters (DDP does it at
+  /// construction); `reduce_dtype` is the dtype gradients are
+  /// reduce-scattered in (float16/bfloat16 sums split the average around
+  /// them); `float32_master` keeps this rank's ranges of float16/bfloat16
+  /// parameters in float32 (master weights, with float32 gradients and
+  /// state) and gives the parameters the rounded result after each step
+  /// (off: step in the parameters' own dtype). `output_dtype` is an error
+  /// (forward is not wrapped). This struct's policy replaces `ddp`'s.
+  ///
+  /// Example:
+  ///   ZeroOptimizerOptions(dp).mixed_precision(
+  ///       commgrad::dp::MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat))
+  TORCH_ARG(dp::MixedPrecisionPolicy, mixed_precision);
+
+ public:
+  /// Deprecated alias of mixed_precision().float32_master() (kept for one
+  /// release).
+  ZeroOptimizerOptions& float32_master(bool on) {
+    mixed_precision_.float32_master(on);
+    return *this;
+  }
+  bool float32_master() const { return mixed_precision_.float32_master(); }
+  /// Dynamic loss scaling (float16): step() unscales this rank's ranges of
+  /// the reduced gradients, agrees with every rank of the scaler's groups
+  /// on inf/NaN (they must include the data-parallel group), skips the step
+  /// on every rank when any found one, and updates the scale. Scale the loss
+  /// with the same scaler (scaler.scale(loss).backward()). The scaler must
+  /// outlive the optimizer; null: none.
+  TORCH_ARG(DynamicLossScalerPtr, loss_scaler) = nullptr;
   /// The tensor-parallel group, when the module holds TP shards (undefined:
   /// the current layout's when its TP size is above 1, else the group the
   /// module's partitioned parameters are split over; a group other than
@@ -118,6 +147,7 @@ struct ZeroShardInfo {
   int64_t end = 0;
   /// The dtype of the range's master weights, gradient and state (float32
   /// with float32_master for 16-bit parameters; else the parameters').
+  /// The reduced gradient arrives in the policy's reduce dtype.
   at::ScalarType state_dtype = at::kFloat;
   /// One entry per parameter overlapping the range.
   struct Segment {
@@ -165,7 +195,8 @@ class ZeroOptimizer {
 
   /// Clips (when max_grad_norm is set), steps this rank's shards and
   /// all-gathers the parameters. Collective over the data-parallel group.
-  /// Returns the global gradient norm before clipping when clipping, else -1.
+  /// Returns the global gradient norm before clipping when clipping, else -1;
+  /// NaN when the loss scaler found inf/NaN and every rank skipped the step.
   /// Errors when no synchronised backward ran since the last step.
   double step();
   /// Zeroes the gradients (ZeRO-1: the bucket views in place; ZeRO-2: there

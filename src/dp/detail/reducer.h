@@ -73,7 +73,9 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
     uintptr_t hook_key = 0;
   };
   struct Bucket {
-    at::ScalarType dtype;
+    at::ScalarType dtype;        // of the buffer (the reduction)
+    at::ScalarType param_dtype;  // of the parameters and their gradients
+    AverageSplit average;        // division before and after the sum
     std::vector<size_t> params;
     std::vector<std::string> names;
     int64_t bytes = 0;
@@ -96,7 +98,9 @@ class DdpReducer : public std::enable_shared_from_this<DdpReducer> {
   void release_buffer(Bucket& bucket);  // with release_gradients: free it until the next backward
   void finish_bucket(size_t b, std::exception_ptr& error);
   bool release() const { return options_.release_gradients(); }
-  bool as_bucket_view() const { return options_.gradient_as_bucket_view() && !release(); }
+  bool as_bucket_view(const Bucket& b) const {
+    return options_.gradient_as_bucket_view() && !release() && b.dtype == b.param_dtype;
+  }
   void write_back(const std::vector<int32_t>& global_use);
   void wait_all_quietly();
   void reset_backward_state();

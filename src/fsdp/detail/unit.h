@@ -50,6 +50,7 @@ struct Param {
   commgrad::detail::NodePtr accumulator;
   uintptr_t hook_key = 0;
   bool ready = false;
+  int64_t tripwire = -1;  // the compute tensor's version when its tripwire gradient was set (-1: none)
 };
 
 class Unit : public std::enable_shared_from_this<Unit> {
@@ -72,12 +73,24 @@ class Unit : public std::enable_shared_from_this<Unit> {
   // Backward (backward.cpp).
   void before_backward();
   void on_gradient(size_t param);
+  /// Before a gradient accumulates into a resharded unit's parameter (a
+  /// deferred weight gradient of a zero-bubble schedule's W): gives the
+  /// compute tensor its shape (over the freed buffer: nothing reads it) so
+  /// that autograd accumulates a gradient of that shape; on_gradient puts
+  /// the empty tensor back.
+  void before_accumulate(size_t param);
   /// Packs the gradients (zeros for the missing) and starts the reduce-scatter.
   void launch_reduction();
   /// Waits for the reduce-scatter and adds the result to the pieces' grads.
   void finish_reduction();
   /// Resets what one backward set.
   void end_backward();
+  /// After a synchronised backward: gives each compute tensor without a
+  /// gradient an empty one, so that an optimizer built over the parameters
+  /// before fully_shard steps it (and bumps its version) instead of
+  /// silently skipping it; check_tripwires() at the next forward notices.
+  void arm_tripwires();
+  void check_tripwires();
 
   // Storage (unit.cpp).
   void unshard();
