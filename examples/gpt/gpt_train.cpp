@@ -370,9 +370,9 @@ int main(int argc, char** argv) {
         commgrad::ModelParallelOptions(c.tp, c.pp).context_parallel_size(c.cp).expert_parallel_size(c.ep),
         commgrad::world());
     model_config.ep_group = state.expert_parallel_group();
-    const gpt::Layout layout{state.tensor_parallel_group(),  state.pipeline_parallel_group(),
-                             state.data_parallel_group(),    state.embedding_group(),
-                             state.context_parallel_group(), state.data_context_parallel_group(),
+    const gpt::Layout layout{state.tensor_parallel_group(),     state.pipeline_parallel_group(),
+                             state.data_parallel_group(),       state.embedding_group(),
+                             state.context_parallel_group(),    state.data_context_parallel_group(),
                              state.expert_data_parallel_group()};
     gpt::Trainer trainer(trainer_options(c), model_config, layout);
     int start = 0;  // steps done before this run

@@ -65,11 +65,11 @@ bool recompute_matches(const TrainerOptions& options, const GptConfig& config, c
     const Run run = g == G::kNone ? none : train(options, c, layout, corpus, steps);
     const bool mine = same_losses(run.losses, none.losses) && run.parameters == none.parameters;
     // Agreed over the world: 1 when every rank matched.
-    const bool every = commgrad::ops::raw::all_reduce(torch::full({1}, mine ? 1 : 0, torch::kInt),
-                                                      commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMin),
-                                                      world)
-                           .wait()
-                           .item<int>() == 1;
+    const bool every =
+        commgrad::ops::raw::all_reduce(torch::full({1}, mine ? 1 : 0, torch::kInt),
+                                       commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMin), world)
+            .wait()
+            .item<int>() == 1;
     all = all && every;
     if (world.rank() == 0) {
       std::string losses;
