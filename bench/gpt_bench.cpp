@@ -34,9 +34,18 @@
 //                               [--ffn 1024] [--layers 8] [--sequence 128] [--vocab 256] [--batch 16]
 //                               [--microbatches 4] [--warmup 2] [--steps 5] [--untie]
 //                               [--cp N [--cp-mode ring|allgather|ulysses]]
+//                               [--recompute none,selective,full]
 //
 // --cp N adds N context-parallel ranks to every layout (each sequence split
 // over them, head-tail; tokens/s counts every token once).
+//
+// --recompute none,selective,full runs every layout once per granularity
+// listed (GptConfig::recompute) and prints another table instead: step
+// time, its ratio to the first granularity listed, and the peak of CPU
+// tensor storage above the step's start (counted exactly by
+// memory_counter.h; the highest step and rank): activations, gradients
+// and the optimizer's temporaries together, of which recomputation lowers
+// the first.
 //
 // --untie gives the output layer a weight of its own (GptConfig::tie), the
 // form torch.distributed.pipelining can express (bench/gpt_bench.py).
@@ -44,6 +53,8 @@
 #include "gpt/corpus.h"
 #include "gpt/model.h"
 #include "gpt/trainer.h"
+
+#include "memory_counter.h"
 
 #include "cli/cli.h"
 
@@ -86,6 +97,7 @@ struct Config {
   std::vector<LayoutSpec> layouts;
   int cp = 1;
   std::string cp_mode = "ring";
+  std::vector<std::string> recompute;  // --recompute: granularities to compare (empty: the bubble table)
 };
 
 // "tp,pp,dp[,schedule[,v]]"; v defaults to 2 for the interleaved schedule.
@@ -168,6 +180,11 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--microbatches", c.microbatches, "microbatches per step and replica")->check(cli::positive());
   app.add_option("--warmup", c.warmup, "untimed steps first")->check(cli::non_negative());
   app.add_option("--steps", c.steps, "measured steps")->check(cli::positive());
+  app.add_option("--recompute", c.recompute,
+                 "compare these granularities (none, selective, full; comma-separated)\nper layout instead of "
+                 "the bubble table")
+      ->delimiter(',')
+      ->check(cli::one_of({"none", "selective", "full"}));
   app.add_flag_callback(
       "--untie", [&c] { c.model.tie = false; }, "an output layer of its own (default: tied to the embedding)");
   return cli::parse(app, argc, argv, [&] {
@@ -187,10 +204,11 @@ double median(std::vector<double> v) {
 
 struct Row {
   double tokens_per_second = 0, step_ms = 0, bubble = 0, busiest = 0, closed_form = 0, loss = 0;
+  double peak_bytes = 0;  // CPU tensor storage above the step's start, highest step and rank
 };
 
 // Trains `l` for warm-up plus measured steps; the result is the same on every rank.
-Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) {
+Row run_layout(const Config& c, const gpt::GptConfig& model, const LayoutSpec& l, const gpt::Corpus& corpus) {
   const commgrad::Group world = commgrad::world();
   const auto state =
       commgrad::make_model_parallel(commgrad::ModelParallelOptions(l.tp, l.pp).context_parallel_size(l.cp), world);
@@ -200,7 +218,7 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
   options.microbatches = c.microbatches;
   options.schedule = l.schedule;
   options.stages_per_rank = l.v;
-  gpt::Trainer trainer(options, c.model,
+  gpt::Trainer trainer(options, model,
                        gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(),
                                    state.data_parallel_group(), state.embedding_group(), state.context_parallel_group(),
                                    state.data_context_parallel_group(), state.expert_data_parallel_group()});
@@ -210,9 +228,12 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
   Row row;
   for (int k = 0; k < c.warmup + c.steps; ++k) {
     commgrad::ops::barrier(world);
+    commgrad::bench::reset_peak_cpu_bytes();
+    const int64_t live = commgrad::bench::live_cpu_bytes();
     const double start = seconds_now();
     row.loss = trainer.step(corpus, k);
     const double wall = seconds_now() - start;
+    const double peak = static_cast<double>(commgrad::bench::peak_cpu_bytes() - live);
     const auto& r = trainer.last_step();
     // Summed over the ranks: compute, and one F, B and W (divided into the ranks' mean).
     const double per_action = 1.0 / (c.microbatches * world.size());
@@ -224,9 +245,10 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
                           .wait();
     const double compute = sums[0].item<double>();
     const auto slowest = commgrad::ops::raw::all_reduce(
-                             torch::tensor({wall, r.step_seconds, r.compute_seconds}, torch::kDouble), max, world)
+                             torch::tensor({wall, r.step_seconds, r.compute_seconds, peak}, torch::kDouble), max, world)
                              .wait();
     if (k < c.warmup) continue;
+    row.peak_bytes = std::max(row.peak_bytes, slowest[3].item<double>());
     forwards.push_back(sums[1].item<double>());
     backwards.push_back(sums[2].item<double>());
     weights.push_back(sums[3].item<double>());
@@ -246,12 +268,51 @@ Row run_layout(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus) 
   return row;
 }
 
+tp::RecomputeGranularity granularity(const std::string& name) {
+  if (name == "full") return tp::RecomputeGranularity::kFull;
+  if (name == "selective") return tp::RecomputeGranularity::kSelective;
+  return tp::RecomputeGranularity::kNone;
+}
+
+// --recompute: one row per granularity of layout `l`.
+void print_recompute_rows(const Config& c, const LayoutSpec& l, const gpt::Corpus& corpus, bool speaker) {
+  double first_ms = 0;
+  for (const auto& name : c.recompute) {
+    gpt::GptConfig model = c.model;
+    model.recompute = granularity(name);
+    const Row r = run_layout(c, model, l, corpus);
+    if (first_ms == 0) first_ms = r.step_ms;
+    if (!speaker) continue;
+    std::printf("| %s | %s | %d | %s | %.0f | %.1f | %.2fx | %.2f | %.4f |\n", l.name().c_str(),
+                l.pp == 1 ? "-" : l.schedule.c_str(), l.pp == 1 ? 1 : l.v, name.c_str(), r.tokens_per_second,
+                r.step_ms, r.step_ms / first_ms, r.peak_bytes / (1 << 20), r.loss);
+    std::fflush(stdout);
+  }
+}
+
+// The table's header: the bubble table, or with --recompute the granularities'.
+void print_table_header(const Config& c) {
+  if (c.recompute.empty()) {
+    std::printf(
+        "| layout | schedule | v | tokens/s | step p50 (ms) | bubble measured | bubble closed form | "
+        "measured / closed | busiest rank | busiest / closed | loss |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  } else {
+    std::printf(
+        "| layout | schedule | v | recompute | tokens/s | step p50 (ms) | step / %s | peak MiB above step start | "
+        "loss |\n|---|---|---:|---|---:|---:|---:|---:|---:|\n",
+        c.recompute.front().c_str());
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     Config c;
     if (const auto code = parse(argc, argv, c)) return *code;
+    commgrad::bench::count_cpu_allocations();
     commgrad::init_process_group();
     const int n = commgrad::world_size();
     const bool speaker = commgrad::rank() == 0;
@@ -268,11 +329,7 @@ int main(int argc, char** argv) {
           static_cast<long long>(m.vocab), static_cast<long long>(m.sequence),
           m.tie ? "tied embeddings" : "untied output layer", static_cast<long long>(c.batch), c.microbatches, c.warmup,
           c.steps);
-      std::printf(
-          "| layout | schedule | v | tokens/s | step p50 (ms) | bubble measured | bubble closed form | "
-          "measured / closed | busiest rank | busiest / closed | loss |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-      std::fflush(stdout);
+      print_table_header(c);
     }
     std::vector<std::string> notes;
     for (const auto& l : c.layouts) {
@@ -282,7 +339,11 @@ int main(int argc, char** argv) {
                         " ranks and the job has " + std::to_string(n));
         continue;
       }
-      const Row r = run_layout(c, l, corpus);
+      if (!c.recompute.empty()) {
+        print_recompute_rows(c, l, corpus, speaker);
+        continue;
+      }
+      const Row r = run_layout(c, c.model, l, corpus);
       if (speaker) {
         char ratio[32] = "-", busiest_ratio[32] = "-";
         if (r.closed_form > 0) {

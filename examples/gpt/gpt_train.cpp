@@ -6,7 +6,8 @@
 //                               [--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank 2] [--fsdp]
 //                               [--precision fp32|bf16|fp16]
 //                               [--save DIR [--save-every K] [--async-save]] [--resume DIR] [--text FILE]
-//                               [--curve PREFIX|none] [--check] [--recompute none|selective|full]
+//                               [--curve PREFIX|none] [--check] [--dropout P]
+//                               [--recompute none|selective|full [--recompute-layers K]] [--check-recompute]
 //                               [--experts E [--topk k] [--ep N] [--moe-every 2]]
 //
 // (gpt_train --help lists every option with its default; a bad one ends the
@@ -47,6 +48,15 @@
 // over the expert-data group, clipped with the rest by one global norm
 // (docs/moe.md).
 //
+// --dropout P turns on attention and hidden dropout in every layer (masks
+// from tp::rng_tracker(), seeded by the trainer). --recompute recomputes
+// every layer's activations in backward (selective: the attention core;
+// full: the whole layer), or with --recompute-layers K only the first K
+// layers of each stage (Megatron's block method). --check-recompute also
+// trains the same layout under none, selective and full recompute and
+// checks that losses and parameters agree bit for bit (dropout masks are
+// replayed; docs/recompute.md).
+//
 // With --check every rank also trains the model alone (TP = PP = DP = 1)
 // from step 1 and rank 0 compares the curves step by step (after a resume,
 // the steps this run trained): the program exits non-zero when they part by
@@ -65,6 +75,7 @@
 #include "gpt/loss_curve.h"
 #include "gpt/model.h"
 #include "gpt/progress.h"
+#include "gpt/recompute_check.h"
 #include "gpt/trainer.h"
 
 #include "cli/cli.h"
@@ -107,6 +118,9 @@ struct Config {
   std::string curve = "gpt_train_loss";
   bool check = false;
   std::string recompute = "none";
+  int recompute_layers = 0;
+  bool check_recompute = false;
+  double dropout = 0.0;
   int experts = 0, topk = 2, ep = 1, moe_every = 1;
 
   std::string layout() const {
@@ -167,6 +181,40 @@ void add_checkpoint_options(commgrad::cli::App& app, Config& c) {
       ->type_name("DIR");
 }
 
+// --dropout, --recompute, --recompute-layers, --check-recompute.
+void add_recompute_options(commgrad::cli::App& app, Config& c) {
+  namespace cli = commgrad::cli;
+  app.add_option("--dropout", c.dropout, "attention and hidden dropout probability of every layer")
+      ->type_name("P")
+      ->check(cli::number(0.0, true, 0.9));
+  app.add_option(
+         "--recompute", c.recompute,
+         "activation recomputation of every layer: none, selective\n(the attention core) or full (the whole layer)")
+      ->check(cli::one_of({"none", "selective", "full"}));
+  app.add_option("--recompute-layers", c.recompute_layers,
+                 "with --recompute: only the first K layers of each stage\n(0: every layer)")
+      ->type_name("K")
+      ->check(cli::non_negative());
+  app.add_flag("--check-recompute", c.check_recompute,
+               "also train this layout under none, selective and full\nrecompute and compare losses and parameters "
+               "bit for bit\n(exit 1 when they differ)");
+}
+
+// The combinations of the recompute and dropout options that cannot work, named.
+void check_recompute_options(const Config& c) {
+  namespace cli = commgrad::cli;
+  if (c.recompute_layers > 0 && c.recompute == "none") {
+    throw cli::usage_error("--recompute-layers " + std::to_string(c.recompute_layers) +
+                           " needs --recompute selective or full");
+  }
+  if (c.dropout > 0 && c.check) {
+    throw cli::usage_error(
+        "--check compares with one rank, whose dropout masks differ from a split layer's; with --dropout use "
+        "--check-recompute");
+  }
+  if (c.dropout > 0 && c.cp > 1) throw cli::usage_error("--dropout does not combine with --cp (attention dropout)");
+}
+
 // The combinations --experts does not support (yet), named.
 void check_experts(const Config& c) {
   namespace cli = commgrad::cli;
@@ -216,10 +264,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--text", c.text, "train on this file's bytes instead of the synthetic corpus")->type_name("FILE");
   app.add_option("--curve", c.curve, "write the loss curve to PREFIX.csv and PREFIX.svg\n(none: do not)")
       ->type_name("PREFIX");
-  app.add_option(
-         "--recompute", c.recompute,
-         "activation recomputation of every layer: none, selective\n(the attention core) or full (the whole layer)")
-      ->check(cli::one_of({"none", "selective", "full"}));
+  add_recompute_options(app, c);
   add_expert_options(app, c);
   app.add_flag("--check", c.check, "also train on one rank and compare the curves\n(exit 1 when they part)");
   return cli::parse(app, argc, argv, [&c] {
@@ -230,17 +275,13 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
     }
     if (c.precision == "fp16" && c.experts > 0)
       throw cli::usage_error("--precision fp16 does not combine with --experts yet");
-    if (c.recompute == "full" && c.schedule == "zbh1") {
-      // zbh1 defers weight gradients when the forward runs; a fully
-      // recomputed layer's forward runs without grad (docs/recompute.md).
-      throw cli::usage_error("--recompute full does not combine with --schedule zbh1 yet (selective does)");
-    }
     check_context_parallel(c);
     if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
                              std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
     }
     check_experts(c);
+    check_recompute_options(c);
     if (c.save_every > 0 && c.save.empty()) {
       throw cli::usage_error("--save-every needs --save DIR and a positive number of steps");
     }
@@ -282,6 +323,8 @@ void configure_model(const Config& c, const gpt::Corpus& corpus, gpt::GptConfig&
   model_config.recompute = c.recompute == "full"        ? tp::RecomputeGranularity::kFull
                            : c.recompute == "selective" ? tp::RecomputeGranularity::kSelective
                                                         : tp::RecomputeGranularity::kNone;
+  model_config.recompute_layers = c.recompute_layers;
+  model_config.dropout = c.dropout;
 }
 
 // Rank 0's first lines: the build, the model, the layout and the data.
@@ -294,6 +337,9 @@ void print_header(const Config& c, const gpt::GptConfig& model_config, const gpt
   if (c.stages_per_rank > 1) std::printf(" (%d stages per rank)", c.stages_per_rank);
   std::printf(", %d microbatches", c.microbatches);
   if (c.recompute != "none") std::printf(", recompute %s", c.recompute.c_str());
+  if (c.recompute != "none" && c.recompute_layers > 0)
+    std::printf(" (the first %d layers of each stage)", c.recompute_layers);
+  if (c.dropout > 0) std::printf(", dropout %g", c.dropout);
   if (c.experts > 0) std::printf(", %d experts (top-%d) over EP=%d", c.experts, c.topk, c.ep);
   std::printf("; data %s\n", corpus.describe().c_str());
   std::fflush(stdout);
@@ -390,11 +436,11 @@ int main(int argc, char** argv) {
         commgrad::ModelParallelOptions(c.tp, c.pp).context_parallel_size(c.cp).expert_parallel_size(c.ep),
         commgrad::world());
     model_config.ep_group = state.expert_parallel_group();
-    gpt::Trainer trainer(
-        trainer_options(c), model_config,
-        gpt::Layout{state.tensor_parallel_group(), state.pipeline_parallel_group(), state.data_parallel_group(),
-                    state.embedding_group(), state.context_parallel_group(), state.data_context_parallel_group(),
-                    state.expert_data_parallel_group()});
+    const gpt::Layout layout{state.tensor_parallel_group(),     state.pipeline_parallel_group(),
+                             state.data_parallel_group(),       state.embedding_group(),
+                             state.context_parallel_group(),    state.data_context_parallel_group(),
+                             state.expert_data_parallel_group()};
+    gpt::Trainer trainer(trainer_options(c), model_config, layout);
     const int start = resume(c, trainer, rank);  // steps done before this run
     std::vector<gpt::CurvePoint> curve;
     gpt::Progress progress(start + 1, c.steps, kBatch * model_config.sequence);
@@ -414,7 +460,10 @@ int main(int argc, char** argv) {
       }
     }
 
-    const bool ok = !c.check || matches_one_rank(c, model_config, corpus, curve, rank);
+    bool ok = !c.check || matches_one_rank(c, model_config, corpus, curve, rank);
+    if (c.check_recompute) {
+      ok = gpt::recompute_matches(trainer_options(c), model_config, layout, corpus, c.steps, commgrad::world()) && ok;
+    }
     if (rank == 0 && c.curve != "none" && !curve.empty()) {
       gpt::write_csv(c.curve + ".csv", curve);
       gpt::write_svg(c.curve + ".svg", curve, "gpt_train " + c.layout() + ", " + c.schedule);

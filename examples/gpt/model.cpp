@@ -21,6 +21,14 @@ std::function<torch::nn::AnyModule(const tp::ParallelTransformerLayerOptions&)> 
   };
 }
 
+// Layer `l` of a stage whose first layer is `first`: the configured
+// recomputation for the first recompute_layers layers of the stage (all
+// when 0), none for the rest.
+tp::RecomputeGranularity layer_recompute(const GptConfig& config, int64_t first, int64_t l) {
+  const bool recomputed = config.recompute_layers == 0 || l - first < config.recompute_layers;
+  return recomputed ? config.recompute : tp::RecomputeGranularity::kNone;
+}
+
 }  // namespace
 
 GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int stages_per_rank,
@@ -71,7 +79,9 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
     for (int64_t l = s.first_layer; l < s.end_layer; ++l) {
       auto options = tp::ParallelTransformerLayerOptions(config.hidden, config.heads, config.ffn, tp_group)
                          .sequence_parallel(config.sequence_parallel)
-                         .recompute(config.recompute)
+                         .recompute(layer_recompute(config, s.first_layer, l))
+                         .hidden_dropout(config.dropout)
+                         .attention_dropout(config.dropout)
                          .seed(100 + l)
                          .context_parallel(cp ? std::make_optional(context_parallel) : std::nullopt);
       if (config.experts > 0 && l % config.moe_every == config.moe_every - 1) options.feed_forward(moe_block(config));

@@ -48,6 +48,13 @@ struct GptConfig {
   bool sequence_parallel = false;
   /// Activation recomputation of every layer (tp::ParallelTransformerLayerOptions::recompute).
   commgrad::tp::RecomputeGranularity recompute = commgrad::tp::RecomputeGranularity::kNone;
+  /// With recompute: only the first `recompute_layers` layers of each stage
+  /// recompute, the others keep their activations (Megatron's
+  /// recompute_method=block with recompute_num_layers); 0: every layer.
+  int64_t recompute_layers = 0;
+  /// Attention and hidden dropout of every layer (training only; the masks
+  /// come from tp::rng_tracker(), which the Trainer seeds).
+  double dropout = 0.0;
   /// The output layer's weight is the embedding's (false: a weight of its own).
   bool tie = true;
   /// Mixture of experts (commgrad::moe): 0, a dense FFN in every layer; E,

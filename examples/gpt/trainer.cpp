@@ -7,12 +7,26 @@ namespace gpt {
 
 namespace checkpoint = commgrad::checkpoint;
 
+namespace {
+
+// Dropout draws from tp::rng_tracker(): seeded alike on the ranks of a
+// tensor-parallel group (the replicated stream; the model-parallel one
+// differs by TP rank), differently per pipeline stage (Megatron's seed +
+// 100 x pipeline rank), and again for every Trainer, so that two trainings
+// of one layout draw the same masks.
+void seed_dropout(const GptConfig& config, const Layout& layout) {
+  if (config.dropout > 0) commgrad::tp::model_parallel_manual_seed(1234 + 100 * layout.pp.rank(), layout.tp);
+}
+
+}  // namespace
+
 Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, const Layout& layout)
     : options_(options),
       layout_(layout),
       model_(model_config, layout.pp.rank(), layout.pp.size(), options.stages_per_rank, layout.tp,
              commgrad::cp::ContextParallelOptions(layout.cp, commgrad::cp::parse_mode(options.cp_mode))) {
   make_optimizer();
+  seed_dropout(model_config, layout);
   commgrad::moe::set_aux_loss_scale(*model_, 1.0 / options.microbatches);  // the pipeline averages microbatches
   std::vector<commgrad::pp::StageFunction> stages;
   for (int v = 0; v < options.stages_per_rank; ++v) {

@@ -78,6 +78,9 @@ class Trainer {
   /// The pipeline's report of the last step (this rank's compute and step time).
   const commgrad::pp::PipelineStepResult& last_step() const { return last_; }
 
+  /// This rank's part of the model.
+  const GptRank& model() const { return model_; }
+
   /// The loss scaler (precision fp16), else null.
   const commgrad::optim::DynamicLossScaler* loss_scaler() const { return scaler_.get(); }
 

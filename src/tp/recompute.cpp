@@ -23,6 +23,13 @@
 // second, tiny engine call on those leaves (their AccumulateGrad nodes run,
 // hooks included, inside it).
 //
+// Zero-bubble schedules (weight_gradients.h). A forward under
+// DeferWeightGradients runs fn without grad, so its linear layers record
+// nothing to defer; the rerun runs under the same queue (the forward's,
+// saved in the state), so its linear layers leave their weight gradients
+// there for W, exactly as they would have without recompute, and the
+// nested engine call returns no gradient for those weights.
+//
 // Cost: one more forward of fn per backward (the closed form of the tests:
 // backward matmuls + forward matmuls), and no extra collective beyond those
 // fn itself issues.
@@ -30,6 +37,7 @@
 #include "commgrad/tp/recompute.h"
 
 #include "commgrad/detail/torch_compat.h"
+#include "commgrad/tp/weight_gradients.h"
 #include "commgrad/util/names.h"
 
 #include <ATen/ATen.h>
@@ -136,6 +144,22 @@ std::vector<at::Device> cuda_devices(const std::vector<at::Tensor>& tensors) {
   return devices;
 }
 
+// While it lives, this thread's linear layers defer their weight gradients
+// into `queue` (the one the forward ran under; null: none), as they did in
+// the forward: under a zero-bubble schedule the rerun's weight gradients
+// then wait for W, as they would without recompute.
+class DeferralReplay {
+ public:
+  explicit DeferralReplay(std::shared_ptr<WeightGradients::Queue> queue)
+      : previous_(detail::exchange_deferring_weight_gradients(std::move(queue))) {}
+  ~DeferralReplay() { detail::exchange_deferring_weight_gradients(std::move(previous_)); }
+  DeferralReplay(const DeferralReplay&) = delete;
+  DeferralReplay& operator=(const DeferralReplay&) = delete;
+
+ private:
+  std::shared_ptr<WeightGradients::Queue> previous_;
+};
+
 // ~~~ what forward keeps ~~~
 
 struct OutputMeta {
@@ -156,6 +180,7 @@ struct State {
   bool preserve_rng = true;
   RngSnapshot rng;
   std::vector<at::Device> devices;
+  std::shared_ptr<WeightGradients::Queue> deferral;  // the forward's DeferWeightGradients queue, if any
   std::vector<OutputMeta> outputs;
   size_t attached = 0;
 };
@@ -238,6 +263,7 @@ class RecomputeBackward : public torch::autograd::Node {
   explicit RecomputeBackward(std::shared_ptr<State> state) : name_(state->name), state_(std::move(state)) {}
   std::string name() const override { return "commgrad::tp::RecomputeBackward"; }
   void release_variables() override { state_.reset(); }
+  std::vector<at::Tensor> saved_inputs() const { return state_ ? state_->inputs : std::vector<at::Tensor>{}; }
 
   variable_list apply(variable_list&& grads) override {
     TORCH_CHECK(state_, prefix(name_),
@@ -260,6 +286,7 @@ class RecomputeBackward : public torch::autograd::Node {
  private:
   static std::vector<at::Tensor> run(State& s, const variable_list& detached) {
     at::AutoGradMode enable_grad(true);
+    DeferralReplay deferral(s.deferral);
     if (!s.preserve_rng) return s.fn(detached);
     RngReplay replay(s.rng, s.devices);
     return s.fn(detached);
@@ -357,6 +384,7 @@ std::vector<at::Tensor> recompute(const RecomputeFunction& fn, const std::vector
   }
   s.parameters = declared_parameters(options.parameters(), inputs);
   if (s.preserve_rng) s.rng = capture_rng(rng_tracker(), s.devices);
+  s.deferral = detail::deferring_weight_gradients();
 
   std::vector<at::Tensor> outputs;
   {
@@ -389,6 +417,12 @@ std::vector<at::Tensor> recompute(const RecomputeFunction& fn, const std::vector
     s.outputs.push_back(std::move(m));
   }
   return outputs;
+}
+
+std::vector<at::Tensor> recompute_saved_inputs(const at::Tensor& output) {
+  if (!output.defined() || !output.grad_fn()) return {};
+  const auto* node = dynamic_cast<const RecomputeBackward*>(output.grad_fn().get());
+  return node != nullptr ? node->saved_inputs() : std::vector<at::Tensor>{};
 }
 
 at::Tensor recompute(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input,

@@ -93,6 +93,12 @@ namespace detail {
 
 std::shared_ptr<WeightGradients::Queue> deferring_weight_gradients() { return current_queue; }
 
+std::shared_ptr<WeightGradients::Queue> exchange_deferring_weight_gradients(
+    std::shared_ptr<WeightGradients::Queue> queue) {
+  std::swap(queue, current_queue);
+  return queue;
+}
+
 void note_deferring_layer(WeightGradients::Queue& queue) {
   std::lock_guard<std::mutex> lock(queue.mutex);
   ++queue.layers;

@@ -95,6 +95,41 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, {"--cp", "2", "--dp", "2", "--cp-mode", "ulysses"}, "cp2_dp2_ulysses"}),
     [](const auto& info) { return info.param.name; });
 
+// With dropout on, the same layout trained without recompute, with
+// selective and with full recompute gives the same losses and the same
+// parameters on every rank, bit for bit (gpt_train --check-recompute
+// compares them in the program): TP=2 x DP=2 with SP, and TP=2 x PP=2 with
+// SP under 1F1B (only the first layer of each stage recomputed),
+// interleaved and zbh1 (its deferred weight gradients taken from the rerun).
+// The pypi line only: LibTorch 1.13 adds nothing here that tp_recompute_test
+// does not check there.
+TEST(GptTrainExample, RecomputeWithDropoutEqualsNoRecomputeBitForBit) {
+#ifdef COMMGRAD_SECOND_TORCH_LINE
+  GTEST_SKIP() << "multi-process recompute runs: the default (pypi) line only";
+#endif
+  const std::vector<std::vector<std::string>> layouts{
+      {"--tp", "2", "--dp", "2", "--sp"},
+      {"--tp", "2", "--pp", "2", "--sp", "--recompute", "full", "--recompute-layers", "1"},
+      {"--tp", "2", "--pp", "2", "--sp", "--schedule", "interleaved"},
+      {"--tp", "2", "--pp", "2", "--sp", "--schedule", "zbh1", "--recompute", "full"},
+  };
+  for (const auto& layout : layouts) {
+    std::vector<std::string> args{"--dropout", "0.1", "--steps", "3", "--check-recompute", "--curve", "none"};
+    args.insert(args.end(), layout.begin(), layout.end());
+    auto r = gpt_train(4, args);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_THAT(r.out, HasSubstr(", dropout 0.1"));
+    EXPECT_THAT(r.out, HasSubstr("[0] recompute none: losses "));
+    EXPECT_THAT(r.out, ::testing::Not(HasSubstr("recompute none: losses 4.84335"))) << "dropout changes the loss";
+    for (const char* g : {"selective", "full"}) {
+      const std::regex line(
+          "\\[0\\] recompute " + std::string(g) +
+          ": losses [0-9.]+ [0-9.]+ [0-9.]+, rank 0 parameters [0-9a-f]{16}: equal to none bit for bit");
+      EXPECT_TRUE(std::regex_search(r.out, line)) << g << "\n" << r.out;
+    }
+  }
+}
+
 // 16-bit compute against one rank computing in the same dtype (tolerance
 // 5e-3 for bfloat16, 1e-3 for float16: their rounding); float16 with the
 // loss scaler, saved and resumed with its state.
@@ -272,6 +307,7 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
   expect_help_lists(program, {"--tp", "--pp", "--dp", "--sp", "--microbatches", "--steps", "--schedule",
                               "--stages-per-rank", "--save", "--save-every", "--resume", "--text", "--curve", "--check",
                               "--recompute", "--cp", "--cp-mode"});
+  expect_help_lists(program, {"--dropout", "--recompute-layers", "--check-recompute"});
   const std::string positive = "expected an integer in [1, 2147483647]";
   expect_bad_options(
       program,
@@ -299,7 +335,10 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
           {{"--precision", "fp16", "--experts", "2"}, "--precision fp16 does not combine with --experts"},
           {{"--precision", "fp8"}, "--precision: expected one of fp32, bf16, fp16, got 'fp8'"},
           {{"--recompute", "partial"}, "--recompute: expected one of none, selective, full, got 'partial'"},
-          {{"--recompute", "full", "--schedule", "zbh1"}, "--recompute full does not combine with --schedule zbh1"},
+          {{"--recompute-layers", "1"}, "--recompute-layers 1 needs --recompute selective or full"},
+          {{"--dropout", "0.1", "--check"}, "with --dropout use --check-recompute"},
+          {{"--dropout", "1.5"}, "--dropout: expected a number >= 0 and <= 0.9, got '1.5'"},
+          {{"--dropout", "0.1", "--cp", "2"}, "--dropout does not combine with --cp"},
       });
 }
 

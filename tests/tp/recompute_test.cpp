@@ -15,6 +15,7 @@
 #include "commgrad/tp/random.h"
 #include "commgrad/tp/recompute.h"
 #include "commgrad/tp/transformer_layer.h"
+#include "commgrad/tp/weight_gradients.h"
 
 #include "harness/spawn_ranks.h"
 
@@ -23,6 +24,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -379,9 +381,13 @@ struct LayerRun {
   at::Tensor out, input_grad;
   std::vector<at::Tensor> grads;
   uint64_t forward_collectives = 0, backward_collectives = 0;
+  std::vector<at::Tensor> saved;  // what a full recompute kept for the rerun (recompute_saved_inputs)
+  bool saved_aliases_input = false;
+  size_t deferred = 0;          // with `defer`: weight gradients waiting after backward (B)
+  size_t defined_before_w = 0;  // with `defer`: parameter gradients defined after B, before W
 };
 
-LayerRun layer_run(Group& g, RecomputeGranularity granularity, bool sequence_parallel) {
+LayerRun layer_run(Group& g, RecomputeGranularity granularity, bool sequence_parallel, bool defer = false) {
   ScopedRngTracker scoped{RngTracker()};
   model_parallel_manual_seed(77, g);
   ParallelTransformerLayer layer(ParallelTransformerLayerOptions(16, 4, 32, g)
@@ -396,16 +402,36 @@ LayerRun layer_run(Group& g, RecomputeGranularity granularity, bool sequence_par
   if (sequence_parallel) x = x.chunk(g.size(), 0)[g.rank()].clone();
   x.requires_grad_(true);
   LayerRun run;
+  WeightGradients weights;  // a zero-bubble schedule's: forward under the guard, B, then W
   const uint64_t s0 = g.next_sequence();
-  run.out = layer(x);
+  {
+    std::optional<DeferWeightGradients> guard;
+    if (defer) guard.emplace(weights);
+    run.out = layer(x);
+  }
   const uint64_t s1 = g.next_sequence();
+  run.saved = recompute_saved_inputs(run.out);
+  run.saved_aliases_input = run.saved.size() == 1 && run.saved[0].data_ptr() == x.data_ptr();
   run.out.pow(2).sum().backward();
   const uint64_t s2 = g.next_sequence();
+  run.deferred = weights.size();
+  for (const auto& p : layer->parameters()) run.defined_before_w += p.grad().defined() ? 1 : 0;
+  weights.compute();
   run.forward_collectives = s1 - s0 - 1;
   run.backward_collectives = s2 - s1 - 1;
   run.input_grad = x.grad();
   for (const auto& p : layer->parameters()) run.grads.push_back(p.grad());
   return run;
+}
+
+void expect_same_gradients(const LayerRun& run, const LayerRun& want, const std::string& what) {
+  EXPECT_TRUE(torch::equal(run.out, want.out)) << what;
+  EXPECT_TRUE(torch::equal(run.input_grad, want.input_grad)) << what;
+  ASSERT_EQ(run.grads.size(), want.grads.size());
+  for (size_t i = 0; i < run.grads.size(); ++i) {
+    ASSERT_TRUE(run.grads[i].defined()) << what << " parameter " << i;
+    EXPECT_TRUE(torch::equal(run.grads[i], want.grads[i])) << what << " parameter " << i;
+  }
 }
 
 class RecomputeLayer : public ::testing::TestWithParam<bool> {};
@@ -415,20 +441,51 @@ TEST_P(RecomputeLayer, GradientsEqualWithoutRecomputeWithDropoutOn) {
   spawn_ranks(2, [&](Group& g) {
     const LayerRun none = layer_run(g, RecomputeGranularity::kNone, sequence_parallel);
     EXPECT_EQ(none.forward_collectives, sequence_parallel ? 4u : 2u);
+    EXPECT_TRUE(none.saved.empty());
     for (auto granularity : {RecomputeGranularity::kSelective, RecomputeGranularity::kFull}) {
       const std::string what = recompute_granularity_name(granularity);
       const LayerRun run = layer_run(g, granularity, sequence_parallel);
-      EXPECT_TRUE(torch::equal(run.out, none.out)) << what;
-      EXPECT_TRUE(torch::equal(run.input_grad, none.input_grad)) << what;
-      ASSERT_EQ(run.grads.size(), none.grads.size());
-      for (size_t i = 0; i < run.grads.size(); ++i) {
-        ASSERT_TRUE(run.grads[i].defined()) << what << " parameter " << i;
-        EXPECT_TRUE(torch::equal(run.grads[i], none.grads[i])) << what << " parameter " << i;
-      }
+      expect_same_gradients(run, none, what);
       EXPECT_EQ(run.forward_collectives, none.forward_collectives) << what;
       // Selective: not one collective again; full: the forward's once more.
       const uint64_t extra = granularity == RecomputeGranularity::kFull ? none.forward_collectives : 0;
       EXPECT_EQ(run.backward_collectives, none.backward_collectives + extra) << what;
+    }
+  });
+}
+
+// Full recompute keeps the layer's input only, an alias of it (no copy):
+// under sequence parallelism this rank's chunk of the sequence, 1/TP of the
+// elements (Megatron's distribute_saved_activations).
+TEST_P(RecomputeLayer, FullRecomputeKeepsThisRanksInputOnly) {
+  const bool sequence_parallel = GetParam();
+  spawn_ranks(2, [&](Group& g) {
+    const LayerRun run = layer_run(g, RecomputeGranularity::kFull, sequence_parallel);
+    ASSERT_EQ(run.saved.size(), 1u);
+    const int64_t whole = 8 * 2 * 16;  // s x b x h
+    EXPECT_EQ(run.saved[0].numel(), sequence_parallel ? whole / g.size() : whole);
+    EXPECT_TRUE(run.saved_aliases_input);
+    EXPECT_TRUE(recompute_saved_inputs(run.out).empty()) << "released after backward";
+  });
+}
+
+// Under a zero-bubble schedule (forward under DeferWeightGradients, B, W),
+// full recompute defers the same 4 weight gradients (qkv, dense, fc1, fc2)
+// as the layer without it: none is accumulated in B, all in W, and every
+// gradient equals the plain backward's bit for bit.
+TEST_P(RecomputeLayer, FullRecomputeDefersTheWeightGradientsToW) {
+  const bool sequence_parallel = GetParam();
+  spawn_ranks(2, [&](Group& g) {
+    const LayerRun plain = layer_run(g, RecomputeGranularity::kNone, sequence_parallel);
+    const LayerRun none = layer_run(g, RecomputeGranularity::kNone, sequence_parallel, /*defer=*/true);
+    EXPECT_EQ(none.deferred, 4u);
+    expect_same_gradients(none, plain, "none, deferred");
+    for (auto granularity : {RecomputeGranularity::kSelective, RecomputeGranularity::kFull}) {
+      const std::string what = std::string(recompute_granularity_name(granularity)) + ", deferred";
+      const LayerRun run = layer_run(g, granularity, sequence_parallel, /*defer=*/true);
+      EXPECT_EQ(run.deferred, none.deferred) << what;
+      EXPECT_EQ(run.defined_before_w, none.defined_before_w) << what;
+      expect_same_gradients(run, plain, what);
     }
   });
 }

@@ -93,6 +93,18 @@ struct RecomputeOptions {
 std::vector<at::Tensor> recompute(const RecomputeFunction& fn, const std::vector<at::Tensor>& inputs,
                                   const RecomputeOptions& options = {});
 
+/// The tensors recompute() keeps for the rerun of the call that made
+/// `output` (aliases of its inputs, in order; undefined where an input
+/// was), while its backward has not run; empty when `output` is not an
+/// output of recompute() (or came from it outside grad mode). What a
+/// recomputed layer holds for backward, e.g. 1/TP of the sequence under
+/// sequence parallelism.
+///
+/// Example:
+///   auto y = layer(chunk);   // full recompute
+///   int64_t kept = tp::recompute_saved_inputs(y)[0].numel();   // chunk.numel()
+std::vector<at::Tensor> recompute_saved_inputs(const at::Tensor& output);
+
 /// One tensor in, one tensor out.
 ///
 /// Example:

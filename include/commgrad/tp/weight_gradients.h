@@ -88,6 +88,13 @@ namespace detail {
 /// when there is none): a layer's forward saves it for its backward.
 std::shared_ptr<WeightGradients::Queue> deferring_weight_gradients();
 
+/// Makes `queue` (null: none) the one this thread's layer forwards defer
+/// into, as a DeferWeightGradients guard would; returns the previous one.
+/// recompute() uses it to rerun a function under the queue its forward ran
+/// under, so that the rerun's layers defer their weight gradients there.
+std::shared_ptr<WeightGradients::Queue> exchange_deferring_weight_gradients(
+    std::shared_ptr<WeightGradients::Queue> queue);
+
 /// Counts a layer forward that saved `queue` for its backward.
 void note_deferring_layer(WeightGradients::Queue& queue);
 
