@@ -284,8 +284,8 @@ void print_recompute_rows(const Config& c, const LayoutSpec& l, const gpt::Corpu
     if (first_ms == 0) first_ms = r.step_ms;
     if (!speaker) continue;
     std::printf("| %s | %s | %d | %s | %.0f | %.1f | %.2fx | %.2f | %.4f |\n", l.name().c_str(),
-                l.pp == 1 ? "-" : l.schedule.c_str(), l.pp == 1 ? 1 : l.v, name.c_str(), r.tokens_per_second,
-                r.step_ms, r.step_ms / first_ms, r.peak_bytes / (1 << 20), r.loss);
+                l.pp == 1 ? "-" : l.schedule.c_str(), l.pp == 1 ? 1 : l.v, name.c_str(), r.tokens_per_second, r.step_ms,
+                r.step_ms / first_ms, r.peak_bytes / (1 << 20), r.loss);
     std::fflush(stdout);
   }
 }
