@@ -17,7 +17,8 @@ namespace {
 
 TEST(AsyncSaveCrash, RankKilledDuringABackgroundWriteLeavesThePreviousStepLoadable) {
   TempRoot root("async-crash");
-  const auto env = clean_env({{"COMMGRAD_TIMEOUT", "20"}});
+  TempRoot traces("async-crash-traces");  // the failed job's flight records, removed with it
+  const auto env = clean_env({{"COMMGRAD_TIMEOUT", "20"}, {"COMMGRAD_TRACE_DIR", traces.str()}});
   auto r = run_process(
       {launcher_path(), "-n", "2", build_path("tests/checkpoint/checkpoint_async_crash_job"), root.str(), "1"}, env,
       std::chrono::seconds(60));
