@@ -3,13 +3,15 @@
 # differentiable all_reduce with the recorder off (COMMGRAD_TRACE_BUFFER_SIZE=0)
 # and on (the default ring), in alternating rounds so that the machine's load
 # drifts into both alike. The raw transport call (never recorded) is the
-# control: its off/on difference is the noise. Prints a markdown table of the
-# medians over the rounds and keeps every raw output in OUTDIR.
+# control: its off/on difference is the noise. Then the recorder's own cost
+# per collective (flight_recorder_bench: the notes ops makes, in a loop, off
+# and on, alternating), which a loaded machine blurs far less. Prints markdown
+# tables of the medians over the rounds and keeps every raw output in OUTDIR.
 #
 #   bench/flight_recorder_cost.sh [-n RANKS] [-r ROUNDS] [--backend B] [-i ITERS] [-o OUTDIR] [--build BUILDDIR]
 #
 # Needs commgrad-run and commgrad-bench built in BUILDDIR (default: build, or
-# $COMMGRAD_BUILD_DIR):  cmake --build build --target commgrad-run commgrad-bench
+# $COMMGRAD_BUILD_DIR):  cmake --build build --target commgrad-run commgrad-bench flight_recorder_bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +41,10 @@ for ((round = 0; round < rounds; round++)); do
       >"$out/$mode-$round.txt"
   done
 done
+for ((round = 0; round < rounds; round++)); do
+  COMMGRAD_TRACE_BUFFER_SIZE=0 "$build/bin/flight_recorder_bench" >"$out/self-off-$round.txt"
+  COMMGRAD_TRACE_BUFFER_SIZE= "$build/bin/flight_recorder_bench" >"$out/self-on-$round.txt"
+done
 python3 - "$out" "$rounds" <<'PY'
 import glob, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
@@ -64,4 +70,12 @@ for size in sorted({s for _, s in times}):
     print(f"| {size} | {m[0]:.2f} | {m[1]:.2f} | {100 * (m[1] / m[0] - 1):+.1f}% | {m[2]:.2f} | {m[3]:.2f} | "
           f"{100 * (m[3] / m[2] - 1):+.1f}% |")
 print(f"\n({rounds} rounds each, alternating; medians over the rounds of each round's p50)")
+self = {}
+for mode in ("off", "on"):
+    for path in glob.glob(f"{out}/self-{mode}-*.txt"):
+        self.setdefault(mode, []).append(float(open(path).read().split(":")[1].split()[0]))
+off, on = statistics.median(self["off"]), statistics.median(self["on"])
+print("\n| recorder's own cost per collective | ring off (ns) | ring on (ns) | added (ns) |")
+print("|---|---:|---:|---:|")
+print(f"| issued + on the transport + finished | {off:.1f} | {on:.1f} | {on - off:.1f} |")
 PY

@@ -161,6 +161,39 @@ TEST(GptTrainExample, Float16WithTheLossScalerFollowsTheOneRankCurveAndResumes) 
   EXPECT_THAT(zero.out, HasSubstr("(tolerance 1e-03): ok\n"));
 }
 
+// --async-save writes in the background while the next steps run: the same
+// losses, and the same files byte for byte, as synchronous saves.
+TEST(GptTrainExample, AsyncSavesWriteWhatSynchronousSavesWrite) {
+  TempRoot sync_root("gpt_sync");
+  TempRoot async_root("gpt_async");
+  const std::vector<std::string> args = {"--dp", "2", "--steps", "3", "--save-every", "1", "--curve", "none"};
+  auto with = [&](const std::string& dir, std::vector<std::string> extra) {
+    extra.insert(extra.begin(), args.begin(), args.end());
+    extra.insert(extra.end(), {"--save", dir});
+    return gpt_train(2, extra);
+  };
+  const auto sync = with(sync_root.str(), {});
+  const auto async = with(async_root.str(), {"--async-save"});
+  ASSERT_EQ(sync.exit_code, 0) << sync.out << sync.err;
+  ASSERT_EQ(async.exit_code, 0) << async.out << async.err;
+  EXPECT_EQ(progress_losses(async.out), progress_losses(sync.out));
+  auto bytes = [](const fs::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  for (const char* step : {"step-00000002", "step-00000003"}) {  // keep(2)
+    int files = 0;
+    for (const auto& f : fs::directory_iterator(sync_root.path() / step)) {
+      EXPECT_EQ(bytes(f.path()), bytes(async_root.path() / step / f.path().filename()))
+          << step << "/" << f.path().filename();
+      ++files;
+    }
+    EXPECT_GE(files, 2) << step;
+  }
+}
+
 TEST(GptTrainExample, ResumedUnderAnotherLayoutTheCurveContinues) {
   TempRoot root("gpt");
   const std::string dir = root.str();
