@@ -138,9 +138,8 @@ void add_expert_options(commgrad::cli::App& app, Config& c) {
 // The combinations --experts does not support (yet), named.
 void check_experts(const Config& c) {
   namespace cli = commgrad::cli;
-  if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty() || c.schedule == "zbh1" || c.cp > 1)) {
-    throw cli::usage_error(
-        "--experts does not combine with --sp, --fsdp, --save, --resume, --schedule zbh1 or --cp yet");
+  if (c.experts > 0 && (c.fsdp || c.schedule == "zbh1" || c.cp > 1)) {
+    throw cli::usage_error("--experts does not combine with --fsdp, --schedule zbh1 or --cp yet");
   }
   if (c.ep > 1 && (c.experts == 0 || c.dp % c.ep != 0 || c.experts % c.ep != 0)) {
     throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +

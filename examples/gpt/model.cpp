@@ -9,14 +9,16 @@ namespace tp = commgrad::tp;
 namespace {
 
 // The MoE feed-forward block of a layer (seeded as the layer's MLP would be).
+// Under sequence parallelism each TP rank routes its own part of the
+// sequences (the experts replicated over TP, their gradients summed there).
 std::function<torch::nn::AnyModule(const tp::ParallelTransformerLayerOptions&)> moe_block(const GptConfig& config) {
-  if (config.sequence_parallel) throw std::invalid_argument("experts do not combine with sequence parallelism yet");
   return [config](const tp::ParallelTransformerLayerOptions& o) {
     namespace moe = commgrad::moe;
     const commgrad::Group ep = config.ep_group.defined() ? config.ep_group : commgrad::self_group();
     return torch::nn::AnyModule(moe::MoELayer(
         moe::MoELayerOptions(o.hidden_size(), o.ffn_hidden_size(), config.experts, config.topk, ep)
             .routing(moe::RoutingOptions().aux_loss_coeff(config.aux_loss_coeff).aux_loss_per_sequence(true))
+            .sequence_parallel_group(o.sequence_parallel() ? o.group() : commgrad::Group())
             .seed(*o.seed() + 2)));
   };
 }
