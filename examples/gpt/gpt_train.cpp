@@ -40,7 +40,9 @@
 // top-k routing with a per-sequence load-balancing loss), split over --ep
 // ranks of each data-parallel group; the experts train with a second ZeRO-2
 // over the expert-data group, clipped with the rest by one global norm
-// (docs/moe.md).
+// (docs/moe.md). With --sp each TP rank routes its own part of the
+// sequences; checkpoints hold the experts by their global index, so a run
+// saved at one --ep resumes at another.
 //
 // With --check every rank also trains the model alone (TP = PP = DP = 1)
 // from step 1 and rank 0 compares the curves step by step (after a resume,
