@@ -226,7 +226,9 @@ TEST(GptTrainExample, ExpertParallelFollowsTheOneRankCurve) {
       {2, {"--dp", "2", "--ep", "2"}},
       {4, {"--tp", "2", "--dp", "2", "--ep", "2"}},
       {4, {"--pp", "2", "--dp", "2", "--ep", "2"}},
+#ifndef COMMGRAD_DEFAULT_LINE_ONLY
       {4, {"--tp", "2", "--sp", "--dp", "2", "--ep", "2"}},  // each TP rank routes its part of the sequences
+#endif
   };
   for (const auto& [ranks, layout] : layouts) {
     std::vector<std::string> args{"--experts", "4", "--topk", "2", "--check", "--steps", "3", "--curve", "none"};
@@ -246,6 +248,9 @@ TEST(GptTrainExample, ExpertParallelFollowsTheOneRankCurve) {
 // the experts' optimizer state is split over DP=2 instead) and continue the
 // one-rank curve.
 TEST(GptTrainExample, ExpertsSavedAtEp2ResumeAtEp1) {
+#ifdef COMMGRAD_DEFAULT_LINE_ONLY
+  GTEST_SKIP() << "the LibTorch 1.13 line adds nothing to this case (CI time)";
+#endif
   TempRoot root("gpt_experts");
   const std::string dir = root.str();
   const std::vector<std::string> experts{"--experts", "4", "--topk", "2", "--curve", "none"};
