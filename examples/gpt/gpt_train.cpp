@@ -140,12 +140,12 @@ void add_expert_options(commgrad::cli::App& app, Config& c) {
 // The combinations --experts does not support (yet), named.
 void check_experts(const Config& c) {
   namespace cli = commgrad::cli;
-  if (c.experts > 0 && (c.fsdp || c.schedule == "zbh1" || c.cp > 1)) {
-    throw cli::usage_error("--experts does not combine with --fsdp, --schedule zbh1 or --cp yet");
+  if (c.experts > 0 && (c.fsdp || c.schedule == "zbh1")) {
+    throw cli::usage_error("--experts does not combine with --fsdp or --schedule zbh1 yet");
   }
-  if (c.ep > 1 && (c.experts == 0 || c.dp % c.ep != 0 || c.experts % c.ep != 0)) {
+  if (c.ep > 1 && (c.experts == 0 || (c.dp * c.cp) % c.ep != 0 || c.experts % c.ep != 0)) {
     throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +
-                           std::to_string(c.dp));
+                           std::to_string(c.dp) + (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : ""));
   }
   if (c.experts > 0 && c.topk > c.experts) {
     throw cli::usage_error("--topk " + std::to_string(c.topk) + " is more than the " + std::to_string(c.experts) +

@@ -61,7 +61,8 @@ bool is_split(const Group& sp) { return sp.defined() && sp.size() > 1; }
 // summed over the group (before any early return: every rank takes part) and
 // P is this rank's share of the mean over the whole sequence.
 at::Tensor sequence_load_balancing_loss(const at::Tensor& scores, const at::Tensor& experts, int64_t sequences,
-                                        int64_t num_experts, int64_t top_k, double coeff, const Group& sp) {
+                                        int64_t num_experts, int64_t top_k, double coeff, const Group& sp,
+                                        const Group& cp) {
   const int64_t tokens = scores.size(0);
   const int64_t length = tokens / sequences;  // this rank's tokens of each sequence
   const at::Tensor seq = at::arange(tokens, experts.options()).remainder(sequences).unsqueeze(1);
@@ -69,8 +70,11 @@ at::Tensor sequence_load_balancing_loss(const at::Tensor& scores, const at::Tens
                           .view({sequences, num_experts});
   const int64_t parts = is_split(sp) ? sp.size() : 1;
   if (parts > 1) counts = ops::raw::all_reduce(counts, {}, sp).wait();
+  // Context parallelism: the other parts' counts too; P stays this rank's mean.
+  const int64_t context = is_split(cp) ? cp.size() : 1;
+  if (context > 1) counts = ops::raw::all_reduce(counts, {}, cp).wait();
   if (tokens == 0) return scores.sum() * 0.0;
-  const at::Tensor f = counts.to(scores.scalar_type()) / static_cast<double>(length * parts * top_k);
+  const at::Tensor f = counts.to(scores.scalar_type()) / static_cast<double>(length * parts * context * top_k);
   at::Tensor p = scores.view({length, sequences, num_experts}).mean(0);
   if (parts > 1) p = p / static_cast<double>(parts);
   return (f * p).sum(1).mean() * (coeff * static_cast<double>(num_experts));
@@ -130,6 +134,8 @@ void TopKRouterImpl::reset() {
                  "loss coefficients must be >= 0, got aux ", options.routing().aux_loss_coeff(), " and z ",
                  options.routing().z_loss_coeff());
   if (options.sequence_parallel_group().defined()) check_member(op, options.sequence_parallel_group());
+  if (options.routing().context_parallel_group().defined())
+    check_member(op, options.routing().context_parallel_group());
   options.seed(tp::resolve_seed(options.seed(), g));
   weight = register_parameter("weight", tp::init_linear(options.hidden_size(), e, false, *options.seed()).weight);
   COMMGRAD_CHECK(options.routing().expert_bias_rate() >= 0, op, g, "expert_bias_rate must be >= 0, got ",
@@ -216,7 +222,7 @@ RouterOutput TopKRouterImpl::forward(const at::Tensor& x, int64_t sequences) {
     const at::Tensor aux =
         routing.aux_loss_per_sequence()
             ? sequence_load_balancing_loss(shares, experts, sequences, options.num_experts(), k,
-                                           routing.aux_loss_coeff(), sp)
+                                           routing.aux_loss_coeff(), sp, routing.context_parallel_group())
             : batch_load_balancing_loss(shares, experts, options.num_experts(), k, routing.aux_loss_coeff(), g, sp);
     out.aux_loss = aux.detach();
     injected = aux;

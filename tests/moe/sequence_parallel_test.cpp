@@ -64,9 +64,9 @@ MoELayer make_layer(const Group& ep, const Group& sp) {
   return layer;
 }
 
-// Rows [3t, 3t + 3) of replica d's sequences.
-at::Tensor shard(const at::Tensor& all, int d, int t) {
-  return all.narrow(1, d * kBatch, kBatch).narrow(0, t * (kSeq / kTp), kSeq / kTp).contiguous();
+// Rows [3t, 3t + 3) of replica d's sequences (of `parts` = 2 parts).
+at::Tensor shard(const at::Tensor& all, int d, int t, int64_t parts = kTp) {
+  return all.narrow(1, d * kBatch, kBatch).narrow(0, t * (kSeq / parts), kSeq / parts).contiguous();
 }
 
 // A rank's part of a loss summed over TP, then averaged over data-parallel.
@@ -116,6 +116,65 @@ void expect_sequence_parallel_equals_one_rank(int dp, int ep) {
 TEST(MoESequenceParallelTest, EqualsOneRankAtTp2) { expect_sequence_parallel_equals_one_rank(1, 1); }
 TEST(MoESequenceParallelTest, EqualsOneRankAtTp2Ep2) { expect_sequence_parallel_equals_one_rank(2, 2); }
 TEST(MoESequenceParallelTest, EqualsOneRankAtTp2Ep2Dp4) { expect_sequence_parallel_equals_one_rank(4, 2); }
+
+// Context parallelism (RoutingOptions::context_parallel_group): the 2 CP
+// ranks of a replica hold rows [0, 3) and [3, 6) of its sequences and their
+// losses are AVERAGED (Family 1), each the mean over its own tokens. The
+// experts are split over EP ranks cut from data x context; the reducers
+// average over data x context (experts: summed over the expert-data group,
+// divided by dp * cp). The per-sequence counts are summed over CP, P stays
+// each rank's mean: the losses averaged over data x context, every gradient
+// and the norm equal the one-rank layer's; input gradients are dp * cp times
+// its rows'.
+void expect_context_parallel_equals_one_rank(int dp, int ep) {
+  constexpr int kCp = 2;
+  const at::Tensor x_all = randn({kSeq, kBatch * dp, kHidden}, 1), g_all = randn({kSeq, kBatch * dp, kHidden}, 2);
+  MoELayer ref = make_layer(self_group(), Group());
+  const at::Tensor x_ref = x_all.clone().requires_grad_(true);
+  const at::Tensor y_ref = x_ref + ref(x_ref);
+  ((y_ref * g_all).sum() / static_cast<double>(x_all.numel() / kHidden)).backward();
+  double ref_norm_sq = 0;
+  for (const auto& p : ref->parameters()) ref_norm_sq += p.grad().pow(2).sum().item<double>();
+
+  spawn_ranks(kCp * dp, [&](Group& world) {
+    const ParallelState s =
+        make_model_parallel(ModelParallelOptions(1, 1).context_parallel_size(kCp).expert_parallel_size(ep), world);
+    const Group& data = s.data_context_parallel_group();
+    const Group& cp = s.context_parallel_group();
+    MoELayer layer(MoELayerOptions(kHidden, 16, kExperts, 2, s.expert_parallel_group())
+                       .routing(RoutingOptions()
+                                    .aux_loss_coeff(1e-1)
+                                    .z_loss_coeff(1e-2)
+                                    .aux_loss_per_sequence(true)
+                                    .context_parallel_group(cp))
+                       .seed(23));
+    layer->to(at::kDouble);
+    dp::DistributedDataParallel dense(layer, dense_ddp_options(*layer, data));
+    dp::DistributedDataParallel experts(layer, expert_ddp_options(*layer, data, s.expert_data_parallel_group()));
+    const int d = s.data_parallel_group().rank(), c = cp.rank();
+    const at::Tensor x = shard(x_all, d, c, kCp).requires_grad_(true);
+    const at::Tensor y = x + layer(x);
+    ((y * shard(g_all, d, c, kCp)).sum() / static_cast<double>(x.numel() / kHidden)).backward();
+
+    expect_close(y.detach(), shard(y_ref.detach(), d, c, kCp), "output");
+    expect_close(x.grad(), dp * kCp * shard(x_ref.grad(), d, c, kCp), "input gradient");
+    const auto ref_params = ref->named_parameters();
+    for (const auto& p : layer->named_parameters()) {
+      expect_close(p.value().grad(), ref_params[p.key()].grad(), "gradient of " + p.key());
+    }
+    const auto& r = layer->last_routing();
+    const double aux = ref->last_routing().aux_loss.item<double>(), z = ref->last_routing().z_loss.item<double>();
+    EXPECT_NEAR(sum_then_mean(r.aux_loss, self_group(), data), aux, 1e-12 * aux);
+    EXPECT_NEAR(sum_then_mean(r.z_loss, self_group(), data), z, 1e-12 * z);
+    const double norm = clip_grad_norm_(*layer, 0.0, s.expert_parallel_group());
+    EXPECT_NEAR(norm, std::sqrt(ref_norm_sq), 1e-12 * norm);
+  });
+}
+
+TEST(MoESequenceParallelTest, ContextParallelEqualsOneRankAtCp2Ep2) { expect_context_parallel_equals_one_rank(1, 2); }
+TEST(MoESequenceParallelTest, ContextParallelEqualsOneRankAtCp2Ep2Dp2) {
+  expect_context_parallel_equals_one_rank(2, 2);
+}
 
 // Without the layer's sum over TP (the group not given, the same SP input)
 // the gradients are each TP rank's part: the experts' parts sum to the

@@ -322,7 +322,7 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
           {{"--precision", "fp8"}, "--precision: expected one of fp32, bf16, fp16, got 'fp8'"},
           {{"--recompute", "partial"}, "--recompute: expected one of none, selective, full, got 'partial'"},
           {{"--recompute", "full", "--schedule", "zbh1"}, "--recompute full does not combine with --schedule zbh1"},
-          {{"--experts", "4", "--fsdp"}, "--experts does not combine with --fsdp, --schedule zbh1 or --cp yet"},
+          {{"--experts", "4", "--fsdp"}, "--experts does not combine with --fsdp or --schedule zbh1 yet"},
           {{"--experts", "4", "--topk", "5"}, "--topk 5 is more than the 4 experts"},
       });
 }

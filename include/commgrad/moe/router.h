@@ -82,6 +82,13 @@ struct RoutingOptions {
   /// longer depends on how sequences are grouped into microbatches and data-
   /// parallel ranks: a model trains the same at every layout (the GPT does).
   TORCH_ARG(bool, aux_loss_per_sequence) = false;
+  /// With aux_loss_per_sequence: the ranks that hold the other parts of each
+  /// sequence and whose losses are averaged (context parallelism; undefined:
+  /// none). The counts f are summed over them (one all-reduce of b x E
+  /// int64) and P stays the mean over this rank's tokens, so the ranks'
+  /// losses averaged over the group (as the reducers average their
+  /// gradients) are the whole sequence's.
+  TORCH_ARG(Group, context_parallel_group);
   /// Aux-loss-free balancing (DeepSeek-V3): > 0 chooses experts by score +
   /// expert_bias (a buffer: no gradient; the combine weights stay the
   /// scores), and update_expert_bias() moves each bias by this rate toward
