@@ -41,8 +41,8 @@
 // ranks of each data-parallel group; the experts train with a second ZeRO-2
 // over the expert-data group, clipped with the rest by one global norm
 // (docs/moe.md). With --sp each TP rank routes its own part of the
-// sequences; checkpoints hold the experts by their global index, so a run
-// saved at one --ep resumes at another.
+// sequences, with --cp each CP rank (EP then divides dp x cp); checkpoints hold the experts by their global index, so a
+// run saved at one --ep resumes at another.
 //
 // With --check every rank also trains the model alone (TP = PP = DP = 1)
 // from step 1 and rank 0 compares the curves step by step (after a resume,

@@ -228,6 +228,7 @@ TEST(GptTrainExample, ExpertParallelFollowsTheOneRankCurve) {
       {4, {"--pp", "2", "--dp", "2", "--ep", "2"}},
 #ifndef COMMGRAD_DEFAULT_LINE_ONLY
       {4, {"--tp", "2", "--sp", "--dp", "2", "--ep", "2"}},  // each TP rank routes its part of the sequences
+      {2, {"--cp", "2", "--ep", "2"}},                       // the experts split over the two CP ranks
 #endif
   };
   for (const auto& [ranks, layout] : layouts) {
