@@ -35,6 +35,7 @@
 //                               [--microbatches 4] [--warmup 2] [--steps 5] [--untie]
 //                               [--cp N [--cp-mode ring|allgather|ulysses]]
 //                               [--recompute none,selective,full]
+//                               [--experts E [--topk k] [--ep N]]
 //
 // --cp N adds N context-parallel ranks to every layout (each sequence split
 // over them, head-tail; tokens/s counts every token once).
@@ -49,6 +50,11 @@
 //
 // --untie gives the output layer a weight of its own (GptConfig::tie), the
 // form torch.distributed.pipelining can express (bench/gpt_bench.py).
+//
+// --experts E [--topk k] [--ep N] makes every layer's FFN a mixture of E
+// experts of width --ffn (commgrad::moe; the trainer steps them with a second
+// ZeRO-2 over the expert-data group), split over N expert-parallel ranks of
+// each layout's data x context ranks (a layout they do not divide is skipped).
 
 #include "gpt/corpus.h"
 #include "gpt/model.h"
@@ -98,6 +104,7 @@ struct Config {
   int cp = 1;
   std::string cp_mode = "ring";
   std::vector<std::string> recompute;  // --recompute: granularities to compare (empty: the bubble table)
+  int ep = 1;                          // --ep: expert-parallel ranks of every layout (with --experts)
 };
 
 // "tp,pp,dp[,schedule[,v]]"; v defaults to 2 for the interleaved schedule.
@@ -187,8 +194,19 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       ->check(cli::one_of({"none", "selective", "full"}));
   app.add_flag_callback(
       "--untie", [&c] { c.model.tie = false; }, "an output layer of its own (default: tied to the embedding)");
+  app.add_option("--experts", c.model.experts, "every layer's FFN a mixture of this many experts (0: dense)")
+      ->check(cli::non_negative<int64_t>());
+  app.add_option("--topk", c.model.topk, "experts per token (with --experts)")->check(cli::positive<int64_t>());
+  app.add_option("--ep", c.ep, "expert-parallel ranks in every layout (split the experts)")->check(cli::positive());
   return cli::parse(app, argc, argv, [&] {
     for (const auto& text : layouts) c.layouts.push_back(parse_layout(text));
+    if (c.ep > 1 && (c.model.experts == 0 || c.model.experts % c.ep != 0)) {
+      throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it");
+    }
+    if (c.model.experts > 0 && c.model.topk > c.model.experts) {
+      throw cli::usage_error("--topk " + std::to_string(c.model.topk) + " is more than the " +
+                             std::to_string(c.model.experts) + " experts");
+    }
   });
 }
 
@@ -208,10 +226,12 @@ struct Row {
 };
 
 // Trains `l` for warm-up plus measured steps; the result is the same on every rank.
-Row run_layout(const Config& c, const gpt::GptConfig& model, const LayoutSpec& l, const gpt::Corpus& corpus) {
+Row run_layout(const Config& c, const gpt::GptConfig& base, const LayoutSpec& l, const gpt::Corpus& corpus) {
   const commgrad::Group world = commgrad::world();
-  const auto state =
-      commgrad::make_model_parallel(commgrad::ModelParallelOptions(l.tp, l.pp).context_parallel_size(l.cp), world);
+  const auto state = commgrad::make_model_parallel(
+      commgrad::ModelParallelOptions(l.tp, l.pp).context_parallel_size(l.cp).expert_parallel_size(c.ep), world);
+  gpt::GptConfig model = base;
+  model.ep_group = state.expert_parallel_group();
   gpt::TrainerOptions options;
   options.cp_mode = c.cp_mode;
   options.batch = c.batch;
@@ -323,12 +343,17 @@ int main(int argc, char** argv) {
     if (speaker) {
       std::printf(
           "gpt_bench: %d ranks (%s), GPT %lld layers, hidden %lld, %lld heads, ffn %lld, vocab %lld, "
-          "sequence %lld, %s; global batch %lld, %d microbatches, %d warm-up + %d measured steps\n\n",
+          "sequence %lld, %s; global batch %lld, %d microbatches, %d warm-up + %d measured steps",
           n, commgrad::world().backend_name().c_str(), static_cast<long long>(m.layers),
           static_cast<long long>(m.hidden), static_cast<long long>(m.heads), static_cast<long long>(m.ffn),
           static_cast<long long>(m.vocab), static_cast<long long>(m.sequence),
           m.tie ? "tied embeddings" : "untied output layer", static_cast<long long>(c.batch), c.microbatches, c.warmup,
           c.steps);
+      if (m.experts > 0) {
+        std::printf("; %lld experts (top-%lld) over EP=%d", static_cast<long long>(m.experts),
+                    static_cast<long long>(m.topk), c.ep);
+      }
+      std::printf("\n\n");
       print_table_header(c);
     }
     std::vector<std::string> notes;
@@ -337,6 +362,11 @@ int main(int argc, char** argv) {
       if (l.world() != n) {
         notes.push_back(l.name() + " " + schedule + ": skipped, it needs " + std::to_string(l.world()) +
                         " ranks and the job has " + std::to_string(n));
+        continue;
+      }
+      if ((l.dp * l.cp) % c.ep != 0) {
+        notes.push_back(l.name() + " " + schedule + ": skipped, --ep " + std::to_string(c.ep) +
+                        " does not divide its data x context ranks");
         continue;
       }
       if (!c.recompute.empty()) {

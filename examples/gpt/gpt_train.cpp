@@ -46,7 +46,9 @@
 // top-k routing with a per-sequence load-balancing loss), split over --ep
 // ranks of each data-parallel group; the experts train with a second ZeRO-2
 // over the expert-data group, clipped with the rest by one global norm
-// (docs/moe.md).
+// (docs/moe.md). With --sp each TP rank routes its own part of the
+// sequences, with --cp each CP rank (EP then divides dp x cp); checkpoints hold the experts by their global index, so a
+// run saved at one --ep resumes at another.
 //
 // --dropout P turns on attention and hidden dropout in every layer (masks
 // from tp::rng_tracker(), seeded by the trainer). --recompute recomputes
@@ -218,13 +220,12 @@ void check_recompute_options(const Config& c) {
 // The combinations --experts does not support (yet), named.
 void check_experts(const Config& c) {
   namespace cli = commgrad::cli;
-  if (c.experts > 0 && (c.sp || c.fsdp || !c.save.empty() || !c.resume.empty() || c.schedule == "zbh1" || c.cp > 1)) {
-    throw cli::usage_error(
-        "--experts does not combine with --sp, --fsdp, --save, --resume, --schedule zbh1 or --cp yet");
+  if (c.experts > 0 && (c.fsdp || c.schedule == "zbh1")) {
+    throw cli::usage_error("--experts does not combine with --fsdp or --schedule zbh1 yet");
   }
-  if (c.ep > 1 && (c.experts == 0 || c.dp % c.ep != 0 || c.experts % c.ep != 0)) {
+  if (c.ep > 1 && (c.experts == 0 || (c.dp * c.cp) % c.ep != 0 || c.experts % c.ep != 0)) {
     throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +
-                           std::to_string(c.dp));
+                           std::to_string(c.dp) + (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : ""));
   }
   if (c.experts > 0 && c.topk > c.experts) {
     throw cli::usage_error("--topk " + std::to_string(c.topk) + " is more than the " + std::to_string(c.experts) +

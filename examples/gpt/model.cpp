@@ -9,15 +9,23 @@ namespace tp = commgrad::tp;
 namespace {
 
 // The MoE feed-forward block of a layer (seeded as the layer's MLP would be).
-std::function<torch::nn::AnyModule(const tp::ParallelTransformerLayerOptions&)> moe_block(const GptConfig& config) {
-  if (config.sequence_parallel) throw std::invalid_argument("experts do not combine with sequence parallelism yet");
-  return [config](const tp::ParallelTransformerLayerOptions& o) {
+// Under sequence parallelism each TP rank routes its own part of the
+// sequences (the experts replicated over TP, their gradients summed there).
+// Under context parallelism the per-sequence balancing loss counts the
+// sequence's other parts (on the ranks of `cp`) too.
+std::function<torch::nn::AnyModule(const tp::ParallelTransformerLayerOptions&)> moe_block(const GptConfig& config,
+                                                                                          const commgrad::Group& cp) {
+  return [config, cp](const tp::ParallelTransformerLayerOptions& o) {
     namespace moe = commgrad::moe;
     const commgrad::Group ep = config.ep_group.defined() ? config.ep_group : commgrad::self_group();
-    return torch::nn::AnyModule(moe::MoELayer(
-        moe::MoELayerOptions(o.hidden_size(), o.ffn_hidden_size(), config.experts, config.topk, ep)
-            .routing(moe::RoutingOptions().aux_loss_coeff(config.aux_loss_coeff).aux_loss_per_sequence(true))
-            .seed(*o.seed() + 2)));
+    return torch::nn::AnyModule(
+        moe::MoELayer(moe::MoELayerOptions(o.hidden_size(), o.ffn_hidden_size(), config.experts, config.topk, ep)
+                          .routing(moe::RoutingOptions()
+                                       .aux_loss_coeff(config.aux_loss_coeff)
+                                       .aux_loss_per_sequence(true)
+                                       .context_parallel_group(cp))
+                          .sequence_parallel_group(o.sequence_parallel() ? o.group() : commgrad::Group())
+                          .seed(*o.seed() + 2)));
   };
 }
 
@@ -84,7 +92,8 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
                          .attention_dropout(config.dropout)
                          .seed(100 + l)
                          .context_parallel(cp ? std::make_optional(context_parallel) : std::nullopt);
-      if (config.experts > 0 && l % config.moe_every == config.moe_every - 1) options.feed_forward(moe_block(config));
+      if (config.experts > 0 && l % config.moe_every == config.moe_every - 1)
+        options.feed_forward(moe_block(config, cp ? context_parallel.group() : commgrad::Group()));
       layers_[l] = register_module("layer" + std::to_string(l), tp::ParallelTransformerLayer(options));
     }
   }

@@ -1,5 +1,6 @@
 #include "trainer.h"
 
+#include <cstddef>
 #include <stdexcept>
 #include <vector>
 
@@ -19,6 +20,8 @@ void seed_dropout(const GptConfig& config, const Layout& layout) {
 }
 
 }  // namespace
+
+constexpr const char* kExpertOptim = "expert_optim/";  // the experts' optimizer in a checkpoint
 
 Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, const Layout& layout)
     : options_(options),
@@ -175,13 +178,18 @@ void Trainer::unscale_losses(double scale) {
   for (auto& l : last_.microbatch_losses) l /= scale;
 }
 
-// FSDP and ZeRO-2 write the same format: a checkpoint of either loads into either.
+// FSDP and ZeRO-2 write the same format: a checkpoint of either loads into
+// either. The experts' optimizer writes under "expert_optim/"; expert
+// parameters are named by their global index, so their pieces (and their
+// optimizer's ranges over the expert-data group) load at any EP or DP size.
 void Trainer::save(const std::string& root, int step, const std::string& layout) {
-  if (expert_zero_) throw std::invalid_argument("checkpoints of a model with experts are not supported yet");
   auto pieces = options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_);
   auto optim =
       options_.fsdp ? checkpoint::fsdp_optimizer_pieces(sharded_, *optimizer_) : checkpoint::optimizer_pieces(*zero_);
   pieces.insert(pieces.end(), optim.begin(), optim.end());
+  if (expert_zero_) {
+    for (auto& p : checkpoint::optimizer_pieces(*expert_zero_, kExpertOptim)) pieces.push_back(std::move(p));
+  }
   if (scaler_) {
     for (auto& p : checkpoint::loss_scaler_pieces(*scaler_)) pieces.push_back(std::move(p));
   }
@@ -197,27 +205,39 @@ void Trainer::finish_saves() {
   if (saver_) saver_->wait();
 }
 
+namespace {
+
+// Moves `part` to the end of `all`; returns where it starts there.
+size_t append(std::vector<checkpoint::TensorPiece>& all, std::vector<checkpoint::TensorPiece> part) {
+  const size_t begin = all.size();
+  for (auto& p : part) all.push_back(std::move(p));
+  return begin;
+}
+
+// The pieces [begin, end) of `all`.
+std::vector<checkpoint::TensorPiece> slice(const std::vector<checkpoint::TensorPiece>& all, size_t begin, size_t end) {
+  return {all.begin() + static_cast<std::ptrdiff_t>(begin), all.begin() + static_cast<std::ptrdiff_t>(end)};
+}
+
+}  // namespace
+
 std::pair<int, std::string> Trainer::load(const std::string& root, std::optional<int64_t> step) {
-  if (expert_zero_) throw std::invalid_argument("checkpoints of a model with experts are not supported yet");
-  auto model = options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_);
-  auto optim = options_.fsdp ? checkpoint::fsdp_optimizer_load_pieces(sharded_, *optimizer_)
-                             : checkpoint::optimizer_load_pieces(*zero_);
-  auto all = model;
-  all.insert(all.end(), optim.begin(), optim.end());
-  const auto scaler = scaler_ ? checkpoint::loss_scaler_pieces(*scaler_) : std::vector<checkpoint::TensorPiece>{};
-  all.insert(all.end(), scaler.begin(), scaler.end());
+  std::vector<checkpoint::TensorPiece> all;
+  append(all, options_.fsdp ? checkpoint::fsdp_pieces(sharded_) : checkpoint::module_pieces(*model_));
+  const size_t optim = append(all, options_.fsdp ? checkpoint::fsdp_optimizer_load_pieces(sharded_, *optimizer_)
+                                                 : checkpoint::optimizer_load_pieces(*zero_));
+  const size_t experts = append(all, expert_zero_ ? checkpoint::optimizer_load_pieces(*expert_zero_, kExpertOptim)
+                                                  : std::vector<checkpoint::TensorPiece>{});
+  const size_t scaler =
+      append(all, scaler_ ? checkpoint::loss_scaler_pieces(*scaler_) : std::vector<checkpoint::TensorPiece>{});
   const auto result = checkpoint::load(root, all, checkpoint::LoadOptions().step(step));
-  if (scaler_) {
-    checkpoint::restore_loss_scaler(*scaler_,
-                                    std::vector<checkpoint::TensorPiece>(all.end() - scaler.size(), all.end()), result);
-  }
-  const std::vector<checkpoint::TensorPiece> loaded(all.begin() + model.size(),
-                                                    all.begin() + model.size() + optim.size());
+  if (scaler_) checkpoint::restore_loss_scaler(*scaler_, slice(all, scaler, all.size()), result);
   if (options_.fsdp) {
-    checkpoint::restore_fsdp_optimizer(sharded_, *optimizer_, loaded, result);
+    checkpoint::restore_fsdp_optimizer(sharded_, *optimizer_, slice(all, optim, experts), result);
   } else {
-    checkpoint::restore_optimizer(*zero_, loaded, result);
+    checkpoint::restore_optimizer(*zero_, slice(all, optim, experts), result);
   }
+  if (expert_zero_) checkpoint::restore_optimizer(*expert_zero_, slice(all, experts, scaler), result, kExpertOptim);
   return {static_cast<int>(result.step), result.metadata.value("layout", std::string("?"))};
 }
 

@@ -2,12 +2,17 @@
 //
 // forward() cuts the dispatcher's sorted tokens into one block per local
 // expert (narrow: views, no copy), runs each expert on its block, empty
-// blocks included, and concatenates the results in the same order.
+// blocks included, and concatenates the results in the same order. Under
+// sequence parallelism each expert's parameters pass through
+// copy_to_tp_region (four small all-reduces per expert in backward; the
+// reducers could do it once per step, as they do for partial_grad
+// parameters, at the price of the expert optimizer knowing about it).
 
 #include "commgrad/moe/experts.h"
 
 #include "commgrad/dist/check.h"
 #include "commgrad/tp/linear.h"
+#include "commgrad/tp/mappings.h"
 #include "commgrad/util/names.h"
 
 #include <ATen/ATen.h>
@@ -26,6 +31,15 @@ torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias, uint64_t seed)
   layer->weight.copy_(full.weight);
   if (bias) layer->bias.copy_(full.bias);
   return layer;
+}
+
+// The expert on this rank's share of tokens that the ranks of `sp` split:
+// its parameters through copy_to_tp_region (identity; backward: the gradient
+// summed over sp), then what ExpertMLP::forward computes.
+at::Tensor forward_split(ExpertMLPImpl& expert, const at::Tensor& x, const Group& sp) {
+  auto summed = [&sp](const at::Tensor& p) { return p.defined() ? tp::copy_to_tp_region(p, sp) : p; };
+  const at::Tensor h = at::linear(x, summed(expert.fc1->weight), summed(expert.fc1->bias));
+  return at::linear(at::gelu(h), summed(expert.fc2->weight), summed(expert.fc2->bias));
 }
 
 }  // namespace
@@ -64,6 +78,7 @@ void ExpertsImpl::reset() {
   const Group& g = options.group();
   const int64_t e = options.num_experts();
   detail::check_expert_sizes(op, g, options.hidden_size(), options.ffn_hidden_size(), e);
+  if (options.sequence_parallel_group().defined()) check_member(op, options.sequence_parallel_group());
   const int64_t local = e / g.size();
   first_ = g.rank() * local;
   local_.clear();
@@ -89,11 +104,14 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const std::vector<int64_t>&
                  num_local_experts(), " counts (one per local expert), got ", counts.size());
   COMMGRAD_CHECK(x.dim() == 2 && x.size(0) == total && x.size(1) == options.hidden_size(), "moe::Experts", g,
                  "expected tokens [", total, ", ", options.hidden_size(), "], got ", tensor_name(x));
+  const Group& sp = options.sequence_parallel_group();
+  const bool split = sp.defined() && sp.size() > 1;
   std::vector<at::Tensor> outputs;
   outputs.reserve(counts.size());
   int64_t begin = 0;
   for (size_t l = 0; l < counts.size(); ++l) {
-    outputs.push_back(local_[l]->forward(x.narrow(0, begin, counts[l])));
+    const at::Tensor rows = x.narrow(0, begin, counts[l]);
+    outputs.push_back(split ? forward_split(*local_[l], rows, sp) : local_[l]->forward(rows));
     begin += counts[l];
   }
   return at::cat(outputs, 0);

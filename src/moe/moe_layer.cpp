@@ -32,13 +32,17 @@ void MoELayerImpl::reset() {
   COMMGRAD_CHECK(options.capacity_factor() >= 0, op, g, "capacity_factor must be >= 0 (0: dropless), got ",
                  options.capacity_factor());
   if (!options.routing().batch_group().defined()) options.routing().batch_group(g);
+  const Group& sp = options.sequence_parallel_group();
+  if (sp.defined()) check_member(op, sp);
   options.seed(tp::resolve_seed(options.seed(), g));
   const uint64_t seed = *options.seed();
-  router = register_module(
-      "router",
-      TopKRouter(TopKRouterOptions(options.hidden_size(), e, options.top_k()).routing(options.routing()).seed(seed)));
-  experts = register_module(
-      "experts", Experts(ExpertsOptions(options.hidden_size(), options.ffn_hidden_size(), e, g).seed(seed + 1)));
+  router = register_module("router", TopKRouter(TopKRouterOptions(options.hidden_size(), e, options.top_k())
+                                                    .routing(options.routing())
+                                                    .sequence_parallel_group(sp)
+                                                    .seed(seed)));
+  experts = register_module("experts", Experts(ExpertsOptions(options.hidden_size(), options.ffn_hidden_size(), e, g)
+                                                   .sequence_parallel_group(sp)
+                                                   .seed(seed + 1)));
 }
 
 void MoELayerImpl::pretty_print(std::ostream& stream) const {
@@ -49,6 +53,8 @@ void MoELayerImpl::pretty_print(std::ostream& stream) const {
            << ", drop_policy=" << drop_policy_name(options.drop_policy());
   }
   if (options.dispatcher() == DispatcherType::kAllGather) stream << ", dispatcher=all_gather";
+  const Group& sp = options.sequence_parallel_group();
+  if (sp.defined() && sp.size() > 1) stream << ", sp=" << sp.size();
   stream << ")";
 }
 

@@ -6,6 +6,15 @@
 // counts and the batch's token count), not differentiable (f carries no
 // gradient in Switch). Everything else is local to the rank's tokens, so the
 // router computes, per token, exactly what the one-rank layer computes.
+//
+// Under sequence parallelism (a sequence-parallel group of n > 1) the rank
+// holds 1/n of every sequence and the n ranks hold one replicated loss: the
+// counts are also summed over that group (per sequence, or with the batch
+// group's), P and the z-loss's mean are divided by n (the mean over the
+// rank's tokens is n times its share of the mean over the group's), and the
+// gating weight enters through tp::copy_to_tp_region, whose backward sums
+// its gradient over the group. Each rank's losses are then its part, and
+// their sum over the group is the unsplit router's.
 
 #include "commgrad/moe/router.h"
 
@@ -13,6 +22,7 @@
 #include "commgrad/dist/parallel_state.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/tp/linear.h"
+#include "commgrad/tp/mappings.h"
 #include "commgrad/tp/random.h"
 #include "commgrad/util/names.h"
 
@@ -42,22 +52,51 @@ class AttachLoss : public torch::autograd::Function<AttachLoss> {
 
 at::ScalarType score_dtype(const at::Tensor& x) { return at::promote_types(x.scalar_type(), at::kFloat); }
 
+// True when `sp` splits the sequences over more than one rank.
+bool is_split(const Group& sp) { return sp.defined() && sp.size() > 1; }
+
 // The switch loss of each of b sequences (token t = i * b + j belongs to
-// sequence j, as in an [s, b, h] input), averaged over the sequences.
+// sequence j, as in an [s, b, h] input), averaged over the sequences. With a
+// sequence-parallel group the rank holds 1/n of each sequence: the counts are
+// summed over the group (before any early return: every rank takes part) and
+// P is this rank's share of the mean over the whole sequence.
 at::Tensor sequence_load_balancing_loss(const at::Tensor& scores, const at::Tensor& experts, int64_t sequences,
-                                        int64_t num_experts, int64_t top_k, double coeff) {
+                                        int64_t num_experts, int64_t top_k, double coeff, const Group& sp,
+                                        const Group& cp) {
   const int64_t tokens = scores.size(0);
-  if (tokens == 0) return scores.sum() * 0.0;
-  const int64_t length = tokens / sequences;
+  const int64_t length = tokens / sequences;  // this rank's tokens of each sequence
   const at::Tensor seq = at::arange(tokens, experts.options()).remainder(sequences).unsqueeze(1);
-  const at::Tensor counts = at::bincount((seq * num_experts + experts).reshape(-1), {}, sequences * num_experts)
-                                .view({sequences, num_experts});
-  const at::Tensor f = counts.to(scores.scalar_type()) / static_cast<double>(length * top_k);
-  const at::Tensor p = scores.view({length, sequences, num_experts}).mean(0);
+  at::Tensor counts = at::bincount((seq * num_experts + experts).reshape(-1), {}, sequences * num_experts)
+                          .view({sequences, num_experts});
+  const int64_t parts = is_split(sp) ? sp.size() : 1;
+  if (parts > 1) counts = ops::raw::all_reduce(counts, {}, sp).wait();
+  // Context parallelism: the other parts' counts too; P stays this rank's mean.
+  const int64_t context = is_split(cp) ? cp.size() : 1;
+  if (context > 1) counts = ops::raw::all_reduce(counts, {}, cp).wait();
+  if (tokens == 0) return scores.sum() * 0.0;
+  const at::Tensor f = counts.to(scores.scalar_type()) / static_cast<double>(length * parts * context * top_k);
+  at::Tensor p = scores.view({length, sequences, num_experts}).mean(0);
+  if (parts > 1) p = p / static_cast<double>(parts);
   return (f * p).sum(1).mean() * (coeff * static_cast<double>(num_experts));
 }
 
+// The switch loss with f counted over the batch group (and the sequence-
+// parallel group: one all-reduce of E + 1 int64 each, no gradient) and P the
+// rank's share of the mean over its group's tokens.
+at::Tensor batch_load_balancing_loss(const at::Tensor& scores, const at::Tensor& experts, int64_t num_experts,
+                                     int64_t top_k, double coeff, const Group& batch, const Group& sp) {
+  at::Tensor counts =
+      at::cat({at::bincount(experts.reshape(-1), {}, num_experts), at::full({1}, scores.size(0), at::kLong)});
+  if (batch.size() > 1) counts = ops::raw::all_reduce(counts, {}, batch).wait();
+  if (is_split(sp)) counts = ops::raw::all_reduce(counts, {}, sp).wait();
+  const int64_t batch_tokens = counts[-1].item<int64_t>();
+  const at::Tensor aux = switch_load_balancing_loss(scores, counts.slice(0, 0, -1), batch_tokens, top_k, coeff);
+  return is_split(sp) ? aux / static_cast<double>(sp.size()) : aux;
+}
+
 }  // namespace
+
+const char* score_function_name(ScoreFunction f) { return f == ScoreFunction::kSigmoid ? "sigmoid" : "softmax"; }
 
 void set_aux_loss_scale(torch::nn::Module& module, double scale) {
   for (const auto& m : module.modules(/*include_self=*/true)) {
@@ -94,6 +133,9 @@ void TopKRouterImpl::reset() {
   COMMGRAD_CHECK(options.routing().aux_loss_coeff() >= 0 && options.routing().z_loss_coeff() >= 0, op, g,
                  "loss coefficients must be >= 0, got aux ", options.routing().aux_loss_coeff(), " and z ",
                  options.routing().z_loss_coeff());
+  if (options.sequence_parallel_group().defined()) check_member(op, options.sequence_parallel_group());
+  if (options.routing().context_parallel_group().defined())
+    check_member(op, options.routing().context_parallel_group());
   options.seed(tp::resolve_seed(options.seed(), g));
   weight = register_parameter("weight", tp::init_linear(options.hidden_size(), e, false, *options.seed()).weight);
   COMMGRAD_CHECK(options.routing().expert_bias_rate() >= 0, op, g, "expert_bias_rate must be >= 0, got ",
@@ -107,6 +149,8 @@ void TopKRouterImpl::update_expert_bias() {
   if (rate <= 0) return;
   const Group& g = options.routing().batch_group();
   at::Tensor load = g.size() > 1 ? ops::raw::all_reduce(load_, {}, g).wait() : load_.clone();
+  const Group& sp = options.sequence_parallel_group();
+  if (is_split(sp)) load = ops::raw::all_reduce(load, {}, sp).wait();
   const at::Tensor f = load.to(at::kDouble);
   at::NoGradGuard no_grad;
   expert_bias.add_((f.mean() - f).sign().to(expert_bias.scalar_type()) * rate);
@@ -122,10 +166,14 @@ void update_expert_bias(torch::nn::Module& module) {
 void TopKRouterImpl::pretty_print(std::ostream& stream) const {
   stream << "commgrad::moe::TopKRouter(hidden=" << options.hidden_size() << ", experts=" << options.num_experts()
          << ", top_k=" << options.top_k();
+  if (options.routing().score_function() != ScoreFunction::kSoftmax) {
+    stream << ", score_function=" << score_function_name(options.routing().score_function());
+  }
   if (options.routing().normalize_top_k()) stream << ", normalize_top_k=true";
   if (options.routing().aux_loss_coeff() > 0) stream << ", aux_loss_coeff=" << options.routing().aux_loss_coeff();
   if (options.routing().z_loss_coeff() > 0) stream << ", z_loss_coeff=" << options.routing().z_loss_coeff();
   if (options.routing().expert_bias_rate() > 0) stream << ", expert_bias_rate=" << options.routing().expert_bias_rate();
+  if (is_split(options.sequence_parallel_group())) stream << ", sp=" << options.sequence_parallel_group().size();
   stream << ")";
 }
 
@@ -149,13 +197,19 @@ RouterOutput TopKRouterImpl::forward(const at::Tensor& x, int64_t sequences) {
   const RoutingOptions& routing = options.routing();
   COMMGRAD_CHECK(sequences >= 1 && x.size(0) % sequences == 0, "moe::TopKRouter", g, "the ", x.size(0),
                  " tokens do not split into ", sequences, " sequences");
+  const Group& sp = options.sequence_parallel_group();
+  const double parts = is_split(sp) ? sp.size() : 1;
   RouterOutput out;
   // The gating linear in at least float32 (Megatron's moe_router_dtype): with
   // 16-bit activations, logits rounded to 16 bits tie and flip top-k choices.
   const at::ScalarType dtype = score_dtype(x);
-  const at::Tensor logits = at::linear(x.to(dtype), weight.to(dtype));
+  const at::Tensor w = is_split(sp) ? tp::copy_to_tp_region(weight, sp) : weight;
+  const at::Tensor logits = at::linear(x.to(dtype), w.to(dtype));
   out.logits = logits;
-  const at::Tensor scores = at::softmax(logits, -1);
+  const bool sigmoid = routing.score_function() == ScoreFunction::kSigmoid;
+  const at::Tensor scores = sigmoid ? at::sigmoid(logits) : at::softmax(logits, -1);
+  // What the balancing loss's P averages: a distribution over the experts per token.
+  const at::Tensor shares = sigmoid ? scores / scores.sum(-1, /*keepdim=*/true) : scores;
   auto [top, experts] = choose(scores, k);
   if (routing.normalize_top_k()) top = top / top.sum(-1, /*keepdim=*/true);
   out.experts = experts;
@@ -164,24 +218,19 @@ RouterOutput TopKRouterImpl::forward(const at::Tensor& x, int64_t sequences) {
   out.aux_loss = zero;
   out.z_loss = zero;
   at::Tensor injected;
-  if (routing.aux_loss_coeff() > 0 && routing.aux_loss_per_sequence()) {
+  if (routing.aux_loss_coeff() > 0) {
     const at::Tensor aux =
-        sequence_load_balancing_loss(scores, experts, sequences, options.num_experts(), k, routing.aux_loss_coeff());
-    out.aux_loss = aux.detach();
-    injected = aux;
-  } else if (routing.aux_loss_coeff() > 0) {
-    at::Tensor counts =
-        at::cat({at::bincount(experts.reshape(-1), {}, options.num_experts()), at::full({1}, x.size(0), at::kLong)});
-    if (g.size() > 1) counts = ops::raw::all_reduce(counts, {}, g).wait();
-    const int64_t batch_tokens = counts[-1].item<int64_t>();
-    const at::Tensor aux =
-        switch_load_balancing_loss(scores, counts.slice(0, 0, -1), batch_tokens, k, routing.aux_loss_coeff());
+        routing.aux_loss_per_sequence()
+            ? sequence_load_balancing_loss(shares, experts, sequences, options.num_experts(), k,
+                                           routing.aux_loss_coeff(), sp, routing.context_parallel_group())
+            : batch_load_balancing_loss(shares, experts, options.num_experts(), k, routing.aux_loss_coeff(), g, sp);
     out.aux_loss = aux.detach();
     injected = aux;
   }
   if (routing.z_loss_coeff() > 0) {
     const at::Tensor lse = at::logsumexp(logits, -1);
-    const at::Tensor z = x.size(0) == 0 ? lse.sum() : lse.pow(2).mean() * routing.z_loss_coeff();
+    at::Tensor z = x.size(0) == 0 ? lse.sum() : lse.pow(2).mean() * routing.z_loss_coeff();
+    if (parts > 1) z = z / parts;
     out.z_loss = z.detach();
     injected = injected.defined() ? injected + z : z;
   }

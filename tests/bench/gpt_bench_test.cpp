@@ -109,6 +109,20 @@ TEST(GptBench, UntiedOutputLayer) {
   EXPECT_EQ(rows[1][1], "gpipe");
 }
 
+// With experts: the header names them, a layout EP divides gets a row, one
+// it does not divide is skipped with a note.
+TEST(GptBench, ExpertsSplitOverEp) {
+  const auto r = gpt_bench(2, {"--experts", "4", "--ep", "2", "--layout", "1,1,2", "--layout", "2,1,1"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("; 4 experts (top-2) over EP=2"));
+  const auto rows = table(r.out);
+  ASSERT_EQ(rows.size(), 2u) << r.out;
+  EXPECT_EQ(rows[1][0], "TP=1 x PP=1 x DP=2");
+  EXPECT_GT(std::stod(rows[1][3]), 0.0) << "tokens/s: " << r.out;
+  EXPECT_THAT(r.out,
+              HasSubstr("[0] note: TP=2 x PP=1 x DP=1 -: skipped, --ep 2 does not divide its data x context ranks"));
+}
+
 TEST(GptBench, BadOptionsEndEveryRankWithAMessage) {
   COMMGRAD_COMMAND_LINE_CASES_ON_THE_DEFAULT_LINE_ONLY();
   auto r = gpt_bench(2, {"--layout", "1,2"});
@@ -123,7 +137,8 @@ TEST(GptBench, BadOptionsEndEveryRankWithAMessage) {
 TEST(GptBench, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/gpt_bench");
   expect_help_lists(program, {"--layout", "--hidden", "--heads", "--ffn", "--layers", "--sequence", "--vocab",
-                              "--batch", "--microbatches", "--warmup", "--steps", "--untie", "--cp", "--cp-mode"});
+                              "--batch", "--microbatches", "--warmup", "--steps", "--untie", "--cp", "--cp-mode",
+                              "--experts", "--topk", "--ep"});
   expect_bad_options(
       program,
       {
@@ -139,6 +154,10 @@ TEST(GptBench, BadOptionsAreNamedBeforeAnyRankStarts) {
           {{"--layout", "1,2,1,interleaved,-1"}, "--layout '1,2,1,interleaved,-1': sizes are integers of at least 1"},
           {{"--layout", "1,2,1,1f1b,2"}, "--layout '1,2,1,1f1b,2': V needs the interleaved schedule"},
           {{"--untie=1"}, "--untie takes no value"},
+          {{"--ep", "2"}, "--ep 2 needs --experts divisible by it"},
+          {{"--experts", "3", "--ep", "2"}, "--ep 2 needs --experts divisible by it"},
+          {{"--experts", "2", "--topk", "3"}, "--topk 3 is more than the 2 experts"},
+          {{"--experts", "-1"}, "--experts: expected an integer in [0, "},
       });
 }
 

@@ -60,6 +60,7 @@ struct Case {
   double capacity_factor = 0.0;
   DispatcherType dispatcher = DispatcherType::kAllToAll;
   double bias_rate = 0.0;
+  ScoreFunction score = ScoreFunction::kSoftmax;
   // Makes the batch route a particular way (rows of the router weight, the inputs).
   std::function<void(MoELayer&, at::Tensor&)> shape;
   // Checks that the case routed as it means to: the rows each local expert received, by rank.
@@ -68,13 +69,16 @@ struct Case {
 };
 
 MoELayer make_layer(const Case& c, const Group& group, double aux) {
-  MoELayer layer(
-      MoELayerOptions(kHidden, kFfn, kExperts, c.top_k, group)
-          .routing(
-              RoutingOptions().aux_loss_coeff(aux).z_loss_coeff(aux > 0 ? 1e-3 : 0.0).expert_bias_rate(c.bias_rate))
-          .capacity_factor(c.capacity_factor)
-          .dispatcher(c.dispatcher)
-          .seed(17));
+  MoELayer layer(MoELayerOptions(kHidden, kFfn, kExperts, c.top_k, group)
+                     .routing(RoutingOptions()
+                                  .aux_loss_coeff(aux)
+                                  .z_loss_coeff(aux > 0 ? 1e-3 : 0.0)
+                                  .expert_bias_rate(c.bias_rate)
+                                  .score_function(c.score)
+                                  .normalize_top_k(c.score == ScoreFunction::kSigmoid))
+                     .capacity_factor(c.capacity_factor)
+                     .dispatcher(c.dispatcher)
+                     .seed(17));
   layer->to(c.dtype);
   return layer;
 }
@@ -262,6 +266,44 @@ TEST(MoELayerTest, ExpertBiasChoosesButTheScoresWeigh) {
   layer->router->update_expert_bias();
   EXPECT_TRUE(at::allclose(layer->router->expert_bias, torch::tensor({0.1, 0.1, 0.1, 4.9})))
       << layer->router->expert_bias;
+}
+
+// DeepSeek-V3's sigmoid scores (normalised top-k) route and train the same at EP = 2.
+TEST(MoELayerTest, SigmoidScoresEqualOneRankAtEp2) {
+  Case c{2, at::kDouble};
+  c.score = ScoreFunction::kSigmoid;
+  run(c);
+}
+
+// Sigmoid scores: the combine weights are the chosen sigmoids (divided by
+// their sum with normalize_top_k), and the balancing loss's P takes the
+// scores normalised over the experts, so equal scores give aux = coeff.
+TEST(MoELayerTest, SigmoidScoresWeighByTheirSigmoid) {
+  for (const bool normalize : {false, true}) {
+    TopKRouter router(
+        TopKRouterOptions(kHidden, kExperts, kTopK)
+            .routing(
+                RoutingOptions().score_function(ScoreFunction::kSigmoid).normalize_top_k(normalize).aux_loss_coeff(0.1))
+            .seed(3));
+    const auto x = randn({kTokens, kHidden}, 5, at::kDouble);
+    const auto r = router(x);
+    auto expected = at::sigmoid(r.logits).gather(1, r.experts);
+    if (normalize) expected = expected / expected.sum(-1, true);
+    expect_close(r.probs, expected, 1e-15, normalize ? "normalised weights" : "weights");
+    EXPECT_TRUE(at::equal(r.experts, std::get<1>(at::topk(r.logits, kTopK))));
+  }
+  TopKRouter flat(TopKRouterOptions(kHidden, kExperts, kTopK)
+                      .routing(RoutingOptions().score_function(ScoreFunction::kSigmoid).aux_loss_coeff(0.1))
+                      .seed(3));
+  {
+    torch::NoGradGuard no_grad;
+    flat->weight.zero_();
+  }
+  EXPECT_NEAR(flat(randn({kTokens, kHidden}, 5, at::kFloat)).aux_loss.item<double>(), 0.1, 1e-7);
+  std::ostringstream out;
+  out << *flat;
+  EXPECT_EQ(out.str(),
+            "commgrad::moe::TopKRouter(hidden=8, experts=4, top_k=2, score_function=sigmoid, aux_loss_coeff=0.1)");
 }
 
 TEST(MoELayerTest, CapacityMaskKeepsTheMostProbablePairs) {

@@ -300,6 +300,10 @@ TEST(GptTrainExample, ExpertParallelFollowsTheOneRankCurve) {
       {2, {"--dp", "2", "--ep", "2"}},
       {4, {"--tp", "2", "--dp", "2", "--ep", "2"}},
       {4, {"--pp", "2", "--dp", "2", "--ep", "2"}},
+#ifndef COMMGRAD_DEFAULT_LINE_ONLY
+      {4, {"--tp", "2", "--sp", "--dp", "2", "--ep", "2"}},  // each TP rank routes its part of the sequences
+      {2, {"--cp", "2", "--ep", "2"}},                       // the experts split over the two CP ranks
+#endif
   };
   for (const auto& [ranks, layout] : layouts) {
     std::vector<std::string> args{"--experts", "4", "--topk", "2", "--check", "--steps", "3", "--curve", "none"};
@@ -313,6 +317,30 @@ TEST(GptTrainExample, ExpertParallelFollowsTheOneRankCurve) {
   auto r = gpt_train(2, {"--dp", "2", "--ep", "2"});
   EXPECT_NE(r.exit_code, 0);
   EXPECT_THAT(r.err, HasSubstr("--ep 2 needs --experts divisible by it"));
+}
+
+// Experts saved at EP=2 resume at EP=1 (each rank then holds every expert and
+// the experts' optimizer state is split over DP=2 instead) and continue the
+// one-rank curve.
+TEST(GptTrainExample, ExpertsSavedAtEp2ResumeAtEp1) {
+#ifdef COMMGRAD_DEFAULT_LINE_ONLY
+  GTEST_SKIP() << "the LibTorch 1.13 line adds nothing to this case (CI time)";
+#endif
+  TempRoot root("gpt_experts");
+  const std::string dir = root.str();
+  const std::vector<std::string> experts{"--experts", "4", "--topk", "2", "--curve", "none"};
+  std::vector<std::string> save{"--dp", "2", "--ep", "2", "--steps", "3", "--save", dir};
+  save.insert(save.end(), experts.begin(), experts.end());
+  auto saved = gpt_train(2, save);
+  ASSERT_EQ(saved.exit_code, 0) << saved.out << saved.err;
+  std::vector<std::string> resume{"--dp", "2", "--steps", "5", "--resume", dir, "--check"};
+  resume.insert(resume.end(), experts.begin(), experts.end());
+  auto r = gpt_train(2, resume);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("(saved at TP=1 x PP=1 x DP=2 (EP=2))"));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("check step 3/5")));
+  EXPECT_THAT(r.out, HasSubstr("check step 5/5"));
+  EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-05): ok\n"));
 }
 
 TEST(GptTrainExample, LayoutsThatDoNotFitAreErrors) {
@@ -372,6 +400,7 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
           {{"--dropout", "0.1", "--check"}, "with --dropout use --check-recompute"},
           {{"--dropout", "1.5"}, "--dropout: expected a number >= 0 and <= 0.9, got '1.5'"},
           {{"--dropout", "0.1", "--cp", "2"}, "--dropout does not combine with --cp"},
+          {{"--experts", "4", "--topk", "5"}, "--topk 5 is more than the 4 experts"},
       });
 }
 

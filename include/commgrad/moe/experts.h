@@ -47,6 +47,12 @@ struct ExpertsOptions {
   TORCH_ARG(int64_t, num_experts);
   /// The expert-parallel group that splits them.
   TORCH_ARG(Group, group);
+  /// The ranks that split each sequence (sequence parallelism: the TP group;
+  /// undefined: none). They hold the same experts and route different
+  /// tokens to them, so each expert's parameters enter forward through
+  /// tp::copy_to_tp_region, whose backward sums their gradients over the
+  /// group: after backward every rank of it holds the whole gradient.
+  TORCH_ARG(Group, sequence_parallel_group);
   TORCH_ARG(bool, bias) = true;
   TORCH_ARG(uint64_t, seed) = 0;
 };

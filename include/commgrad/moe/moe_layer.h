@@ -21,6 +21,20 @@
 // expert-data size); averaging them over the expert-data group alone would
 // make them ep times too large (Megatron PR#5956). See expert_data_parallel.h.
 //
+// Sequence parallelism (sequence_parallel_group: Megatron's SP, the TP
+// group): each rank of the group holds a shard of every sequence and the
+// ranks hold one replicated loss (Family 2). Each routes and dispatches its
+// own tokens over its expert-parallel group, to experts that are the same on
+// every rank of the sequence-parallel group (expert TP size 1): the group
+// acts as more data-parallel ranks for the experts. A rank's router and
+// expert gradients then cover only its tokens, so their parameters enter
+// forward through tp::copy_to_tp_region, whose backward sums them over the
+// group: after backward they are what the unsplit layer gives, the same on
+// every rank of the group, and the reducers treat them as without SP (dense:
+// averaged over data x context; experts: summed over the expert-data group,
+// divided by the data x context size). The balancing losses count the whole
+// sequence (router.h).
+//
 // Dropless by default: every (token, choice) pair reaches its expert. With
 // a capacity factor c each expert takes at most ceil(c T k / E) of this
 // rank's pairs (T: this rank's tokens), chosen by the drop policy; a token
@@ -78,6 +92,11 @@ struct MoELayerOptions {
   TORCH_ARG(double, capacity_factor) = 0.0;
   TORCH_ARG(DropPolicy, drop_policy) = DropPolicy::kProbability;
   TORCH_ARG(DispatcherType, dispatcher) = DispatcherType::kAllToAll;
+  /// Sequence parallelism: the ranks that split each sequence of the input
+  /// (the TP group; undefined: none; see the file comment). Each rank
+  /// routes and dispatches its own shard; the router's and the experts'
+  /// gradients are summed over the group in backward.
+  TORCH_ARG(Group, sequence_parallel_group);
   /// The router from `seed`, expert e from seed + 1 + 2e and seed + 2 + 2e
   /// (ExpertsOptions::seed); without one, drawn the same on every rank of
   /// the group (tp::resolve_seed).

@@ -2,7 +2,10 @@
 // The top-k router of a mixture-of-experts layer (Switch / GShard / Mixtral):
 // a gating linear h -> E without bias and a softmax over the E scores, both in
 // at least float32 (16-bit logits tie and flip choices), the k largest per
-// token, optionally renormalised to sum to 1.
+// token, optionally renormalised to sum to 1. Or sigmoid scores (DeepSeek-V3,
+// RoutingOptions::score_function): each expert's score is sigmoid(logit),
+// independent of the others; P below then uses the scores normalised over the
+// experts, s_i / sum_j s_j.
 //
 // Load balancing (Switch Transformer, Fedus et al. 2021, eq. 4), with the
 // normalisation stated:
@@ -42,11 +45,26 @@
 
 namespace commgrad::moe {
 
+/// How the router turns logits into scores.
+enum class ScoreFunction {
+  kSoftmax,  ///< softmax over the E logits (Switch, GShard, Mixtral; the default)
+  kSigmoid,  ///< sigmoid of each logit (DeepSeek-V3): experts scored independently
+};
+
+/// "softmax" or "sigmoid".
+const char* score_function_name(ScoreFunction f);
+
 /// How tokens pick experts and how balance is encouraged (MoELayerOptions::routing).
 ///
 /// Example:
 ///   moe::RoutingOptions().aux_loss_coeff(1e-2).normalize_top_k(true).batch_group(dp_group)
 struct RoutingOptions {
+  /// Softmax or sigmoid scores. With sigmoid the top-k scores are the
+  /// combine weights (normalize_top_k(true) divides them by their sum, as
+  /// DeepSeek-V3 does), and the balancing loss's P takes each token's scores
+  /// normalised to sum to 1 over the E experts (s_i / sum_j s_j, DeepSeek-V3's
+  /// sequence-wise loss), so uniform routing still gives aux = coeff.
+  TORCH_ARG(ScoreFunction, score_function) = ScoreFunction::kSoftmax;
   /// Renormalise each token's k probabilities to sum to 1 (Mixtral); off:
   /// the softmax probabilities themselves (Switch, GShard).
   TORCH_ARG(bool, normalize_top_k) = false;
@@ -64,6 +82,13 @@ struct RoutingOptions {
   /// longer depends on how sequences are grouped into microbatches and data-
   /// parallel ranks: a model trains the same at every layout (the GPT does).
   TORCH_ARG(bool, aux_loss_per_sequence) = false;
+  /// With aux_loss_per_sequence: the ranks that hold the other parts of each
+  /// sequence and whose losses are averaged (context parallelism; undefined:
+  /// none). The counts f are summed over them (one all-reduce of b x E
+  /// int64) and P stays the mean over this rank's tokens, so the ranks'
+  /// losses averaged over the group (as the reducers average their
+  /// gradients) are the whole sequence's.
+  TORCH_ARG(Group, context_parallel_group);
   /// Aux-loss-free balancing (DeepSeek-V3): > 0 chooses experts by score +
   /// expert_bias (a buffer: no gradient; the combine weights stay the
   /// scores), and update_expert_bias() moves each bias by this rate toward
@@ -83,6 +108,17 @@ struct TopKRouterOptions {
   /// Experts per token, 1 <= k <= num_experts.
   TORCH_ARG(int64_t, top_k);
   TORCH_ARG(RoutingOptions, routing);
+  /// The ranks that split each sequence of the input (Megatron's sequence
+  /// parallelism: the TP group; undefined: none). Each rank routes its own
+  /// shard of every sequence (the shards equal in size; the group orthogonal
+  /// to the batch group) and the ranks hold one replicated loss (Family 2),
+  /// so what a rank computes is its part of the unsplit router's: the gating
+  /// weight's gradient is summed over the group in backward
+  /// (tp::copy_to_tp_region), the counts f of the balancing loss are summed
+  /// over it, P is taken over the whole sequence (or batch), and the z-loss's
+  /// mean counts the group's tokens. The losses summed over the group are
+  /// the unsplit router's (each rank's RouterOutput holds its part).
+  TORCH_ARG(Group, sequence_parallel_group);
   /// The gating weight is init_linear(hidden, experts, false, seed).weight;
   /// without one, drawn as tp layers draw theirs (the same on every rank
   /// of batch_group).
@@ -123,8 +159,9 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
   double loss_scale = 1.0;
 
   /// With expert_bias_rate > 0: b_i += rate * sign(mean load - load_i), the
-  /// loads counted since the last update over the batch group (collective
-  /// over it), so every rank's bias stays the same. Call it after each
+  /// loads counted since the last update over the batch group and the
+  /// sequence-parallel group (collective over them), so every rank's bias
+  /// stays the same. Call it after each
   /// optimizer step.
   void update_expert_bias();
 
