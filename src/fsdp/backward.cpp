@@ -33,9 +33,10 @@
 // Tripwires. An optimizer built over the module's parameters before
 // fully_shard holds the tensors the module's code reads, whose gradients
 // backward drops: it would skip them, silently. So after a synchronised
-// backward each of them gets an empty gradient, which such an optimizer
-// steps (an in-place update of an empty tensor, bumping its version); the
-// unit's next forward finds the version changed and says what happened.
+// backward each of them holds one element, 0, with a gradient of 1, which
+// such an optimizer steps (torch::optim updates `.data()`, whose version
+// counter is not the parameter's, so the value is what tells); the unit's
+// next forward finds the element changed and says what happened.
 
 #include "detail/unit.h"
 
@@ -283,19 +284,22 @@ void Unit::finish_reduction() {
 }
 
 void Unit::arm_tripwires() {
+  at::NoGradGuard no_grad;
   for (auto& p : params_) {
-    if (!p.requires_grad || p.compute.grad().defined()) continue;
-    p.compute.mutable_grad() = at::empty({0}, p.compute.options());
-    p.tripwire = static_cast<int64_t>(p.compute._version());
+    if (!p.requires_grad || p.compute.grad().defined() || unsharded_) continue;
+    p.tripwire = at::zeros({1}, p.compute.options());
+    p.compute.set_data(p.tripwire);
+    p.compute.mutable_grad() = at::ones({1}, p.compute.options());
   }
 }
 
 void Unit::check_tripwires() {
   for (auto& p : params_) {
-    if (p.tripwire < 0) continue;
-    const bool stepped = static_cast<int64_t>(p.compute._version()) != p.tripwire;
-    p.tripwire = -1;
-    if (p.compute.grad().defined() && p.compute.grad().numel() == 0) p.compute.mutable_grad().reset();
+    if (!p.tripwire.defined()) continue;
+    const bool stepped = !p.tripwire.eq(0).all().item<bool>();
+    p.tripwire = at::Tensor();
+    p.compute.mutable_grad().reset();
+    p.compute.set_data(unsharded_ ? p.view : empty_);
     COMMGRAD_CHECK(!stepped, "fully_shard", group_, "an optimizer stepped parameter '", p.name, "' of the unit of ",
                    module_.expired() ? std::string("?") : module_.lock()->name(),
                    " as it was before fully_shard (the tensor fully_shard replaced by this rank's piece), so the "

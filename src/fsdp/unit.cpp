@@ -364,7 +364,7 @@ int64_t Unit::gradient_bytes() const {
   };
   for (const auto& p : params_) {
     add(p.piece.grad());
-    add(p.compute.grad());
+    if (!p.tripwire.defined()) add(p.compute.grad());  // a tripwire's one element is no gradient
   }
   return bytes;
 }

@@ -21,6 +21,8 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <c10/core/CPUAllocator.h>
 
 namespace commgrad::testing {
@@ -63,6 +65,19 @@ CountingAllocator& counting() {
     return a;
   }();
   return *allocator;
+}
+
+// Waits until nothing of an earlier test is freed any more (its transport's
+// threads may drop their last buffers after it returned): the count holds
+// still over five reads 20 ms apart.
+void settle() {
+  int64_t last = counting().live();
+  for (int still = 0, rounds = 0; still < 5 && rounds < 100; ++rounds) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const int64_t now = counting().live();
+    still = now == last ? still + 1 : 0;
+    last = now;
+  }
 }
 
 constexpr int kRanks = 2;
@@ -124,63 +139,70 @@ class ZeroBytes : public ::testing::TestWithParam<int> {};
 
 TEST_P(ZeroBytes, TheAllocatorHoldsTheClosedForm) {
   const int stage = GetParam();
-  counting();
-  spawn_ranks(kRanks, [&](Group& world) {
-    const int64_t baseline = live_bytes(world);
-    Net net;
-    optim::ZeroOptimizer zero(
-        net, [](auto shards) { return std::make_unique<torch::optim::Adam>(shards, torch::optim::AdamOptions(1e-3)); },
-        optim::ZeroOptimizerOptions(
-            dp::DistributedDataParallelOptions(world).bucket_cap_mb(0.008).first_bucket_cap_mb(0.008))
-            .stage(stage));
-    int64_t padded = 0, ranges = 0;
-    for (const auto& s : zero.shards()) {
-      padded += s.padded_numel;
-      ranges += s.end - s.begin;
-    }
-    ASSERT_GT(zero.shards().size(), 2u);
-    auto step = [&](int k, bool update) {
-      zero.zero_grad();
-      net->forward(input(k, world.rank())).sum().backward();
-      if (update) zero.step();
-    };
-    // Per rank: the flat parameters (4 bytes per padded element), Adam's two
-    // states over the ranges, and the gradients: ZeRO-1 DDP's whole buckets,
-    // ZeRO-2 the ranges only.
-    const int64_t grads = stage == 1 ? 4 * padded : 4 * ranges;
-    const int64_t expected = total(world, 4 * padded + 8 * ranges + grads);
-    expect_bytes(
-        world, baseline, step, [&] { return expected; }, [&] { return expected; });
-  });
+  settle();
+  spawn_ranks(
+      kRanks,
+      [&](Group& world) {
+        const int64_t baseline = live_bytes(world);
+        Net net;
+        optim::ZeroOptimizer zero(
+            net,
+            [](auto shards) { return std::make_unique<torch::optim::Adam>(shards, torch::optim::AdamOptions(1e-3)); },
+            optim::ZeroOptimizerOptions(
+                dp::DistributedDataParallelOptions(world).bucket_cap_mb(0.008).first_bucket_cap_mb(0.008))
+                .stage(stage));
+        int64_t padded = 0, ranges = 0;
+        for (const auto& s : zero.shards()) {
+          padded += s.padded_numel;
+          ranges += s.end - s.begin;
+        }
+        ASSERT_GT(zero.shards().size(), 2u);
+        auto step = [&](int k, bool update) {
+          zero.zero_grad();
+          net->forward(input(k, world.rank())).sum().backward();
+          if (update) zero.step();
+        };
+        // Per rank: the flat parameters (4 bytes per padded element), Adam's two
+        // states over the ranges, and the gradients: ZeRO-1 DDP's whole buckets,
+        // ZeRO-2 the ranges only.
+        const int64_t grads = stage == 1 ? 4 * padded : 4 * ranges;
+        const int64_t expected = total(world, 4 * padded + 8 * ranges + grads);
+        expect_bytes(
+            world, baseline, step, [&] { return expected; }, [&] { return expected; });
+      },
+      SpawnOptions().backend("shm"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, ZeroBytes, ::testing::Values(1, 2),
                          [](const auto& info) { return "stage" + std::to_string(info.param); });
 
 TEST(FsdpBytes, TheAllocatorHoldsSixteenBytesPerShardElement) {
-  counting();
-  spawn_ranks(kRanks, [&](Group& world) {
-    const int64_t baseline = live_bytes(world);
-    Net net;
-    for (auto& l : net->layers) fsdp::fully_shard(l, world);
-    auto sharded = fsdp::fully_shard(net, world);
-    torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-3));
-    int64_t shard = 0;
-    for (const auto& u : sharded.units()) shard += u.shard_numel;
-    auto step = [&](int k, bool update) {
-      for (auto& p : net->parameters()) p.mutable_grad().reset();
-      fsdp::call(net, input(k, world.rank())).sum().backward();
-      if (update) opt.step();
-    };
-    // Parameters 4, gradients 4 (each unit's reduced shard, which its
-    // pieces' gradients alias), Adam 8 bytes per element of the pieces
-    // (which tile the shard but its padding).
-    int64_t pieces = 0;
-    for (const auto& p : net->parameters()) pieces += p.numel();
-    const int64_t expected = total(world, 4 * shard + 4 * shard + 8 * pieces);
-    expect_bytes(
-        world, baseline, step, [&] { return expected; }, [&] { return expected; });
-  });
+  settle();
+  spawn_ranks(
+      kRanks,
+      [&](Group& world) {
+        const int64_t baseline = live_bytes(world);
+        Net net;
+        for (auto& l : net->layers) fsdp::fully_shard(l, world);
+        auto sharded = fsdp::fully_shard(net, world);
+        torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-3));
+        int64_t shard = 0;
+        for (const auto& u : sharded.units()) shard += u.shard_numel;
+        auto step = [&](int k, bool update) {
+          for (auto& p : net->parameters()) p.mutable_grad().reset();
+          fsdp::call(net, input(k, world.rank())).sum().backward();
+          if (update) opt.step();
+        };
+        // Parameters 4, gradients 4 (each unit's reduced shard, which its
+        // pieces' gradients alias), Adam 8 bytes per element of the pieces
+        // (which tile the shard but its padding).
+        int64_t pieces = 0;
+        for (const auto& p : net->parameters()) pieces += p.numel();
+        const int64_t expected = total(world, 4 * shard + 4 * shard + 8 * pieces);
+        expect_bytes(
+            world, baseline, step, [&] { return expected; }, [&] { return expected; });
+      },
+      SpawnOptions().backend("shm"));
 }
 
 }  // namespace

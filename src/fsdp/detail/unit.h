@@ -50,7 +50,7 @@ struct Param {
   commgrad::detail::NodePtr accumulator;
   uintptr_t hook_key = 0;
   bool ready = false;
-  int64_t tripwire = -1;  // the compute tensor's version when its tripwire gradient was set (-1: none)
+  at::Tensor tripwire;  // while armed: the one element `compute` holds (0 until an optimizer steps it)
 };
 
 class Unit : public std::enable_shared_from_this<Unit> {
@@ -86,9 +86,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
   /// Resets what one backward set.
   void end_backward();
   /// After a synchronised backward: gives each compute tensor without a
-  /// gradient an empty one, so that an optimizer built over the parameters
-  /// before fully_shard steps it (and bumps its version) instead of
-  /// silently skipping it; check_tripwires() at the next forward notices.
+  /// gradient one element (0) and a gradient (1), so that an optimizer built
+  /// over the parameters before fully_shard changes that element instead
+  /// of silently skipping the parameter; check_tripwires() at the next
+  /// forward notices and puts the empty tensor back.
   void arm_tripwires();
   void check_tripwires();
 
