@@ -144,7 +144,7 @@ LatestComplete latest_complete_step(const std::string& root) {
     }
   }
   for (const auto& s : found.skipped) {
-    COMMGRAD_LOG(kWarn, "checkpoint: skipped ", s, " in ", root,
+    COMMGRAD_LOG(kWarn, "checkpoint ", root, ": skipped ", s,
                  found.step ? c10::str("; resuming from step ", *found.step) : std::string("; no step is intact"));
   }
   return found;

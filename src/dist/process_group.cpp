@@ -1,11 +1,14 @@
 // init_process_group / new_group / destroy_process_group.
 //
-// Rendezvous: rank 0 hosts a c10d TCPStore at MASTER_ADDR:MASTER_PORT, every
-// rank connects to it, writes its host identity under a join key and bumps a
-// counter, then waits until the counter reaches the world size. Doing this
-// ourselves (instead of TCPStore's own worker wait) lets a timeout say how
-// many ranks joined and exactly which are missing. The host identities tell
-// each group whether all its members share a host (loopback devices, shm).
+// Rendezvous: rank 0 hosts a c10d TCPStore at MASTER_ADDR:MASTER_PORT and
+// writes its job id there (two jobs on one port refuse each other's ranks);
+// every rank connects to it, claims its rank, writes its host identity under
+// a join key and bumps a counter, then waits until the counter reaches the
+// world size. Doing this ourselves (instead of TCPStore's own worker wait)
+// lets a timeout say how many ranks joined and exactly which are missing, on
+// every waiting rank: rank 0 leaves the verdict in the store for the others.
+// The host identities tell each group whether all its members share a host
+// (loopback devices, shm).
 //
 // Group creation ends with the same kind of store barrier among the members,
 // after every transport has connected: a rank that dropped a group the moment
@@ -223,8 +226,8 @@ Joined join(const detail::StorePtr& store, const LaunchEnvironment& env, std::ch
   const std::string me = host_identity() + "\n" + detail::local_address_towards(env.master_addr);
   auto said = join_barrier(store, "commgrad/world/join", env.rank, env.world_size, me, timeout, missing, lost);
   if (!lost.empty()) {
-    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kTimeout, init_prefix(env), "rendezvous timed out after ",
-                           seconds(timeout), ": the store's host (rank 0) went away before every rank joined (store ",
+    COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, init_prefix(env),
+                           "rendezvous failed: the store's host (rank 0) went away before every rank joined (store ",
                            env.master_addr, ":", env.master_port, "): ", lost);
   }
   if (!missing.empty()) {

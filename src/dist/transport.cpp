@@ -254,9 +254,9 @@ Transport create_transport(const TransportConfig& c) {
     }
 #endif
   } catch (const c10::Error& e) {
+    // The cause says whether it was the timeout (a settings mismatch is not).
     COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, connect_prefix(c), "could not connect its ", c.backend,
-                           " transport to the other ", c.size - 1,
-                           " ranks within the timeout: ", e.what_without_backtrace());
+                           " transport to the other ", c.size - 1, " ranks: ", e.what_without_backtrace());
   } catch (const std::exception& e) {
     COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, connect_prefix(c), "could not connect its ", c.backend,
                            " transport to the other ", c.size - 1, " ranks: ", e.what());

@@ -99,7 +99,7 @@ TEST(CheckpointPublish, LatestCompleteStepFallsBackPastADamagedNewestStep) {
   ASSERT_EQ(found.skipped.size(), 2u);
   EXPECT_THAT(found.skipped[0], HasSubstr("step-00000006: rank-00001.safetensors has 10 bytes, the index records "));
   EXPECT_THAT(found.skipped[1], HasSubstr("step-00000004: its index does not parse"));
-  EXPECT_THAT(warned, HasSubstr("checkpoint: skipped step-00000006: rank-00001.safetensors has 10 bytes"));
+  EXPECT_THAT(warned, HasSubstr(": skipped step-00000006: rank-00001.safetensors has 10 bytes"));
   EXPECT_THAT(warned, HasSubstr("resuming from step 2"));
   spawn_ranks(1, [&](Group& g) {
     auto d = pieces_of(0, g);

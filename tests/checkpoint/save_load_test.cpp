@@ -214,7 +214,9 @@ TEST(CheckpointCrashSafety, FailureOnOneRankKeepsThePreviousStepAndLeavesNoParti
     EXPECT_EQ(checkpoint::saved_steps(root.str()), (std::vector<int64_t>{5}));
     // Rank 0 removed the partial directory before it threw (a killed rank
     // leaves it instead: checkpoint_crash_test).
-    if (g.rank() == 0) EXPECT_FALSE(fs::exists(root.path() / ".step-00000010.partial"));
+    if (g.rank() == 0) {
+      EXPECT_FALSE(fs::exists(root.path() / ".step-00000010.partial"));
+    }
     auto d = row_piece("x", at::zeros({6}), 0, 3, g.rank());
     EXPECT_EQ(checkpoint::load(root.str(), {d}, {}, g).step, 5);
     EXPECT_TRUE(at::equal(d.tensor, at::full({2}, 5.0f)));
