@@ -442,6 +442,8 @@ int main(int argc, char** argv) {
                              state.context_parallel_group(),    state.data_context_parallel_group(),
                              state.expert_data_parallel_group()};
     gpt::Trainer trainer(trainer_options(c), model_config, layout);
+    if (rank == 0 && c.recompute != "none")
+      std::printf("rank 0 layers: %s\n", gpt::layer_recomputation(*trainer.model()).c_str());
     const int start = resume(c, trainer, rank);  // steps done before this run
     std::vector<gpt::CurvePoint> curve;
     gpt::Progress progress(start + 1, c.steps, kBatch * model_config.sequence);

@@ -52,6 +52,17 @@ uint64_t parameter_digest(const torch::nn::Module& module) {
   return hash;
 }
 
+std::string layer_recomputation(const torch::nn::Module& model) {
+  std::string out;
+  for (const auto& item : model.named_children()) {
+    const auto* layer = dynamic_cast<const tp::ParallelTransformerLayerImpl*>(item.value().get());
+    if (layer == nullptr) continue;
+    if (!out.empty()) out += ", ";
+    out += item.key() + " " + tp::recompute_granularity_name(layer->options.recompute());
+  }
+  return out;
+}
+
 bool recompute_matches(const TrainerOptions& options, const GptConfig& config, const Layout& layout,
                        const Corpus& corpus, int steps, const commgrad::Group& world) {
   using G = tp::RecomputeGranularity;

@@ -19,12 +19,17 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace gpt {
 
 /// 64-bit FNV-1a over the names, shapes, dtypes and bytes of `module`'s parameters.
 uint64_t parameter_digest(const torch::nn::Module& module);
+
+/// Each transformer layer of `model` with its recomputation, in order:
+/// "layer0 full, layer1 none".
+std::string layer_recomputation(const torch::nn::Module& model);
 
 /// Trains `steps` steps of `config` under `recompute` with a fresh Trainer
 /// on every rank of `world`, once per granularity (none, selective, full;

@@ -24,11 +24,13 @@
 // hooks included, inside it).
 //
 // Zero-bubble schedules (weight_gradients.h). A forward under
-// DeferWeightGradients runs fn without grad, so its linear layers record
-// nothing to defer; the rerun runs under the same queue (the forward's,
-// saved in the state), so its linear layers leave their weight gradients
-// there for W, exactly as they would have without recompute, and the
-// nested engine call returns no gradient for those weights.
+// DeferWeightGradients runs fn without grad: its linear layers count
+// themselves as deferring (so the pipeline knows the stage defers), but no
+// backward of theirs will run from it. The rerun runs under the same queue
+// (the forward's, saved in the state), so the rerun's linear layers leave
+// their weight gradients there for W, exactly as they would have without
+// recompute, and the nested engine call returns no gradient for those
+// weights.
 //
 // Cost: one more forward of fn per backward (the closed form of the tests:
 // backward matmuls + forward matmuls), and no extra collective beyond those

@@ -5,6 +5,7 @@
 // every rank with a message (exit code 2, before any rank starts); so do the
 // options of the other benchmark programs. zero_bench's tables at a tiny
 // size: bytes against the formulas, FSDP's collectives against the closed form.
+// recompute_bench's bytes held for backward against the closed form.
 
 #include "harness/command_line.h"
 #include "harness/subprocess.h"
@@ -138,7 +139,7 @@ TEST(GptBench, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/gpt_bench");
   expect_help_lists(program, {"--layout", "--hidden", "--heads", "--ffn", "--layers", "--sequence", "--vocab",
                               "--batch", "--microbatches", "--warmup", "--steps", "--untie", "--cp", "--cp-mode",
-                              "--experts", "--topk", "--ep"});
+                              "--experts", "--topk", "--ep", "--recompute"});
   expect_bad_options(
       program,
       {
@@ -158,7 +159,41 @@ TEST(GptBench, BadOptionsAreNamedBeforeAnyRankStarts) {
           {{"--experts", "3", "--ep", "2"}, "--ep 2 needs --experts divisible by it"},
           {{"--experts", "2", "--topk", "3"}, "--topk 3 is more than the 2 experts"},
           {{"--experts", "-1"}, "--experts: expected an integer in [0, "},
+          {{"--recompute", "none,partial"}, "--recompute: expected one of none, selective, full, got 'partial'"},
       });
+}
+
+// recompute_bench at a small size (one layer, one step): the bytes each
+// granularity holds for backward, counted exactly, meet the closed form
+// (the float32 form of 34sbh + 5as^2b; selective without the s^2 term; full
+// the layer input, plus recompute's snapshot of the random streams, a few
+// KB); every row has a step time.
+TEST(RecomputeBench, HeldBytesMeetTheClosedForm) {
+  auto r = run_process({launcher_path(), "-n",  "1",       "--timeout", "60",       build_path("bin/recompute_bench"),
+                        "--sequence",    "256", "--batch", "2",         "--hidden", "256",
+                        "--heads",       "4",   "--ffn",   "512",       "--layers", "1",
+                        "--warmup",      "0",   "--steps", "1"},
+                       clean_env(), std::chrono::seconds(90));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto rows = table(r.out);
+  ASSERT_EQ(rows.size(), 4u) << r.out;  // header, none, selective, full
+  const std::vector<std::pair<std::string, double>> want{{"none", 0.02}, {"selective", 0.02}, {"full", 0.05}};
+  for (size_t i = 0; i < want.size(); ++i) {
+    const auto& row = rows[1 + i];
+    ASSERT_EQ(row.size(), 6u) << r.out;
+    EXPECT_EQ(row[0], want[i].first);
+    const double ratio = std::stod(row[3]);  // measured / closed form
+    EXPECT_GE(ratio, 1.0) << row[0];
+    EXPECT_LE(ratio, 1.0 + want[i].second) << row[0];
+    EXPECT_GT(std::stod(row[4]), 0.0) << row[0];
+  }
+  const std::string program = build_path("bin/recompute_bench");
+  expect_help_lists(program, {"--sequence", "--batch", "--hidden", "--heads", "--ffn", "--layers", "--dropout", "--sp",
+                              "--warmup", "--steps"});
+  expect_bad_options(program, {
+                                  {{"--dropout", "1"}, "--dropout: expected a number >= 0 and <= 0.9, got '1'"},
+                                  {{"--layers", "0"}, "--layers: expected an integer in [1, "},
+                              });
 }
 
 // zero_bench at a tiny size: every variant's bytes meet its formula exactly

@@ -95,7 +95,7 @@ std::vector<at::Tensor> recompute(const RecomputeFunction& fn, const std::vector
 
 /// The tensors recompute() keeps for the rerun of the call that made
 /// `output` (aliases of its inputs, in order; undefined where an input
-/// was), while its backward has not run; empty when `output` is not an
+/// was undefined), while its backward has not run; empty when `output` is not an
 /// output of recompute() (or came from it outside grad mode). What a
 /// recomputed layer holds for backward, e.g. 1/TP of the sequence under
 /// sequence parallelism.
