@@ -269,6 +269,118 @@ void check_sequence_parallel_mlp() {
   }
 }
 
+// docs/moe.md: experts over EP=2 (TP=1, PP=1 at 2 and 4 ranks); y keeps x's shape.
+void mixture_of_experts(int64_t tp, int64_t pp) {
+  const auto x = seeded_randn({6, 64}, 60 + commgrad::rank());
+  // [moe_layer]
+  auto state = commgrad::make_model_parallel(commgrad::ModelParallelOptions(tp, pp).expert_parallel_size(2));
+  commgrad::moe::MoELayer moe(
+      commgrad::moe::MoELayerOptions(64, 128, /*experts=*/8, /*top_k=*/2, state.expert_parallel_group())
+          .routing(
+              commgrad::moe::RoutingOptions().aux_loss_coeff(1e-2).batch_group(state.data_context_parallel_group()))
+          .seed(5));
+  auto y = moe(x);  // x: this rank's tokens [..., 64]; y has x's shape
+  // [end moe_layer]
+  if (y.sizes() != x.sizes()) throw std::runtime_error("moe: y does not have x's shape");
+  y.sum().backward();
+}
+
+// docs/recompute.md's three forms; the recomputed results against the same
+// modules called without recompute (dropout off there: p only changes the mask).
+void recompute_forms(const commgrad::Group& tp_group) {
+  torch::nn::Linear fc1(8, 16), fc2(16, 8);
+  torch::nn::Sequential mlp(fc1, fc2), block(fc1, fc2);
+  const double scale = 0.5;
+  const auto x = seeded_randn({4, 8}, 70).requires_grad_();
+  const auto token_ids = torch::arange(4);
+  // [recompute_api]
+  namespace tp = commgrad::tp;
+
+  // Tensors in, tensors out; non-tensor arguments are captured by the lambda.
+  std::vector<at::Tensor> out = tp::recompute(
+      [&](const std::vector<at::Tensor>& in) {
+        auto h = tp::dropout(torch::gelu(fc1->forward(in[0])), 0.1, true);
+        return std::vector<at::Tensor>{fc2->forward(h) * scale, in[1] + 1};
+      },
+      {x, token_ids}, tp::RecomputeOptions().name("mlp").parameters(mlp->parameters()));
+
+  // One tensor in, one out.
+  at::Tensor y = tp::recompute([&](const at::Tensor& x) { return block->forward(x); }, x);
+
+  // The layer option.
+  tp::ParallelTransformerLayer layer(tp::ParallelTransformerLayerOptions(1024, 16, 4096, tp_group)
+                                         .hidden_dropout(0.1)
+                                         .attention_dropout(0.1)
+                                         .recompute(tp::RecomputeGranularity::kSelective));
+  // [end recompute_api]
+  if (!torch::equal(out[1], token_ids + 1)) throw std::runtime_error("recompute: in[1] + 1 differs");
+  out[0].sum().backward();
+  if (!fc1->weight.grad().defined()) throw std::runtime_error("recompute: fc1 has no gradient");
+  x.mutable_grad().reset();
+  y.sum().backward();
+  const auto recomputed_grad = x.grad().clone();
+  x.mutable_grad().reset();
+  const auto direct = block->forward(x);
+  direct.sum().backward();
+  expect_close("recompute: y", y, direct);
+  expect_close("recompute: dy/dx", recomputed_grad, x.grad());
+}
+
+struct LayeredImpl : torch::nn::Module {
+  LayeredImpl() : head(register_module("head", torch::nn::Linear(8, 4))) {
+    for (int k = 0; k < 2; ++k)
+      layers.push_back(register_module("layers" + std::to_string(k), torch::nn::Linear(8, 8)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& layer : layers) x = commgrad::fsdp::call(layer, x);
+    return head(torch::relu(x));
+  }
+  std::vector<torch::nn::Linear> layers;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Layered);
+
+// docs/fsdp.md: the quick start, loss scaling and a checkpoint of the pieces.
+void fully_sharded(const Batches& my_shard_of_each_batch, const std::string& root, int64_t step) {
+  namespace checkpoint = commgrad::checkpoint;
+  Layered model;
+  // [fsdp]
+  namespace fsdp = commgrad::fsdp;
+
+  for (auto& layer : model->layers) fsdp::fully_shard(layer);  // one unit per layer
+  auto sharded = fsdp::fully_shard(model);                     // the root: the rest
+  torch::optim::AdamW opt(model->parameters(), 1e-3);          // this rank's pieces
+
+  // In Model::forward:  for (auto& layer : layers) x = fsdp::call(layer, x);
+  for (auto& [x, y] : my_shard_of_each_batch) {
+    auto loss = torch::mse_loss(fsdp::call(model, x), y);
+    loss.backward();               // reduce-scatters, overlapped with backward
+    sharded.clip_grad_norm_(1.0);  // over every shard (and TP/PP groups if given)
+    opt.step();                    // steps 1/N of every parameter
+    opt.zero_grad();
+  }
+  // [end fsdp]
+  const auto& [x, y] = my_shard_of_each_batch.front();
+  auto loss = torch::mse_loss(fsdp::call(model, x), y);
+  // [fsdp_loss_scaler]
+  commgrad::optim::DynamicLossScaler scaler;  // inf/NaN agreed over the layout's DP, TP, PP
+  scaler.scale(loss).backward();
+  std::vector<at::Tensor> grads;
+  for (auto& p : model->parameters())
+    if (p.grad().defined()) grads.push_back(p.grad());
+  scaler.step(grads, [&] {
+    sharded.clip_grad_norm_(1.0);
+    opt.step();
+  });  // skipped on every rank together
+  // [end fsdp_loss_scaler]
+  // [fsdp_checkpoint]
+  auto pieces = checkpoint::fsdp_pieces(sharded);
+  auto optim = checkpoint::fsdp_optimizer_pieces(sharded, opt);
+  pieces.insert(pieces.end(), optim.begin(), optim.end());
+  checkpoint::save(root, step, pieces);
+  // [end fsdp_checkpoint]
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -277,6 +389,7 @@ int main(int argc, char** argv) {
     commgrad::init_process_group();
     zero_quick_start(batches_of_this_rank());
     loss_scaling(batches_of_this_rank(), root + "/scaler", 1);
+    fully_sharded(batches_of_this_rank(), root + "/fsdp", 1);
     if (commgrad::world_size() % 2 == 0) {
       checkpoints_by_pieces(root + "/pieces", 1, 2);
       checkpoints_in_one_call(root + "/training", 1);
@@ -284,6 +397,8 @@ int main(int argc, char** argv) {
       pipeline_runtime();
       tied_embedding();
       check_sequence_parallel_mlp();
+      mixture_of_experts(1, 1);
+      recompute_forms(commgrad::make_model_parallel(2, 1).tensor_parallel_group());
     }
     commgrad::destroy_process_group();
   } catch (const c10::Error& e) {

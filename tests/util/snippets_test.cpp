@@ -8,8 +8,7 @@
 //
 // and must equal the lines between "// [train]" and "// [end train]" in that
 // file (less their common indentation), which CMake builds and a test runs.
-// Every C++ block of README.md and docs/*.md must be such a quote, except in
-// the pages of kNotYetQuoted (to be converted, then the list emptied).
+// Every C++ block of README.md and docs/*.md must be such a quote.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -18,7 +17,6 @@
 #include <cctype>
 #include <filesystem>
 #include <fstream>
-#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -29,7 +27,6 @@ namespace {
 namespace fs = std::filesystem;
 
 const fs::path kRoot(COMMGRAD_SOURCE_DIR);
-const std::set<std::string> kNotYetQuoted = {"docs/fsdp.md", "docs/moe.md", "docs/recompute.md"};
 const std::string kMarker = "<!-- snippet: ";
 
 std::vector<std::string> lines_of(const fs::path& path) {
@@ -126,7 +123,6 @@ TEST(SnippetsTest, EveryCppBlockQuotesACompiledFile) {
   int blocks = 0;
   for (const auto& page : pages()) {
     const std::string name = fs::relative(page, kRoot).generic_string();
-    if (kNotYetQuoted.count(name)) continue;
     const auto lines = lines_of(page);
     bool in_block = false;
     for (size_t i = 0; i < lines.size(); ++i) {
@@ -142,7 +138,6 @@ TEST(SnippetsTest, EveryCppBlockQuotesACompiledFile) {
     }
   }
   EXPECT_GT(blocks, 0) << "no C++ blocks found";
-  for (const auto& page : kNotYetQuoted) EXPECT_TRUE(fs::exists(kRoot / page)) << page << " is no page (any more)";
 }
 
 }  // namespace
