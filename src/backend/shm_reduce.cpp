@@ -114,24 +114,66 @@ struct WideAdd {
   A operator()(A a, A b) const { return a + b; }
 };
 
+#if defined(__GNUC__)
+#define COMMGRAD_INLINE inline __attribute__((always_inline))
+#else
+#define COMMGRAD_INLINE inline
+#endif
+
 template <typename T, typename A, typename Combine, typename Finish>
-void reduce_blocks(void* dst, void* dst2, const void* const* srcs, int nsrcs, int64_t count, Combine combine,
-                   Finish finish) {
+COMMGRAD_INLINE void reduce_blocks_inline(void* dst, void* dst2, const void* const* srcs, int nsrcs, int64_t count,
+                                          Combine combine, Finish finish) {
   constexpr int64_t kBlock = 512;
   A acc[kBlock];
   if (dst == nullptr) std::swap(dst, dst2);
   for (int64_t base = 0; base < count; base += kBlock) {
     const int64_t m = std::min(kBlock, count - base);
+    // The first two sources combine in one pass (a copy into acc first
+    // would be a pass of its own over memory another core may hold).
     const T* s0 = static_cast<const T*>(srcs[0]) + base;
-    for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s0[i]);
-    for (int s = 1; s < nsrcs; ++s) {
+    if (nsrcs == 1) {
+      for (int64_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s0[i]);
+    } else {
+      const T* s1 = static_cast<const T*>(srcs[1]) + base;
+      for (int64_t i = 0; i < m; ++i) acc[i] = combine(static_cast<A>(s0[i]), static_cast<A>(s1[i]));
+    }
+    for (int s = 2; s < nsrcs; ++s) {
       const T* sp = static_cast<const T*>(srcs[s]) + base;
       for (int64_t i = 0; i < m; ++i) acc[i] = combine(acc[i], static_cast<A>(sp[i]));
     }
     T* d = static_cast<T*>(dst) + base;
-    for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(finish(acc[i]));
-    if (dst2 != nullptr) std::memcpy(static_cast<T*>(dst2) + base, d, static_cast<size_t>(m) * sizeof(T));
+    if (dst2 == nullptr) {
+      for (int64_t i = 0; i < m; ++i) d[i] = static_cast<T>(finish(acc[i]));
+    } else {
+      T* d2 = static_cast<T*>(dst2) + base;
+      for (int64_t i = 0; i < m; ++i) d2[i] = d[i] = static_cast<T>(finish(acc[i]));
+    }
   }
+}
+
+// The same loops compiled for AVX2 where the CPU has it: twice the
+// elements per instruction of the baseline x86-64 build, which is what
+// keeps a reduction of data another core just wrote from trailing the copies.
+#if defined(__x86_64__) && defined(__GNUC__)
+template <typename T, typename A, typename Combine, typename Finish>
+__attribute__((target("avx2"))) void reduce_blocks_avx2(void* dst, void* dst2, const void* const* srcs, int nsrcs,
+                                                        int64_t count, Combine combine, Finish finish) {
+  reduce_blocks_inline<T, A>(dst, dst2, srcs, nsrcs, count, combine, finish);
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
+template <typename T, typename A, typename Combine, typename Finish>
+void reduce_blocks(void* dst, void* dst2, const void* const* srcs, int nsrcs, int64_t count, Combine combine,
+                   Finish finish) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (cpu_has_avx2()) return reduce_blocks_avx2<T, A>(dst, dst2, srcs, nsrcs, count, combine, finish);
+#endif
+  reduce_blocks_inline<T, A>(dst, dst2, srcs, nsrcs, count, combine, finish);
 }
 
 template <typename T>
