@@ -3,12 +3,24 @@
 # side by side in one run: commgrad-bench's raw transport call over Gloo and
 # over shm and, when OpenMPI's mpicc and mpirun are installed, a plain
 # MPI_Allreduce (bench/mpi_allreduce.c) timed the same way over the same
-# sizes. Writes, per rank count, the three raw outputs, one markdown table
-# and one SVG plot of bus bandwidth against size (plus a PNG when gnuplot is
-# installed).
+# sizes; next to them the copy floor: the time the bytes each rank must
+# read and write take at this machine's copy bandwidth, measured in the same
+# run by bench/copy_floor.c with every rank copying at once (a transport
+# that stages through shared memory reads and writes (5n-2)/(2n) times the
+# tensor per rank, at least: copy in, reduce a slice, copy out; so 2.0
+# memcpy times at 2 ranks, 2.25 at 4). Rounds alternate the transports
+# (round 1: gloo, shm, mpi; round 2: the same again, ...) and the tables
+# show the median over rounds, so that a burst of load from outside hits
+# every transport alike. Writes, per rank count, the raw outputs, one
+# markdown table and one SVG plot of bus bandwidth against size (plus a PNG
+# when gnuplot is installed).
 #
-#   bench/compare_transports.sh [-n "2 4"] [-b 4K] [-e 64M] [-f 4] [-i ITERS] [-w WARMUP]
-#                               [-o OUTDIR] [--build BUILDDIR]
+#   bench/compare_transports.sh [-n "2 4"] [-b 4K] [-e 256M] [-f 4] [-i ITERS] [-w WARMUP]
+#                               [-r ROUNDS] [--rt] [-o OUTDIR] [--build BUILDDIR]
+#
+# --rt runs every program under chrt -r 50 (root only): the ranks then
+# preempt other work on a shared machine (the numbers of a quiet machine,
+# within the kernel's 95% real-time budget).
 #
 # Needs commgrad-run and commgrad-bench built in BUILDDIR (default: build, or
 # $COMMGRAD_BUILD_DIR):  cmake --build build --target commgrad-run commgrad-bench
@@ -17,10 +29,12 @@ cd "$(dirname "$0")/.."
 
 ranks="2 4"
 min=4K
-max=64M
+max=256M
 factor=4
 iters=20
 warmup=5
+rounds=3
+rt=()
 out=bench/results/transports/$(date +%Y-%m-%d)  # a run folder beside the earlier runs
 build=${COMMGRAD_BUILD_DIR:-build}
 while [[ $# -gt 0 ]]; do
@@ -31,9 +45,11 @@ while [[ $# -gt 0 ]]; do
     -f) factor=$2; shift 2 ;;
     -i) iters=$2; shift 2 ;;
     -w) warmup=$2; shift 2 ;;
+    -r) rounds=$2; shift 2 ;;
+    --rt) rt=(chrt -r 50); shift ;;
     -o) out=$2; shift 2 ;;
     --build) build=$2; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "compare_transports.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -56,7 +72,7 @@ done
 mkdir -p "$out"
 
 have_mpi=0
-mpi_bin=$(mktemp -d)/mpi_allreduce  # the binary stays out of the results
+mpi_bin=$(mktemp -d)/mpi_allreduce  # the binaries stay out of the results
 trap 'rm -rf "$(dirname "$mpi_bin")"' EXIT
 if command -v mpicc > /dev/null && command -v mpirun > /dev/null; then
   mpicc -O2 -o "$mpi_bin" bench/mpi_allreduce.c
@@ -72,38 +88,60 @@ mpi_flags=(--oversubscribe --bind-to none)
   echo "# load average before the runs: $(cut -d' ' -f1-3 /proc/loadavg)"
 } > "$out/machine.txt"
 
-for n in $ranks; do
-  for backend in gloo shm; do
-    echo "== all_reduce, $n ranks, $backend" >&2
-    "$run" -n "$n" --no-prefix --timeout 3600 "$bench" --backend "$backend" --op all_reduce \
-      -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --no-backward | tee "$out/allreduce_n${n}_${backend}.txt"
+floor_bin=$(dirname "$mpi_bin")/copy_floor
+cc -O2 -o "$floor_bin" bench/copy_floor.c -lpthread
+rm -f "$out"/allreduce_n*_*.txt "$out"/copy_floor_n*.txt
+for round in $(seq "$rounds"); do
+  for n in $ranks; do
+    for backend in gloo shm; do
+      echo "== round $round: all_reduce, $n ranks, $backend" >&2
+      "${rt[@]}" "$run" -n "$n" --no-prefix --timeout 3600 "$bench" --backend "$backend" --op all_reduce \
+        -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --no-backward | tee -a "$out/allreduce_n${n}_${backend}.txt"
+    done
+    if [[ $have_mpi == 1 ]]; then
+      echo "== round $round: all_reduce, $n ranks, OpenMPI" >&2
+      "${rt[@]}" mpirun "${mpi_flags[@]}" -n "$n" "$mpi_bin" "$(bytes "$min")" "$(bytes "$max")" "$factor" "$iters" "$warmup" \
+        | tee -a "$out/allreduce_n${n}_mpi.txt"
+    fi
+    echo "== round $round: copy floor, $n ranks" >&2
+    "${rt[@]}" "$floor_bin" "$n" "$(bytes "$min")" "$(bytes "$max")" "$factor" "$iters" | tee -a "$out/copy_floor_n${n}.txt"
   done
-  if [[ $have_mpi == 1 ]]; then
-    echo "== all_reduce, $n ranks, OpenMPI" >&2
-    mpirun "${mpi_flags[@]}" -n "$n" "$mpi_bin" "$(bytes "$min")" "$(bytes "$max")" "$factor" "$iters" "$warmup" \
-      | tee "$out/allreduce_n${n}_mpi.txt"
-  fi
 done
 echo "# load average after the runs: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$out/machine.txt"
 
 python3 - "$out" $ranks << 'EOF'
-import math, os, sys
+import math, os, statistics, sys
 
 out, ranks = sys.argv[1], sys.argv[2:]
 names = [("gloo", "Gloo"), ("shm", "shm"), ("mpi", "OpenMPI")]
 
-def parse(path):
-    """size -> (time_us, busbw) from the raw-transport columns."""
-    rows = {}
+def busbw(size, t_us, n):
+    return size / t_us / 1e3 * 2 * (n - 1) / n if t_us > 0 else 0.0
+
+def parse(path, n):
+    """size -> (median time_us over the rounds, busbw) from the raw-transport columns."""
+    times = {}
     if not os.path.exists(path):
-        return rows
+        return {}
     for line in open(path):
         if line.startswith("#") or "|" not in line:
             continue
         left, raw = line.split("|")[:2]
-        size, t, busbw = int(left.split()[0]), float(raw.split()[0]), float(raw.split()[2])
-        rows[size] = (t, busbw)
-    return rows
+        times.setdefault(int(left.split()[0]), []).append(float(raw.split()[0]))
+    return {s: (statistics.median(t), busbw(s, statistics.median(t), n)) for s, t in times.items()}
+
+def parse_floor(path, n):
+    """size -> (floor time_us, busbw): (5n-2)/(2n) memcpy times of the median copy."""
+    times = {}
+    if not os.path.exists(path):
+        return {}
+    for line in open(path):
+        if line.startswith("#") or not line.strip():
+            continue
+        size, t = line.split()[:2]
+        times.setdefault(int(size), []).append(float(t))
+    copies = (5 * n - 2) / (2 * n)
+    return {s: (copies * statistics.median(t), busbw(s, copies * statistics.median(t), n)) for s, t in times.items()}
 
 def human(b):
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -123,7 +161,7 @@ def svg(path, n, series):
     ymax = max(b for _, b in pts) * 1.1 or 1
     X = lambda s: L + (math.log2(s) - x0) / (x1 - x0) * (W - L - R)
     Y = lambda b: H - B - b / ymax * (H - T - B)
-    colors = {"Gloo": "#d62728", "shm": "#1f77b4", "OpenMPI": "#2ca02c"}
+    colors = {"Gloo": "#d62728", "shm": "#1f77b4", "OpenMPI": "#2ca02c", "copy floor": "#7f7f7f"}
     o = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
          f'<rect width="{W}" height="{H}" fill="white"/>',
          f'<text x="{L}" y="18" font-size="14">all_reduce float32, {n} ranks: bus bandwidth (GB/s) against size</text>',
@@ -150,10 +188,12 @@ def svg(path, n, series):
 
 md = [open(os.path.join(out, "machine.txt")).read().strip().replace("# ", "").replace("\n", "; "), ""]
 for n in ranks:
-    series = [(label, parse(os.path.join(out, f"allreduce_n{n}_{key}.txt"))) for key, label in names]
+    series = [(label, parse(os.path.join(out, f"allreduce_n{n}_{key}.txt"), int(n))) for key, label in names]
+    series.append(("copy floor", parse_floor(os.path.join(out, f"copy_floor_n{n}.txt"), int(n))))
     present = [(l, r) for l, r in series if r]
     sizes = sorted({s for _, r in present for s in r})
-    md.append(f"all_reduce float32, {n} ranks: median time per call (us) and bus bandwidth (GB/s)")
+    md.append(f"all_reduce float32, {n} ranks: time per call (us; the median over the rounds of each round's median) "
+              "and bus bandwidth (GB/s)")
     md.append("")
     head = "| size | " + " | ".join(f"{l} time | {l} busbw" for l, _ in present)
     rows = dict(series)
@@ -162,6 +202,8 @@ for n in ranks:
         extra.append(("shm vs Gloo", "Gloo"))
     if rows.get("shm") and rows.get("OpenMPI"):
         extra.append(("shm vs OpenMPI", "OpenMPI"))
+    if rows.get("shm") and rows.get("copy floor"):
+        extra.append(("shm / floor", "copy floor"))
     head += "".join(f" | {name}" for name, _ in extra) + " |"
     md.append(head)
     md.append("|" + "---|" * (1 + 2 * len(present) + len(extra)))
@@ -172,7 +214,10 @@ for n in ranks:
             cells += [f"{t:.1f}", f"{b:.3f}"]
         for _, other in extra:
             a, o = rows["shm"].get(s), rows[other].get(s)
-            cells.append(f"{o[0] / a[0]:.1f}x faster" if a and o and a[0] > 0 else "")
+            if other == "copy floor":
+                cells.append(f"{a[0] / o[0]:.2f}x" if a and o and o[0] > 0 else "")
+            else:
+                cells.append(f"{o[0] / a[0]:.2f}x faster" if a and o and a[0] > 0 else "")
         md.append("| " + " | ".join(cells) + " |")
     md.append("")
     svg(os.path.join(out, f"allreduce_busbw_n{n}.svg"), n, series)
