@@ -23,6 +23,9 @@
 // input in, arrives once, and reduces everything itself, in rank order, so
 // the result is again identical on every rank; one barrier instead of two.
 //
+// All-reduce, single copy (large tensors, when every rank may read the
+// others' memory): see shm_single_copy.cpp.
+//
 // The other collectives take one step (one barrier) per chunk: broadcast
 // stages up to n x chunk_bytes of the root's tensor per step; all-gather
 // and gather stage chunk_bytes of every rank's input in its slot;
@@ -65,6 +68,8 @@ void Comm::reduce(const Call& call, const void* in, void* out, int64_t count, c1
   auto* o = static_cast<uint8_t*>(out);
   if (bytes <= std::min<int64_t>(kSmallBytes, segment_->layout().chunk_bytes)) {
     allreduce_small(call, i, o, count, dtype, op, root);
+  } else if (root < 0 && single_copy(bytes)) {
+    allreduce_single_copy(call, i, o, count, dtype, op);
   } else {
     allreduce_pipelined(call, i, o, count, dtype, op, root);
   }

@@ -44,6 +44,14 @@ ShmOptions resolve(ShmOptions o, int size) {
     const int64_t env = env_int("COMMGRAD_SHM_ASYNC_BYTES", "bytes");
     o.async_bytes(env >= 0 ? env : int64_t{1} << 20);
   }
+  if (o.single_copy_bytes() < 0) {
+    const int64_t env = env_int("COMMGRAD_SHM_SINGLE_COPY_BYTES", "bytes");
+    o.single_copy_bytes(env >= 0 ? env : int64_t{2} << 20);
+  }
+  if (o.single_copy_max_bytes() < 0) {
+    const int64_t env = env_int("COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES", "bytes");
+    o.single_copy_max_bytes(env >= 0 ? env : int64_t{16} << 20);
+  }
   if (o.eager_worker() < 0) {
     const int64_t env = env_int("COMMGRAD_SHM_EAGER_WORKER", "0 or 1");
     o.eager_worker(env >= 0 ? (env != 0 ? 1 : 0) : (2 * size <= usable_cpus() ? 1 : 0));

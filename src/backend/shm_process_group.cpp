@@ -57,13 +57,19 @@ ShmProcessGroup::ShmProcessGroup(const commgrad::detail::StorePtr& store, int ra
   config.size = size;
   config.chunk_bytes = static_cast<uint64_t>(options_.chunk_bytes());
   config.mailbox_bytes = static_cast<uint64_t>(options_.mailbox_bytes());
+  config.single_copy_bytes = options_.single_copy_bytes();
+  config.single_copy_max_bytes = options_.single_copy_max_bytes();
   config.timeout = options_.timeout();
   config.context = context;
   auto segment = std::make_unique<detail::Segment>(config);
   detail::WaitPolicy policy;
   policy.max_spin_ns = static_cast<int64_t>(options_.spin_us()) * 1000;
   if (size > detail::usable_cpus()) policy.max_yield_ns = 50 * 1000;
-  comm_ = std::make_unique<Comm>(std::move(segment), rank, size, context, policy);
+  detail::SingleCopyPolicy single_copy;
+  single_copy.min_bytes = options_.single_copy_bytes();
+  single_copy.max_bytes = options_.single_copy_max_bytes();
+  single_copy.timeout = options_.timeout();
+  comm_ = std::make_unique<Comm>(std::move(segment), rank, size, context, policy, single_copy);
   // The worker starts collectives at once only when it can have a core of
   // its own (see Executor: eager or lazy).
   collectives_ = std::make_unique<detail::Executor>(options_.eager_worker() != 0);

@@ -29,6 +29,8 @@
 
 #include "detail/shm_segment.h"
 
+#include "detail/shm_single_copy.h"
+
 #include "commgrad/detail/torch_compat.h"
 #include "commgrad/util/env.h"
 #include "commgrad/util/error.h"
@@ -61,7 +63,7 @@ namespace commgrad::backend::detail {
 namespace {
 
 constexpr uint64_t kMagic = 0x6873646172676d63ULL;  // "cmgradsh"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
@@ -152,6 +154,7 @@ Segment::Segment(const SegmentConfig& config)
     }
   }
   rank_block(config.rank).pid_namespace = pid_namespace();
+  rank_block(config.rank).probe_address = single_copy_probe_address();
   rank_block(config.rank).pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   wait_until_mapped(config);
 }
@@ -205,6 +208,8 @@ void Segment::create(const SegmentConfig& config) {
   h->size = config.size;
   h->chunk_bytes = layout_.chunk_bytes;
   h->mailbox_bytes = layout_.mailbox_bytes;
+  h->single_copy_bytes = config.single_copy_bytes;
+  h->single_copy_max_bytes = config.single_copy_max_bytes;
   h->total_bytes = layout_.total_bytes;
   for (int r = 0; r < config.size; ++r) new (&rank_block(r)) RankBlock{};
   if (config.size > 1) {
@@ -243,14 +248,17 @@ void Segment::open(const SegmentConfig& config) {
   std::atomic_thread_fence(std::memory_order_acquire);
   const Header& h = header();
   if (h.magic != kMagic || h.version != kVersion || h.size != config.size || h.chunk_bytes != layout_.chunk_bytes ||
-      h.mailbox_bytes != layout_.mailbox_bytes) {
+      h.mailbox_bytes != layout_.mailbox_bytes || h.single_copy_bytes != config.single_copy_bytes ||
+      h.single_copy_max_bytes != config.single_copy_max_bytes) {
     const std::string got =
-        c10::str("size ", h.size, ", chunk_bytes ", h.chunk_bytes, ", mailbox_bytes ", h.mailbox_bytes);
+        c10::str("size ", h.size, ", chunk_bytes ", h.chunk_bytes, ", mailbox_bytes ", h.mailbox_bytes,
+                 ", single_copy_bytes ", h.single_copy_bytes, " to ", h.single_copy_max_bytes);
     munmap(base_, layout_.total_bytes);
     base_ = nullptr;
     TORCH_CHECK(false, "[commgrad] shm ", config.context, ": rank 0 created segment ", name_, " with ", got,
                 "; this rank expects size ", config.size, ", chunk_bytes ", layout_.chunk_bytes, ", mailbox_bytes ",
-                layout_.mailbox_bytes, " (all ranks must use the same settings)");
+                layout_.mailbox_bytes, ", single_copy_bytes ", config.single_copy_bytes, " to ",
+                config.single_copy_max_bytes, " (all ranks must use the same settings)");
   }
 }
 

@@ -51,10 +51,19 @@ c10d::AllreduceOptions allreduce_op(RedOpType op) {
   return o;
 }
 
+// Every rank may read every other one here (threads of one process), so
+// these options send every all-reduce of 64 bytes and more through the
+// single-copy algorithm.
+RunOptions single_copy() {
+  RunOptions o = chunked(false);
+  o.shm.single_copy_bytes(64).single_copy_max_bytes(int64_t{1} << 40);
+  return o;
+}
+
 class ShmOps : public ::testing::TestWithParam<int> {};
 
-TEST_P(ShmOps, AllreduceEveryDtypeAndOp) {
-  run_ranks(GetParam(), chunked(true), [](Rank& r) {
+void allreduce_every_dtype_and_op(int ranks, const RunOptions& options) {
+  run_ranks(ranks, options, [](Rank& r) {
     uint64_t salt = 0;
     for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kComplexFloat, at::kChar, at::kShort,
                        at::kInt, at::kLong, at::kByte, at::kBool}) {
@@ -84,6 +93,28 @@ TEST_P(ShmOps, AllreduceEveryDtypeAndOp) {
         }
       }
     }
+  });
+}
+
+TEST_P(ShmOps, AllreduceEveryDtypeAndOp) { allreduce_every_dtype_and_op(GetParam(), chunked(true)); }
+
+TEST_P(ShmOps, AllreduceSingleCopyEveryDtypeAndOp) { allreduce_every_dtype_and_op(GetParam(), single_copy()); }
+
+// Several single-copy steps (2 MiB per rank each), the last one short, so
+// some ranks' slices are empty; in place and out of place.
+TEST_P(ShmOps, AllreduceSingleCopyAcrossSteps) {
+  if (GetParam() > 4) GTEST_SKIP() << "tens of MiB per rank at 8 ranks; 2-4 cover the steps";
+  run_ranks(GetParam(), single_copy(), [](Rank& r) {
+    const int64_t numel = (int64_t{1} << 19) * r.size + 1001;
+    std::vector<at::Tensor> all;
+    for (int q = 0; q < r.size; ++q) all.push_back(make_input(numel, at::kFloat, q, 500));
+    const at::Tensor expected = reference_reduce(all, RedOpType::SUM);
+    std::vector<at::Tensor> t{all[r.rank].clone()};
+    r.shm->allreduce(t)->wait();
+    EXPECT_TRUE(same_bits(t[0], expected)) << "in place";
+    const at::Tensor out = at::empty_like(all[r.rank]);
+    r.shm->allreduce_out(all[r.rank], out, allreduce_op(RedOpType::SUM))->wait();
+    EXPECT_TRUE(same_bits(out, expected)) << "out of place";
   });
 }
 

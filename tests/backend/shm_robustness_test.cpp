@@ -215,27 +215,35 @@ TEST(ShmErrors, PointToPointMismatchIsAnErrorAndLaterMessagesStillArrive) {
 // others, which fail at once naming the mismatch (not after the timeout:
 // under a launcher they would be stopped before they could unlink it).
 TEST(ShmErrors, DifferentSegmentSettingsFailConstructionAtOnceNamingThemAndLeaveNothingBehind) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  const auto start = std::chrono::steady_clock::now();
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      errors[r] = error_of([&] {
-        ShmProcessGroup pg(store, r, 2,
-                           ShmOptions().chunk_bytes(r == 0 ? 1024 : 2048).timeout(std::chrono::seconds(20)));
+  // Rank 1 differs in chunk_bytes (the segment's size), then in the single-copy range (its header).
+  const std::vector<ShmOptions> rank1 = {ShmOptions().chunk_bytes(2048),
+                                         ShmOptions().chunk_bytes(1024).single_copy_bytes(4096)};
+  for (size_t k = 0; k < rank1.size(); ++k) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    const auto start = std::chrono::steady_clock::now();
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        errors[r] = error_of([&] {
+          ShmOptions o = r == 0 ? ShmOptions().chunk_bytes(1024) : rank1[k];
+          ShmProcessGroup pg(store, r, 2, o.timeout(std::chrono::seconds(20)));
+        });
       });
-    });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+    EXPECT_NE(errors[0].find("a peer could not join the shared-memory segment: "), std::string::npos) << errors[0];
+    EXPECT_NE(errors[0].find("all ranks must use the same"), std::string::npos) << errors[0];
+    EXPECT_EQ(errors[0].find("within"), std::string::npos) << errors[0];
+    EXPECT_NE(errors[1].find("all ranks must use the same"), std::string::npos) << errors[1];
+    if (k == 1) {
+      EXPECT_NE(errors[1].find("single_copy_bytes 2097152 to"), std::string::npos) << errors[1];
+    }
+    const auto key = store->get("shm/1/segment");
+    const std::string name(key.begin(), key.end());
+    EXPECT_NE(access(("/dev/shm" + name).c_str(), F_OK), 0) << name << " was left in /dev/shm";
   }
-  for (auto& t : threads) t.join();
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
-  EXPECT_NE(errors[0].find("a peer could not join the shared-memory segment: "), std::string::npos) << errors[0];
-  EXPECT_NE(errors[0].find("all ranks must use the same"), std::string::npos) << errors[0];
-  EXPECT_EQ(errors[0].find("within"), std::string::npos) << errors[0];
-  EXPECT_NE(errors[1].find("all ranks must use the same"), std::string::npos) << errors[1];
-  const auto key = store->get("shm/1/segment");
-  const std::string name(key.begin(), key.end());
-  EXPECT_NE(access(("/dev/shm" + name).c_str(), F_OK), 0) << name << " was left in /dev/shm";
 }
 
 // Rank 1 announced itself (pid and pid namespace, as every rank does first)

@@ -45,6 +45,17 @@ struct ShmOptions {
   /// -1: $COMMGRAD_SHM_SPIN_US, else 50 when the group's ranks fit on this
   /// process's CPUs, else 0 (ranks outnumber cores: never spin).
   TORCH_ARG(int, spin_us) = -1;
+  /// All-reduces from single_copy_bytes to single_copy_max_bytes read the
+  /// peers' tensors directly (process_vm_readv, as OpenMPI's "cma"): one
+  /// copy per byte instead of two through the segment. Used only when every
+  /// rank may read every other one (same user, ptrace allowed; probed when
+  /// the group is created), else the segment carries everything. Above the
+  /// range the pipelined staging, whose steps stay in cache, is faster. -1:
+  /// $COMMGRAD_SHM_SINGLE_COPY_BYTES, else 2 MiB; 0: never. Every rank of a
+  /// group must use the same values.
+  TORCH_ARG(int64_t, single_copy_bytes) = -1;
+  /// -1: $COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES, else 16 MiB.
+  TORCH_ARG(int64_t, single_copy_max_bytes) = -1;
   /// Name used in error messages ("world", "tp0", ...).
   TORCH_ARG(std::string, group_name) = "";
 };

@@ -77,12 +77,24 @@ struct WaitPolicy {
   int64_t max_yield_ns = 0;
 };
 
+/// When the collectives read peers' memory directly (shm_single_copy.h).
+struct SingleCopyPolicy {
+  /// All-reduces of min_bytes to max_bytes (0: never); every rank of a group has the same.
+  int64_t min_bytes = 0;
+  int64_t max_bytes = 0;
+  /// How long creating the group may wait for the peers' probes.
+  std::chrono::milliseconds timeout{0};
+};
+
 /// The engine. Every rank of the group calls the same collectives in the
 /// same order (one thread at a time); point-to-point calls may run
 /// concurrently with them, one thread per peer and direction.
 class Comm {
  public:
-  Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string context, WaitPolicy policy);
+  /// Probes whether this rank may read its peers (see SingleCopyPolicy) and,
+  /// when single copies are on, waits for every rank's probe.
+  Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string context, WaitPolicy policy,
+       SingleCopyPolicy single_copy = {});
   ~Comm();
 
   int rank() const { return rank_; }
@@ -91,6 +103,10 @@ class Comm {
   /// "rank 0/4 group 'world' (shm)".
   const std::string& context() const { return context_; }
   uint64_t sequence() const { return seq_; }
+  /// True when all-reduces of `bytes` read the peers' tensors directly.
+  bool single_copy(int64_t bytes) const {
+    return single_copy_.min_bytes > 0 && bytes >= single_copy_.min_bytes && bytes <= single_copy_.max_bytes;
+  }
 
   // Collectives. Sizes are in elements of `dtype` unless named *_bytes.
   void barrier(const Call& call);
@@ -159,6 +175,12 @@ class Comm {
                        RedOp op, int root);
   void allreduce_pipelined(const Call& call, const uint8_t* in, uint8_t* out, int64_t count, c10::ScalarType dtype,
                            RedOp op, int root);
+  void allreduce_single_copy(const Call& call, const uint8_t* in, uint8_t* out, int64_t count, c10::ScalarType dtype,
+                             RedOp op);
+  // Reads `bytes` at `address` of rank `peer` into `local`; aborts the group on failure.
+  void read_peer(const Call& call, int peer, uint64_t address, void* local, int64_t bytes);
+  // Takes on `policy` when every rank may read every other one.
+  void agree_on_single_copy(const SingleCopyPolicy& policy);
   void stream_write(const Call& call, int dst, const uint8_t* data, int64_t bytes);
   void stream_read(const Call& call, int src, uint8_t* data, int64_t bytes);
   // Reads the rest of a message from `src` whose header `h` was consumed:
@@ -180,6 +202,8 @@ class Comm {
   uint64_t step_ = 0;              // pipeline steps (buffer sets) used
   uint64_t generation_ = 1;        // barriers arrived at (the segment's own is the first)
   std::vector<const void*> srcs_;  // scratch: one source per rank
+  std::vector<uint8_t> scratch_;   // peers' pieces read by a single-copy reduction
+  SingleCopyPolicy single_copy_;   // min_bytes 0: this group never reads peers directly
   // One per source: a recv and a recv_any never read one mailbox at once.
   std::unique_ptr<std::mutex[]> readers_;
 };

@@ -50,12 +50,14 @@ struct OpDescriptor {
 
 /// One rank's control block.
 struct alignas(kLine) RankBlock {
-  std::atomic<int32_t> pid;          // 0 until the rank has mapped the segment
-  uint64_t pid_namespace;            // inode of its /proc/self/ns/pid: pids compare only within one
-  std::atomic<uint32_t> generation;  // barriers this rank has arrived at (low 32 bits)
-  std::atomic<int64_t> arrived_ns;   // when it arrived at the last one (steady clock, shared by the host)
-  std::atomic<uint64_t> seq;         // collective it is running or ran last
-  std::atomic<uint32_t> kind;        // ... and its kind
+  std::atomic<int32_t> pid;              // 0 until the rank has mapped the segment
+  uint64_t pid_namespace;                // inode of its /proc/self/ns/pid: pids compare only within one
+  std::atomic<uint32_t> generation;      // barriers this rank has arrived at (low 32 bits)
+  std::atomic<int64_t> arrived_ns;       // when it arrived at the last one (steady clock, shared by the host)
+  std::atomic<uint64_t> seq;             // collective it is running or ran last
+  std::atomic<uint32_t> kind;            // ... and its kind
+  uint64_t probe_address;                // where peers test that they may read it (shm_single_copy.h)
+  std::atomic<uint32_t> can_read_peers;  // 1 when it may read every peer (set once, at creation)
   OpDescriptor desc[kSets];
 };
 
@@ -64,8 +66,10 @@ struct alignas(kLine) Header {
   uint64_t magic;
   uint32_t version;
   int32_t size;
-  uint64_t chunk_bytes;    // per rank and buffer set
-  uint64_t mailbox_bytes;  // ring bytes of each point-to-point mailbox
+  uint64_t chunk_bytes;           // per rank and buffer set
+  uint64_t mailbox_bytes;         // ring bytes of each point-to-point mailbox
+  int64_t single_copy_bytes;      // all-reduces of this size ... (0: never)
+  int64_t single_copy_max_bytes;  // ... to this size read peers directly
   uint64_t total_bytes;
   Bell arrivals;                                     // the barrier: every arrival adds one
   alignas(kLine) std::atomic<uint32_t> abort_state;  // 0 running, 1 being written, 2 aborted
@@ -104,6 +108,8 @@ struct SegmentConfig {
   int size = 1;
   uint64_t chunk_bytes = 0;
   uint64_t mailbox_bytes = 0;
+  int64_t single_copy_bytes = 0;
+  int64_t single_copy_max_bytes = 0;
   std::chrono::milliseconds timeout{0};
   std::string context;  // "rank 0/4 group 'world' (shm)" for error messages
 };
