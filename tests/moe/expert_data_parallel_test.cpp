@@ -189,8 +189,9 @@ TEST(ExpertDataParallelTest, ZeroClipsDenseAndExpertsByOneGlobalNormAtEp2Dp2) {
 // fully_shard: the experts a unit over the expert-data group (summed,
 // divided by the data size), the model a unit over the data group; clipped
 // at half the one-rank norm, one SGD step: the norm and every whole
-// parameter (dense, router, each expert) equal the one-rank model's.
-TEST(ExpertDataParallelTest, FullyShardClipsAndStepsLikeOneRankAtEp2Dp2) {
+// parameter (dense, router, each expert) equal the one-rank model's. At
+// TP = tp the TP ranks replicate the model: no factor of tp either.
+void expect_fully_shard_equals_one_rank(int tp) {
   const Batch b;
   const Net ref = reference_gradients(b);
   double ref_norm_sq = 0;
@@ -198,8 +199,8 @@ TEST(ExpertDataParallelTest, FullyShardClipsAndStepsLikeOneRankAtEp2Dp2) {
   const double ref_norm = std::sqrt(ref_norm_sq), max_norm = 0.5 * ref_norm;
   const double coef = optim::clip_coefficient(ref_norm, max_norm);
   constexpr double kLr = 0.5;
-  spawn_ranks(kRanks, [&](Group& world) {
-    const ParallelState s = layout(world);
+  spawn_ranks(kRanks * tp, [&](Group& world) {
+    const ParallelState s = layout(world, tp);
     const Group& data = s.data_context_parallel_group();
     Net net(s.expert_parallel_group(), data);
     const auto experts = fully_shard_experts(*net, fsdp::FullyShardOptions(data), s.expert_data_parallel_group());
@@ -224,6 +225,9 @@ TEST(ExpertDataParallelTest, FullyShardClipsAndStepsLikeOneRankAtEp2Dp2) {
     }
   });
 }
+
+TEST(ExpertDataParallelTest, FullyShardClipsAndStepsLikeOneRankAtEp2Dp2) { expect_fully_shard_equals_one_rank(1); }
+TEST(ExpertDataParallelTest, FullyShardClipsAndStepsLikeOneRankAtTp2Ep2Dp4) { expect_fully_shard_equals_one_rank(2); }
 
 TEST(ExpertDataParallelTest, FullyShardExpertsErrors) {
   spawn_ranks(2, [&](Group& world) {
