@@ -8,7 +8,8 @@
 //                               [--save DIR [--save-every K] [--async-save]] [--resume DIR] [--text FILE]
 //                               [--curve PREFIX|none] [--check] [--dropout P]
 //                               [--recompute none|selective|full [--recompute-layers K]] [--check-recompute]
-//                               [--experts E [--topk k] [--ep N] [--moe-every 2]]
+//                               [--experts E [--topk k] [--ep N] [--moe-every 2] [--moe-score sigmoid]
+//                                [--aux-loss C] [--z-loss C] [--expert-bias RATE] [--capacity-factor C]]
 //
 // (gpt_train --help lists every option with its default; a bad one ends the
 // program with a message naming it and exit code 2, before any rank starts.)
@@ -46,7 +47,9 @@
 // top-k routing with a per-sequence load-balancing loss), split over --ep
 // ranks of each data-parallel group; the experts train with a second ZeRO-2
 // over the expert-data group, clipped with the rest by one global norm
-// (docs/moe.md). With --sp each TP rank routes its own part of the
+// (docs/moe.md); with --fsdp the experts of each layer are a unit of their
+// own over the expert-data group (moe::fully_shard_experts), and --precision
+// fp16 with experts needs --fsdp. With --sp each TP rank routes its own part of the
 // sequences, with --cp each CP rank (EP then divides dp x cp); checkpoints hold the experts by their global index, so a
 // run saved at one --ep resumes at another.
 //
@@ -124,6 +127,8 @@ struct Config {
   bool check_recompute = false;
   double dropout = 0.0;
   int experts = 0, topk = 2, ep = 1, moe_every = 1;
+  std::string moe_score = "softmax";
+  double aux_loss = 1e-2, z_loss = 0, expert_bias = 0, capacity_factor = 0;
 
   std::string layout() const {
     return "TP=" + std::to_string(tp) + " x PP=" + std::to_string(pp) + " x DP=" + std::to_string(dp) +
@@ -147,7 +152,7 @@ gpt::TrainerOptions trainer_options(const Config& c) {
   return o;
 }
 
-// --experts, --topk, --moe-every, --ep.
+// --experts, --topk, --moe-every, --ep and the router's options.
 void add_expert_options(commgrad::cli::App& app, Config& c) {
   namespace cli = commgrad::cli;
   app.add_option("--experts", c.experts,
@@ -157,6 +162,23 @@ void add_expert_options(commgrad::cli::App& app, Config& c) {
   app.add_option("--moe-every", c.moe_every, "with --experts: every layer (1) or every other (2) MoE")
       ->check(cli::positive());
   app.add_option("--ep", c.ep, "expert-parallel ranks (split the experts; divides --dp)")->check(cli::positive());
+  app.add_option("--moe-score", c.moe_score, "router scores: softmax, or sigmoid (top-k normalised,\nDeepSeek-V3)")
+      ->check(cli::one_of({"softmax", "sigmoid"}));
+  app.add_option("--aux-loss", c.aux_loss, "load-balancing loss coefficient (per sequence)")
+      ->type_name("COEFF")
+      ->check(cli::number(0.0, true, 1.0));
+  app.add_option("--z-loss", c.z_loss, "router z-loss coefficient")
+      ->type_name("COEFF")
+      ->check(cli::number(0.0, true, 1.0));
+  app.add_option(
+         "--expert-bias", c.expert_bias,
+         "aux-loss-free balancing: each step moves every expert's\nrouting bias by RATE toward balance (0: off)")
+      ->type_name("RATE")
+      ->check(cli::number(0.0, true, 1.0));
+  app.add_option("--capacity-factor", c.capacity_factor,
+                 "each expert takes at most ceil(C T k / E) of a rank's T\ntokens per microbatch (0: dropless)")
+      ->type_name("C")
+      ->check(cli::number(0.0, true, 64.0));
 }
 
 // --cp splits every sequence into 2 x cp chunks (head-tail).
@@ -220,12 +242,25 @@ void check_recompute_options(const Config& c) {
 // The combinations --experts does not support (yet), named.
 void check_experts(const Config& c) {
   namespace cli = commgrad::cli;
-  if (c.experts > 0 && (c.fsdp || c.schedule == "zbh1")) {
-    throw cli::usage_error("--experts does not combine with --fsdp or --schedule zbh1 yet");
+  if (c.experts > 0 && c.precision == "fp16" && !c.fsdp) {
+    throw cli::usage_error("--precision fp16 with --experts needs --fsdp (one loss scaler over every gradient)");
   }
   if (c.ep > 1 && (c.experts == 0 || (c.dp * c.cp) % c.ep != 0 || c.experts % c.ep != 0)) {
     throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +
                            std::to_string(c.dp) + (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : ""));
+  }
+  const bool router =
+      c.moe_score != "softmax" || c.aux_loss != 1e-2 || c.z_loss > 0 || c.expert_bias > 0 || c.capacity_factor > 0;
+  if (c.experts == 0 && router) {
+    throw cli::usage_error(
+        "the router options (--moe-score, --aux-loss, --z-loss, --expert-bias, --capacity-factor) need --experts");
+  }
+  // A capacity is per rank and microbatch: the one-rank run splits into
+  // microbatches of a data-parallel rank's tokens, which SP and CP cut differently.
+  if (c.capacity_factor > 0 && c.check && (c.sp || c.cp > 1)) {
+    throw cli::usage_error(
+        "--capacity-factor with --check: not with --sp or --cp (a rank's tokens are parts of "
+        "sequences, which the one-rank run cannot drop alike)");
   }
   if (c.experts > 0 && c.topk > c.experts) {
     throw cli::usage_error("--topk " + std::to_string(c.topk) + " is more than the " + std::to_string(c.experts) +
@@ -274,8 +309,6 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       throw cli::usage_error("--stages-per-rank " + std::to_string(c.stages_per_rank) +
                              " needs --schedule interleaved");
     }
-    if (c.precision == "fp16" && c.experts > 0)
-      throw cli::usage_error("--precision fp16 does not combine with --experts yet");
     check_context_parallel(c);
     if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
       throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
@@ -306,6 +339,9 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   c.fsdp = c.fsdp && c.precision == "fp16";  // float16 on one rank as the run shards it (bf16: ZeRO's masters)
   auto config = model_config;
   config.ep_group = commgrad::Group();  // every expert on this rank
+  config.routing.batch_group(commgrad::Group());
+  // With a capacity: microbatches of a data-parallel rank's size, so that the same pairs are dropped.
+  if (config.capacity_factor > 0) c.microbatches *= c.dp;
   config.sequence_parallel = false;
   config.recompute = tp::RecomputeGranularity::kNone;  // the plain curve
   gpt::Trainer trainer(trainer_options(c), config, gpt::Layout{alone, alone, alone, alone});
@@ -320,6 +356,14 @@ void configure_model(const Config& c, const gpt::Corpus& corpus, gpt::GptConfig&
   model_config.experts = c.experts;
   model_config.topk = c.topk;
   model_config.moe_every = c.moe_every;
+  model_config.routing = commgrad::moe::RoutingOptions()
+                             .score_function(c.moe_score == "sigmoid" ? commgrad::moe::ScoreFunction::kSigmoid
+                                                                      : commgrad::moe::ScoreFunction::kSoftmax)
+                             .normalize_top_k(c.moe_score == "sigmoid")
+                             .aux_loss_coeff(c.aux_loss)
+                             .z_loss_coeff(c.z_loss)
+                             .expert_bias_rate(c.expert_bias);
+  model_config.capacity_factor = c.capacity_factor;
   model_config.sequence_parallel = c.sp;
   model_config.recompute = c.recompute == "full"        ? tp::RecomputeGranularity::kFull
                            : c.recompute == "selective" ? tp::RecomputeGranularity::kSelective
@@ -342,6 +386,10 @@ void print_header(const Config& c, const gpt::GptConfig& model_config, const gpt
     std::printf(" (the first %d layers of each stage)", c.recompute_layers);
   if (c.dropout > 0) std::printf(", dropout %g", c.dropout);
   if (c.experts > 0) std::printf(", %d experts (top-%d) over EP=%d", c.experts, c.topk, c.ep);
+  if (c.experts > 0 && c.moe_score != "softmax") std::printf(", %s scores", c.moe_score.c_str());
+  if (c.experts > 0 && c.z_loss > 0) std::printf(", z-loss %g", c.z_loss);
+  if (c.experts > 0 && c.expert_bias > 0) std::printf(", expert bias rate %g", c.expert_bias);
+  if (c.experts > 0 && c.capacity_factor > 0) std::printf(", capacity factor %g", c.capacity_factor);
   std::printf("; data %s\n", corpus.describe().c_str());
   std::fflush(stdout);
 }
@@ -437,6 +485,7 @@ int main(int argc, char** argv) {
         commgrad::ModelParallelOptions(c.tp, c.pp).context_parallel_size(c.cp).expert_parallel_size(c.ep),
         commgrad::world());
     model_config.ep_group = state.expert_parallel_group();
+    model_config.routing.batch_group(state.data_context_parallel_group());  // the expert bias's loads
     const gpt::Layout layout{state.tensor_parallel_group(),     state.pipeline_parallel_group(),
                              state.data_parallel_group(),       state.embedding_group(),
                              state.context_parallel_group(),    state.data_context_parallel_group(),

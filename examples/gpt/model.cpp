@@ -18,14 +18,12 @@ std::function<torch::nn::AnyModule(const tp::ParallelTransformerLayerOptions&)> 
   return [config, cp](const tp::ParallelTransformerLayerOptions& o) {
     namespace moe = commgrad::moe;
     const commgrad::Group ep = config.ep_group.defined() ? config.ep_group : commgrad::self_group();
-    return torch::nn::AnyModule(
-        moe::MoELayer(moe::MoELayerOptions(o.hidden_size(), o.ffn_hidden_size(), config.experts, config.topk, ep)
-                          .routing(moe::RoutingOptions()
-                                       .aux_loss_coeff(config.aux_loss_coeff)
-                                       .aux_loss_per_sequence(true)
-                                       .context_parallel_group(cp))
-                          .sequence_parallel_group(o.sequence_parallel() ? o.group() : commgrad::Group())
-                          .seed(*o.seed() + 2)));
+    return torch::nn::AnyModule(moe::MoELayer(
+        moe::MoELayerOptions(o.hidden_size(), o.ffn_hidden_size(), config.experts, config.topk, ep)
+            .routing(moe::RoutingOptions(config.routing).aux_loss_per_sequence(true).context_parallel_group(cp))
+            .capacity_factor(config.capacity_factor)
+            .sequence_parallel_group(o.sequence_parallel() ? o.group() : commgrad::Group())
+            .seed(*o.seed() + 2)));
   };
 }
 
@@ -108,8 +106,14 @@ GptRankImpl::GptRankImpl(const GptConfig& config, int pp_rank, int pp_size, int 
 }
 
 commgrad::fsdp::FullyShardedModule GptRankImpl::fully_shard(const commgrad::fsdp::FullyShardOptions& options,
-                                                            const commgrad::Group& embedding_group) {
+                                                            const commgrad::Group& embedding_group,
+                                                            const commgrad::Group& expert_data_group) {
   namespace fsdp = commgrad::fsdp;
+  // Experts first: summed over the expert-data group, divided by the data size.
+  if (config_.experts > 0) {
+    commgrad::moe::fully_shard_experts(*this, options,
+                                       expert_data_group.defined() ? expert_data_group : options.group());
+  }
   for (auto& layer : layers_) {
     if (layer) fsdp::fully_shard(layer, options);
   }

@@ -63,8 +63,11 @@ struct GptConfig {
   int64_t experts = 0;
   int64_t topk = 2;
   int moe_every = 1;
-  double aux_loss_coeff = 1e-2;
-  commgrad::Group ep_group;  // undefined: this rank holds every expert
+  /// The routers' scores and losses (per-sequence balancing loss always; its
+  /// batch_group, the data x context group, counts the expert bias's loads).
+  commgrad::moe::RoutingOptions routing = commgrad::moe::RoutingOptions().aux_loss_coeff(1e-2);
+  double capacity_factor = 0.0;  // 0: dropless
+  commgrad::Group ep_group;      // undefined: this rank holds every expert
 };
 
 /// The layers of the stages one rank holds (see the file comment).
@@ -85,9 +88,12 @@ class GptRankImpl : public torch::nn::Module, public commgrad::tp::ShardedModule
   /// Shards the parameters over options.group() (commgrad::fsdp): one unit
   /// per layer, the embedding one of its own when a copy of it lives on
   /// another stage (its gradient summed over `embedding_group`), the rest
-  /// (positions, final norm, untied output) the root. Returns the root.
+  /// (positions, final norm, untied output) the root; with experts, the
+  /// experts of each MoE layer a unit over `expert_data_group` first
+  /// (commgrad::moe::fully_shard_experts). Returns the root.
   commgrad::fsdp::FullyShardedModule fully_shard(const commgrad::fsdp::FullyShardOptions& options,
-                                                 const commgrad::Group& embedding_group);
+                                                 const commgrad::Group& embedding_group,
+                                                 const commgrad::Group& expert_data_group = {});
   /// The whole model on one rank of a pipeline of one: ids -> logits.
   torch::Tensor forward(const torch::Tensor& ids);
   /// Cross entropy of one microbatch: logits [s, b, V/tp], targets [b, s].

@@ -62,21 +62,20 @@ c10::optional<at::ScalarType> compute_dtype(const std::string& precision) {
 void Trainer::make_optimizer() {
   const auto adamw = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
   const auto dtype = compute_dtype(options_.precision);
-  if (options_.fsdp && model_->config().experts > 0) {
-    throw std::invalid_argument("experts do not combine with fsdp yet (ZeRO-2 only)");
-  }
   // 16-bit compute, float32 reductions and masters (both wrappers).
   const auto policy = commgrad::dp::MixedPrecisionPolicy().param_dtype(dtype).reduce_dtype(
       dtype ? c10::optional<at::ScalarType>(at::kFloat) : c10::nullopt);
   if (options_.precision == "fp16") {
-    if (model_->config().experts > 0) throw std::invalid_argument("experts do not combine with fp16 yet");
+    if (model_->config().experts > 0 && !options_.fsdp) {
+      throw std::invalid_argument("experts with fp16 need fsdp (one loss scaler over every gradient)");
+    }
     scaler_ = std::make_unique<commgrad::optim::DynamicLossScaler>(
         commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups(
             {layout_.replicas(), layout_.tp, layout_.pp}));
   }
   if (options_.fsdp) {
     sharded_ = model_->fully_shard(commgrad::fsdp::FullyShardOptions(layout_.replicas()).mixed_precision(policy),
-                                   layout_.embedding);
+                                   layout_.embedding, layout_.expert_dp);
     optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), adamw);
     return;
   }
@@ -133,6 +132,7 @@ double Trainer::step(const Corpus& corpus, int k) {
     zero_->step();
     if (expert_zero_) expert_zero_->step();
   }
+  if (model_->config().routing.expert_bias_rate() > 0) commgrad::moe::update_expert_bias(*model_);
   // Each rank's loss is the mean over its tokens (the same number on every
   // rank): their mean over data x context is the mean over every token.
   return commgrad::ops::raw::all_reduce(torch::full({1}, last_.loss, torch::kDouble),

@@ -11,13 +11,16 @@
 // (GptConfig::experts) a second ZeroOptimizer over the expert-data group
 // steps the experts (commgrad::moe::expert_ddp_options: summed, divided by
 // the DP size), clipped with the dense parameters by one global norm that
-// counts every expert once (ZeroOptimizerOptions::clip_partner). Precision bf16
+// counts every expert once (ZeroOptimizerOptions::clip_partner); with `fsdp`
+// the experts of each layer are a unit over the expert-data group
+// (commgrad::moe::fully_shard_experts) and the one clip_grad_norm_ counts
+// each once. Precision bf16
 // computes in bfloat16 (FSDP: float32 shards, float32 gradient reductions;
 // ZeRO-2: bfloat16 parameters with float32 masters and float32 reductions,
 // one dp::MixedPrecisionPolicy for both); fp16 computes in float16 under
 // either with optim::DynamicLossScaler (initial scale 2^16; the inf/NaN
 // check agreed over DP, TP and PP; a skipped step leaves every rank as it
-// was; not with experts yet). A step takes
+// was; with experts under fsdp only). A step takes
 // batch k of a corpus: every replica its batch/dp rows, split into the
 // microbatches; under context parallelism each rank of a CP group its
 // head-tail part of every sequence (the loss is the mean over its tokens,

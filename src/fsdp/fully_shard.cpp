@@ -186,9 +186,15 @@ double FullyShardedModule::clip_grad_norm_(double max_norm, const Group& tensor_
       pipeline_parallel_given.defined() ? pipeline_parallel_given : default_pipeline_parallel_group();
   const bool tp = tensor_parallel.defined() && tensor_parallel.size() > 1;
   double replicated = 0, partitioned = 0;
+  const Group& outer = unit_->tree()->root()->group();  // the outermost unit's
   for (const auto& [u, prefix] : named_units(*unit_)) {
     const Group& tied = u->options().tied_group();
     if (tied.defined() && tied.rank() > 0) continue;  // the copy on the first rank of the tied group counts
+    // Experts: their shards summed over the outer group count each expert once.
+    COMMGRAD_CHECK(u->group().size() <= outer.size() && outer.size() % u->group().size() == 0,
+                   "fully_shard clip_grad_norm_", u->group(), "the unit of '", prefix,
+                   "' is sharded over a group whose size does not divide the outermost unit's group (size ",
+                   outer.size(), "): its shards cannot be counted once");
     for (const auto& p : u->params()) {
       if (!p.piece.grad().defined()) continue;
       const auto* spec = specs.find(joined(prefix, p.name));
@@ -197,7 +203,7 @@ double FullyShardedModule::clip_grad_norm_(double max_norm, const Group& tensor_
     }
   }
   auto sums = at::tensor({replicated, partitioned}, at::kDouble);
-  sums = ops::raw::all_reduce(sums, ops::AllReduceOptions().op(ReduceOp::kSum), unit_->group()).wait();
+  sums = ops::raw::all_reduce(sums, ops::AllReduceOptions().op(ReduceOp::kSum), outer).wait();
   double total = sums[0].item<double>();
   double split = sums[1].item<double>();
   if (tp) {

@@ -64,6 +64,10 @@ Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions o
   options_.group(group_);
   check_member(kOp, group_);
   if (options_.replicate_group().defined()) check_member(kOp, options_.replicate_group());
+  COMMGRAD_CHECK(options_.average_divisor() >= 0, kOp, group_,
+                 "average_divisor must be 0 (the ranks holding a copy) "
+                 "or positive, got ",
+                 options_.average_divisor());
   dp::check_policy(options_.mixed_precision(), kOp);
   collect(module, inner);
   make_equal_everywhere();
@@ -127,9 +131,11 @@ void Unit::collect(const std::shared_ptr<torch::nn::Module>& module, const std::
   }
   compute_dtype_ = options_.mixed_precision().compute_dtype(dtype_);
   reduce_dtype_ = options_.mixed_precision().reduction_dtype(dtype_);
-  // Averaging over every rank holding a copy: all at once before the sum in
-  // float32; in a 16-bit dtype a part before and the rest after (FSDP's rule).
-  const int64_t world = group_.size() * (options_.replicate_group().defined() ? options_.replicate_group().size() : 1);
+  // Averaging over every rank holding a copy (or over average_divisor): all
+  // at once before the sum in float32; in a 16-bit dtype a part before and
+  // the rest after (FSDP's rule).
+  const int64_t copies = group_.size() * (options_.replicate_group().defined() ? options_.replicate_group().size() : 1);
+  const int64_t world = options_.average_divisor() > 0 ? options_.average_divisor() : copies;
   const bool half = reduce_dtype_ == at::kHalf || reduce_dtype_ == at::kBFloat16;
   pre_divide_ = half ? dp::predivide_factor(world) : static_cast<double>(world);
   post_divide_ = static_cast<double>(world) / pre_divide_;

@@ -8,6 +8,7 @@
 #include "commgrad/moe/expert_data_parallel.h"
 
 #include "commgrad/dist/check.h"
+#include "commgrad/dist/parallel_state.h"
 #include "commgrad/moe/experts.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/optim/clip_grad.h"
@@ -66,6 +67,26 @@ dp::DistributedDataParallelOptions expert_ddp_options(const torch::nn::Module& m
       .ignored_parameters(std::move(ignored))
       .average_divisor(data_group.size())
       .broadcast_buffers(false);
+}
+
+std::vector<fsdp::FullyShardedModule> fully_shard_experts(const torch::nn::Module& module,
+                                                          fsdp::FullyShardOptions options,
+                                                          const Group& expert_data_group) {
+  const char* op = "moe::fully_shard_experts";
+  const Group data = options.group().defined() ? options.group() : default_data_parallel_group();
+  check_member(op, data);
+  check_member(op, expert_data_group);
+  COMMGRAD_CHECK(data.size() % expert_data_group.size() == 0, op, expert_data_group,
+                 "the expert-data group must divide the data group (size ", data.size(), ")");
+  COMMGRAD_CHECK(!options.replicate_group().defined() || options.replicate_group().size() == 1, op, expert_data_group,
+                 "experts are not sharded with a replicate_group (HSDP): shard them over the "
+                 "expert-data group alone");
+  options.group(expert_data_group).average_divisor(data.size());
+  std::vector<fsdp::FullyShardedModule> out;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (dynamic_cast<const ExpertsImpl*>(m.get()) != nullptr) out.push_back(fsdp::fully_shard(m, options));
+  }
+  return out;
 }
 
 double clip_grad_norm_(const torch::nn::Module& module, double max_norm, const Group& expert_parallel_group) {

@@ -2,7 +2,9 @@
 //
 // forward() cuts the dispatcher's sorted tokens into one block per local
 // expert (narrow: views, no copy), runs each expert on its block, empty
-// blocks included, and concatenates the results in the same order. Under
+// blocks included, and concatenates the results in the same order. The
+// linears are tp::deferrable_linear: under a zero-bubble schedule the
+// weights' gradients wait for W (an empty block defers a zero one). Under
 // sequence parallelism each expert's parameters pass through
 // copy_to_tp_region (four small all-reduces per expert in backward; the
 // reducers could do it once per step, as they do for partial_grad
@@ -38,8 +40,8 @@ torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias, uint64_t seed)
 // summed over sp), then what ExpertMLP::forward computes.
 at::Tensor forward_split(ExpertMLPImpl& expert, const at::Tensor& x, const Group& sp) {
   auto summed = [&sp](const at::Tensor& p) { return p.defined() ? tp::copy_to_tp_region(p, sp) : p; };
-  const at::Tensor h = at::linear(x, summed(expert.fc1->weight), summed(expert.fc1->bias));
-  return at::linear(at::gelu(h), summed(expert.fc2->weight), summed(expert.fc2->bias));
+  const at::Tensor h = tp::deferrable_linear(x, summed(expert.fc1->weight), summed(expert.fc1->bias));
+  return tp::deferrable_linear(at::gelu(h), summed(expert.fc2->weight), summed(expert.fc2->bias));
 }
 
 }  // namespace
@@ -60,7 +62,12 @@ void ExpertMLPImpl::pretty_print(std::ostream& stream) const {
   stream << "commgrad::moe::ExpertMLP(hidden=" << hidden_size_ << ", ffn=" << ffn_hidden_size_ << ")";
 }
 
-at::Tensor ExpertMLPImpl::forward(const at::Tensor& x) { return fc2(at::gelu(fc1(x))); }
+// Under a zero-bubble schedule's tp::DeferWeightGradients the weights'
+// gradients wait for W, as the dense linear layers' do.
+at::Tensor ExpertMLPImpl::forward(const at::Tensor& x) {
+  const at::Tensor h = tp::deferrable_linear(x, fc1->weight, fc1->bias);
+  return tp::deferrable_linear(at::gelu(h), fc2->weight, fc2->bias);
+}
 
 // ~~~ Experts ~~~
 

@@ -10,6 +10,7 @@
 
 #include "commgrad/dist/check.h"
 #include "commgrad/dist/parallel_state.h"
+#include "commgrad/fsdp/fully_shard.h"
 #include "commgrad/tp/random.h"
 #include "commgrad/util/names.h"
 
@@ -77,8 +78,10 @@ at::Tensor MoELayerImpl::forward(const at::Tensor& x) {
   const bool gather = options.dispatcher() == DispatcherType::kAllGather;
   const Dispatched d = gather ? all_gather_dispatch(tokens, r.experts, keep, options.num_experts(), g)
                               : all_to_all_dispatch(tokens, r.experts, keep, options.num_experts(), g);
+  // Through fsdp::call: the experts may be a unit of their own (fully_shard_experts).
   const at::Tensor y =
-      experts(d.tokens.to(experts->local(0)->fc1->weight.scalar_type()), d.plan.tokens_per_expert).to(x.scalar_type());
+      fsdp::call(experts, d.tokens.to(experts->local(0)->fc1->weight.scalar_type()), d.plan.tokens_per_expert)
+          .to(x.scalar_type());
   const at::Tensor out = gather ? all_gather_combine(y, r.probs, d.plan, g) : all_to_all_combine(y, r.probs, d.plan, g);
   last_ = {r.logits.detach(), r.probs.detach(), r.experts, r.aux_loss, r.z_loss};
   last_tokens_per_expert_ = d.plan.tokens_per_expert;

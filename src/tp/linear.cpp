@@ -209,6 +209,14 @@ at::Tensor column_parallel_matmul(const at::Tensor& input, const at::Tensor& wei
 }
 }  // namespace detail
 
+at::Tensor deferrable_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
+  if (!detail::deferring_weight_gradients() || !weight.requires_grad() || !at::GradMode::is_enabled()) {
+    return at::linear(input, weight, bias);
+  }
+  const at::Tensor y = detail::DeferredMatmul::apply(input, weight);
+  return bias.defined() ? y + bias : y;
+}
+
 // ~~~ ColumnParallelLinear ~~~
 
 ColumnParallelLinearOptions::ColumnParallelLinearOptions(int64_t in_features, int64_t out_features, Group group)

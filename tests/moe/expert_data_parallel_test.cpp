@@ -8,14 +8,18 @@
 // equals the reference's, and the global norm counts each expert once. The
 // last test shows the factor the bugs have: experts averaged over
 // the expert-data group alone come out exactly ep = 2 times too large.
+// fully_shard (the experts a unit over the expert-data group, the rest one
+// over the data group) passes the same bar.
 
 #include "commgrad/dist/parallel_state.h"
 #include "commgrad/dp/distributed_data_parallel.h"
+#include "commgrad/fsdp/fully_shard.h"
 #include "commgrad/moe/expert_data_parallel.h"
 #include "commgrad/moe/moe_layer.h"
 #include "commgrad/optim/clip_grad.h"
 #include "commgrad/optim/zero_optimizer.h"
 
+#include "harness/expect_error.h"
 #include "harness/spawn_ranks.h"
 
 #include <gtest/gtest.h>
@@ -46,7 +50,7 @@ struct NetImpl : torch::nn::Module {
     to(at::kDouble);
   }
   at::Tensor forward(const at::Tensor& x) {
-    const auto h = proj(x);
+    const auto h = fsdp::call(proj, x);  // proj(x) unless it is a unit of fully_shard
     return h + moe(h);
   }
   torch::nn::Linear proj{nullptr};
@@ -179,6 +183,67 @@ TEST(ExpertDataParallelTest, ZeroClipsDenseAndExpertsByOneGlobalNormAtEp2Dp2) {
       // float32 clip factor (torch::nn::utils::clip_grad_norm_'s rounding).
       expect_close(p.value(), r - kLr * coef * r.grad(), "clipped step of " + p.key());
     }
+  });
+}
+
+// fully_shard: the experts a unit over the expert-data group (summed,
+// divided by the data size), the model a unit over the data group; clipped
+// at half the one-rank norm, one SGD step: the norm and every whole
+// parameter (dense, router, each expert) equal the one-rank model's. At
+// TP = tp the TP ranks replicate the model: no factor of tp either.
+void expect_fully_shard_equals_one_rank(int tp) {
+  const Batch b;
+  const Net ref = reference_gradients(b);
+  double ref_norm_sq = 0;
+  for (const auto& p : ref->parameters()) ref_norm_sq += p.grad().pow(2).sum().item<double>();
+  const double ref_norm = std::sqrt(ref_norm_sq), max_norm = 0.5 * ref_norm;
+  const double coef = optim::clip_coefficient(ref_norm, max_norm);
+  constexpr double kLr = 0.5;
+  spawn_ranks(kRanks * tp, [&](Group& world) {
+    const ParallelState s = layout(world, tp);
+    const Group& data = s.data_context_parallel_group();
+    Net net(s.expert_parallel_group(), data);
+    const auto experts = fully_shard_experts(*net, fsdp::FullyShardOptions(data), s.expert_data_parallel_group());
+    ASSERT_EQ(experts.size(), 1U);
+    EXPECT_EQ(experts[0].group().size(), 2);
+    EXPECT_EQ(experts[0].options().average_divisor(), kRanks);
+    auto sharded = fsdp::fully_shard(net, data);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(kLr));
+    const int rank = data.rank();
+    ((fsdp::call(net, b.x.narrow(0, rank * kTokens, kTokens)) * b.g.narrow(0, rank * kTokens, kTokens)).sum() /
+     static_cast<double>(kTokens))
+        .backward();
+    const double norm = sharded.clip_grad_norm_(max_norm);
+    EXPECT_NEAR(norm, ref_norm, 1e-12 * ref_norm);
+    sgd.step();
+    const auto full = sharded.full_state_dict();
+    EXPECT_EQ(full.size(), ref->named_parameters().size() - 8);  // the other rank's two experts are not here
+    const auto ref_params = ref->named_parameters();
+    for (const auto& p : full) {
+      const auto& r = ref_params[p.key()];
+      expect_close(p.value(), r - kLr * coef * r.grad(), "clipped step of " + p.key());
+    }
+  });
+}
+
+TEST(ExpertDataParallelTest, FullyShardClipsAndStepsLikeOneRankAtEp2Dp2) { expect_fully_shard_equals_one_rank(1); }
+TEST(ExpertDataParallelTest, FullyShardClipsAndStepsLikeOneRankAtTp2Ep2Dp4) { expect_fully_shard_equals_one_rank(2); }
+
+TEST(ExpertDataParallelTest, FullyShardExpertsErrors) {
+  spawn_ranks(2, [&](Group& world) {
+    Net net(world, world);
+    EXPECT_THROW_WITH(fully_shard_experts(*net, fsdp::FullyShardOptions(self_group()), world),
+                      "moe::fully_shard_experts", "the expert-data group must divide the data group (size 1)");
+    EXPECT_THROW_WITH(fully_shard_experts(*net, fsdp::FullyShardOptions(world).replicate_group(world), self_group()),
+                      "moe::fully_shard_experts", "replicate_group (HSDP)");
+    EXPECT_THROW_WITH(fsdp::fully_shard(net->proj, fsdp::FullyShardOptions(world).average_divisor(-2)), "fully_shard",
+                      "average_divisor must be 0", "got -2");
+    // A unit over a group that does not divide the outermost unit's cannot be counted once.
+    fsdp::fully_shard(net->proj, world);
+    auto sharded = fsdp::fully_shard(net, self_group());
+    fsdp::call(net, randn({3, kHidden}, 5)).sum().backward();
+    EXPECT_THROW_WITH(sharded.clip_grad_norm_(1.0), "fully_shard clip_grad_norm_", "unit of 'proj'",
+                      "does not divide the outermost unit's group (size 1)");
   });
 }
 

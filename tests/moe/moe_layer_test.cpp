@@ -14,10 +14,13 @@
 //   - the aux loss (each rank's, normalised over its own tokens) averaged over
 //     the ranks, weighted by their tokens, equals the reference's.
 // float64 within 1e-12 and float32 within 1e-6 of the largest magnitude.
+// Under a zero-bubble schedule's deferral the experts' weight gradients wait
+// for W and then equal a plain backward's.
 
 #include "commgrad/dist/parallel_state.h"
 #include "commgrad/moe/moe_layer.h"
 #include "commgrad/ops/raw.h"
+#include "commgrad/tp/weight_gradients.h"
 
 #include "harness/spawn_ranks.h"
 
@@ -360,6 +363,37 @@ TEST(MoELayerTest, PerSequenceAuxLossDoesNotDependOnHowSequencesAreGrouped) {
   for (const auto& p : whole->named_parameters()) {
     expect_close(halves->named_parameters()[p.key()].grad(), p.value().grad(), 1e-12, p.key());
   }
+}
+
+// Under tp::DeferWeightGradients (a zero-bubble schedule's forward) the
+// experts' weight gradients wait for W: after backward only the biases (and
+// the router) have theirs; compute() brings the weights', equal to a plain
+// backward's. At EP = 2.
+TEST(MoELayerTest, ExpertWeightGradientsWaitForW) {
+  spawn_ranks(2, [](Group& world) {
+    const Case c;
+    MoELayer deferred = make_layer(c, world, 1e-2), plain = make_layer(c, world, 1e-2);
+    const at::Tensor x = randn({kTokens, kHidden}, 3 + world.rank(), at::kDouble);
+    const at::Tensor g = randn({kTokens, kHidden}, 5 + world.rank(), at::kDouble);
+    tp::WeightGradients weights;
+    at::Tensor y;
+    {
+      tp::DeferWeightGradients defer(weights);
+      y = deferred(x);
+    }
+    (y * g).sum().backward();
+    (plain(x) * g).sum().backward();
+    EXPECT_EQ(weights.size(), 4U);  // 2 local experts x fc1, fc2
+    const auto params = plain->named_parameters();
+    for (const auto& p : deferred->named_parameters()) {
+      const bool waits = p.key().find("experts.") == 0 && p.key().find(".weight") != std::string::npos;
+      EXPECT_EQ(p.value().grad().defined(), !waits) << p.key();
+    }
+    weights.compute();
+    for (const auto& p : deferred->named_parameters()) {
+      expect_close(p.value().grad(), params[p.key()].grad(), 1e-12, "gradient of " + p.key());
+    }
+  });
 }
 
 TEST(MoELayerTest, BadConfigurationsNameTheLayerAndTheSizes) {

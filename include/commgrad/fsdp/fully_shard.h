@@ -80,6 +80,11 @@ struct FullyShardOptions {
   /// (the ranks holding the same shard in the other replicas); gradients are
   /// reduce-scattered over `group`, then all-reduced over it. Undefined: none.
   TORCH_ARG(Group, replicate_group);
+  /// Divide the summed gradients by this instead of the number of ranks
+  /// holding a copy (0: that number, the sizes of group and replicate_group).
+  /// Experts sharded over the expert-data group are summed there and divided
+  /// by the data x context size (moe::fully_shard_experts, docs/moe.md).
+  TORCH_ARG(int64_t, average_divisor) = 0;
   /// Free the gathered parameters after forward and gather them again in
   /// backward (ZeRO-3's memory); off: keep them from forward to backward
   /// (ZeRO-2's traffic). The outermost unit always keeps them.
@@ -162,7 +167,11 @@ class FullyShardedModule {
   /// `max_norm`; returns the norm before clipping. The norm counts every
   /// shard (summed over the group) and, with `tensor_parallel` and
   /// `pipeline_parallel` groups, every TP rank and stage, TP-replicated
-  /// parameters once (optim::clip_grad_norm_'s factor). Collective. Groups
+  /// parameters once (optim::clip_grad_norm_'s factor). A unit sharded over
+  /// a smaller group than the outermost unit's (the experts of
+  /// moe::fully_shard_experts, whose other ranks in the outermost group hold
+  /// other experts) is summed over the outermost unit's group as well: each
+  /// expert counts once. Collective. Groups
   /// not given are the current layout's (commgrad::default_tensor_parallel_
   /// group() and its pipeline sibling); without a layout the TP group is the
   /// one the module's partitioned parameters are split over. A given TP

@@ -24,9 +24,17 @@
 // one rank (after the reduction they are the same on every rank of the data
 // group) plus the expert squares summed over the expert-parallel group (each
 // rank holds other experts).
+//
+// fully_shard has the same two groups: each moe::Experts a unit sharded over
+// the expert-data group (summed there, divided by N: average_divisor), the
+// modules around them units over the data x context group. The outermost
+// unit's clip_grad_norm_ sums every unit's shard squares over the data x
+// context group, which is the expert-data group times the expert-parallel
+// group: each dense parameter and each expert once.
 
 #include "commgrad/dist/group.h"
 #include "commgrad/dp/distributed_data_parallel.h"
+#include "commgrad/fsdp/fully_shard.h"
 
 #include <torch/nn/module.h>
 
@@ -58,6 +66,25 @@ dp::DistributedDataParallelOptions dense_ddp_options(const torch::nn::Module& mo
 dp::DistributedDataParallelOptions expert_ddp_options(const torch::nn::Module& module, const Group& data_group,
                                                       const Group& expert_data_group,
                                                       dp::DistributedDataParallelOptions base = {});
+
+/// fully_shard() of every moe::Experts inside `module` over
+/// `expert_data_group`, summed there and divided by the size of
+/// `options.group()` (the data x context group; undefined: the layout's
+/// data-parallel group): expert_ddp_options' rule for fully_shard. Call it
+/// before fully_shard of the modules that hold the experts (bottom-up, over
+/// options.group()); the outermost handle's clip_grad_norm_ counts every
+/// expert once. Collective over the expert-data group. Returns the experts'
+/// handles, in module order. HSDP (options.replicate_group()) is an error.
+///
+/// Example:
+///   const auto& data = state.data_context_parallel_group();
+///   moe::fully_shard_experts(*model, fsdp::FullyShardOptions(data), state.expert_data_parallel_group());
+///   auto sharded = fsdp::fully_shard(model, data);
+///   // forward through fsdp::call(model, x), backward, then
+///   sharded.clip_grad_norm_(1.0);
+std::vector<fsdp::FullyShardedModule> fully_shard_experts(const torch::nn::Module& module,
+                                                          fsdp::FullyShardOptions options,
+                                                          const Group& expert_data_group);
 
 /// Clips the reduced gradients of `module` to the global L2 norm
 /// `max_norm` (0: only measure) and returns the norm before clipping: dense

@@ -55,6 +55,15 @@ struct LinearWeights {
 ///   ref->weight.copy_(full.weight); ref->bias.copy_(full.bias);
 LinearWeights init_linear(int64_t in_features, int64_t out_features, bool bias, uint64_t seed);
 
+/// at::linear(input, weight, bias), except that a forward under a
+/// tp::DeferWeightGradients guard leaves the weight's gradient for W, as the
+/// parallel linear layers do (tp/weight_gradients.h); the bias's gradient
+/// comes in backward. For modules built of plain weights (moe::Experts).
+///
+/// Example:
+///   auto y = tp::deferrable_linear(x, fc->weight, fc->bias);
+at::Tensor deferrable_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias = {});
+
 /// Output of forward_with_bias(): the layer output and, with skip_bias_add,
 /// the bias the caller is to add (undefined otherwise).
 struct LinearOutput {
