@@ -59,7 +59,11 @@ std::string format_seconds(double s) {
   return buf;
 }
 
+}  // namespace
+
 std::string ranks_phrase(int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); }
+
+namespace {
 
 }  // namespace
 
@@ -92,7 +96,11 @@ int Launcher::run() {
     report("cannot execute '" + options_.program + "': " + program.error);
     return program.exit_code;
   }
-  job_id_ = !options_.rdzv_id.empty() ? options_.rdzv_id : options_.nnodes == 1 ? random_job_id() : "";
+  const bool one_node = options_.nnodes == 1 && !options_.elastic_nodes;
+  job_id_ = !options_.rdzv_id.empty() ? options_.rdzv_id : one_node ? random_job_id() : "";
+  node_rank_ = options_.node_rank;
+  nnodes_ = options_.nnodes;
+  if (options_.elastic_nodes && !open_rendezvous()) return kExitLaunchFailed;
   // First, so the watchdog holds no rank pipe and no self-pipe open and
   // cannot run our signal handlers.
   watchdog_.start();
@@ -120,9 +128,43 @@ int Launcher::run() {
   return code;
 }
 
+bool Launcher::open_rendezvous() {
+  rendezvous_ = std::make_unique<Rendezvous>(options_, job_id_);
+  std::string error;
+  if (!rendezvous_->open(&error)) {
+    report(error);
+    return false;
+  }
+  return true;
+}
+
+// --nnodes MIN:MAX: this start's node rank, nodes and port from the
+// rendezvous. Returns the exit code when the job ends here instead.
+std::optional<int> Launcher::join_round() {
+  const RendezvousResult r = rendezvous_->next_round(g_wake_read, [this] {
+    drain_signals();
+    return exit_code_.has_value();
+  });
+  if (r.interrupted) return exit_code_.value_or(kExitLaunchFailed);
+  if (!r.ok) {
+    report(r.error);
+    return exit_code_ = kExitLaunchFailed;
+  }
+  node_rank_ = r.assignment.node_rank;
+  nnodes_ = r.assignment.nodes;
+  port_ = r.assignment.port;
+  const auto [lo, hi] = *options_.elastic_nodes;
+  report("rendezvous round " + std::to_string(r.assignment.round) + ": node " + std::to_string(node_rank_) + " of " +
+         std::to_string(nnodes_) + " (--nnodes " + std::to_string(lo) + ":" + std::to_string(hi) + "), WORLD_SIZE " +
+         std::to_string(nnodes_ * options_.nproc_per_node));
+  return std::nullopt;
+}
+
 // One start of the job: every rank of this node, supervised to the end.
 int Launcher::run_attempt(const std::string& path) {
-  if (options_.master_port) {
+  if (rendezvous_) {
+    if (const auto code = join_round()) return *code;
+  } else if (options_.master_port) {
     port_ = *options_.master_port;
   } else {
     std::string error;
@@ -136,7 +178,7 @@ int Launcher::run_attempt(const std::string& path) {
   if (!error_files_.created()) error_files_.create();  // without it, ranks print their errors themselves
   ranks_.resize(static_cast<std::size_t>(options_.nproc_per_node));
   for (int r = 0; r < options_.nproc_per_node; ++r) {
-    ranks_[r].rank = options_.node_rank * options_.nproc_per_node + r;
+    ranks_[r].rank = node_rank_ * options_.nproc_per_node + r;
     if (!spawn(ranks_[r], path)) {
       exit_code_ = kExitLaunchFailed;
       stop_ranks(SIGTERM);
@@ -282,10 +324,11 @@ std::vector<std::string> Launcher::rank_variables(const Rank& rank) const {
   const int n = options_.nproc_per_node;
   std::vector<std::pair<std::string, std::string>> vars = {
       {"RANK", std::to_string(rank.rank)},
-      {"WORLD_SIZE", std::to_string(options_.nnodes * n)},
-      {"LOCAL_RANK", std::to_string(rank.rank - options_.node_rank * n)},
+      {"WORLD_SIZE", std::to_string(nnodes_ * n)},
+      {"LOCAL_RANK", std::to_string(rank.rank - node_rank_ * n)},
       {"LOCAL_WORLD_SIZE", std::to_string(n)},
-      {"GROUP_RANK", std::to_string(options_.node_rank)},
+      {"GROUP_RANK", std::to_string(node_rank_)},
+      {"GROUP_WORLD_SIZE", std::to_string(nnodes_)},
       {"MASTER_ADDR", options_.master_addr},
       {"MASTER_PORT", std::to_string(port_)},
       {"TORCHELASTIC_RUN_ID", job_id_.empty() ? "none" : job_id_},
@@ -489,36 +532,6 @@ void Launcher::reap() {
   }
 }
 
-void Launcher::on_rank_exit(Rank& rank, const siginfo_t& info) {
-  rank.running = false;
-  // Show what the rank wrote before it died ahead of the verdict on it.
-  read_pipe(rank, false);
-  read_pipe(rank, true);
-  const bool exited = info.si_code == CLD_EXITED;
-  if (exited && info.si_status == 0) return;
-  const bool preempted = exited && info.si_status == kExitPreempted;
-  (preempted ? preempted_ : other_failures_) += 1;
-  if (stopping_) return;
-
-  std::string what;
-  if (preempted) {
-    what = "was preempted (exit code " + std::to_string(kExitPreempted) + ": it saved a checkpoint; not a failure)";
-  } else if (exited) {
-    what = "exited with code " + std::to_string(info.si_status);
-  } else {
-    what = "was killed by signal " + signal_name(info.si_status) + " (" + std::to_string(info.si_status) +
-           (info.si_code == CLD_DUMPED ? ", core dumped" : "") + ")";
-  }
-  const int others = running_count();
-  std::string message = "rank " + std::to_string(rank.rank) + " (pid " + std::to_string(rank.pid) + ") " + what;
-  if (others > 0) message += "; stopping the other " + ranks_phrase(others);
-  report(message);
-  first_failed_ = rank.rank;
-  exit_code_ = exited ? info.si_status : 128 + info.si_status;
-  rank_failed_ = !preempted;
-  stop_ranks_after_delay();
-}
-
 void Launcher::on_signal(int sig) {
   const int running = running_count();
   signalled_ = true;     // told to stop: no restart follows
@@ -560,36 +573,6 @@ void Launcher::check_deadlines() {
     for (const Rank& rank : ranks_) signal_rank(rank, SIGKILL);
     killed_ = true;
   }
-}
-
-bool Launcher::read_pipe(Rank& rank, bool is_err) {
-  static char buf[1 << 16];
-  // Bounded, so one chatty rank cannot starve the others or the signals.
-  for (int i = 0; i < 16; ++i) {
-    const int fd = is_err ? rank.err_fd : rank.out_fd;
-    if (fd < 0) return false;
-    const ssize_t n = read(fd, buf, sizeof(buf));
-    if (n > 0) {
-      (is_err ? rank.err : rank.out)->feed(buf, static_cast<std::size_t>(n));
-    } else if (n < 0 && errno == EINTR) {
-      continue;
-    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      return true;
-    } else {
-      close_pipe(rank, is_err);  // EOF (or an error, which ends the stream too)
-      return false;
-    }
-  }
-  return true;
-}
-
-void Launcher::close_pipe(Rank& rank, bool is_err) {
-  int& fd = is_err ? rank.err_fd : rank.out_fd;
-  if (fd < 0) return;
-  std::unique_ptr<LineForwarder>& forwarder = is_err ? rank.err : rank.out;
-  if (forwarder) forwarder->finish();
-  close(fd);
-  fd = -1;
 }
 
 }  // namespace commgrad::run

@@ -1,0 +1,179 @@
+// commgrad-run --nnodes MIN:MAX with two node agents on this host (two
+// commgrad-run processes meeting at one --master-port; the multi-host form
+// is in tests/multihost): node ranks and WORLD_SIZE handed out per round, a
+// node that does not come back left out after the last call, fewer than MIN
+// nodes a clear failure, a stranger refused, and the command line's errors.
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <set>
+#include <sstream>
+
+#include "launch/child_process.h"
+
+namespace commgrad::testing {
+namespace {
+
+constexpr double kRunLimitS = 40;
+
+std::string launcher_path() {
+  if (const char* path = std::getenv("COMMGRAD_RUN")) return path;
+  return COMMGRAD_RUN_PATH;
+}
+
+// A port nobody listens on now (the kernel's pick for port 0).
+std::string free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return std::to_string(ntohs(addr.sin_port));
+}
+
+// commgrad-run --nnodes `nodes` at 127.0.0.1:`port`, 2 ranks, then `extra`
+// options and `sh -c script`.
+std::vector<std::string> agent(const std::string& nodes, const std::string& port, const std::string& script,
+                               std::vector<std::string> extra = {}) {
+  std::vector<std::string> argv = {launcher_path(), "--nnodes",   nodes, "--master-addr", "127.0.0.1",
+                                   "--master-port", port,         "-n",  "2",             "--rdzv-last-call",
+                                   "2",             "--grace",    "2"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.insert(argv.end(), {"sh", "-c", script});
+  return argv;
+}
+
+std::string describe(const ChildResult& a, const ChildResult& b) {
+  std::ostringstream s;
+  s << "--- agent a: exit " << a.code << "\n" << a.out << a.err << "--- agent b: exit " << b.code << "\n" << b.out << b.err;
+  return s.str();
+}
+
+bool has_line(const std::string& text, const std::string& line) {
+  std::istringstream in(text);
+  for (std::string l; std::getline(in, l);)
+    if (l == line) return true;
+  return false;
+}
+
+TEST(ElasticLaunch, TwoAgentsGetNodeRanksAndTheWorldOfTheRound) {
+  const std::string port = free_port();
+  const std::string script = "echo R=$RANK W=$WORLD_SIZE G=$GROUP_RANK GW=$GROUP_WORLD_SIZE L=$LOCAL_RANK P=$MASTER_PORT";
+  ChildProcess a(agent("1:2", port, script));
+  ChildProcess b(agent("1:2", port, script));
+  const ChildResult ra = a.finish(kRunLimitS);
+  const ChildResult rb = b.finish(kRunLimitS);
+  ASSERT_EQ(ra.code, 0) << describe(ra, rb);
+  ASSERT_EQ(rb.code, 0) << describe(ra, rb);
+  // One agent is node 0 (it hosts the rendezvous), the other node 1; the
+  // ranks' MASTER_PORT is the round's, not the rendezvous's, and the same everywhere.
+  const std::string all = ra.out + rb.out;
+  std::set<std::string> ports;
+  for (int rank = 0; rank < 4; ++rank) {
+    const auto at = all.find("[" + std::to_string(rank) + "] R=" + std::to_string(rank) + " W=4 G=" +
+                             std::to_string(rank / 2) + " GW=2 L=" + std::to_string(rank % 2) + " P=");
+    ASSERT_NE(at, std::string::npos) << "rank " << rank << "\n" << describe(ra, rb);
+    ports.insert(all.substr(all.find("P=", at) + 2, all.find('\n', at) - all.find("P=", at) - 2));
+  }
+  EXPECT_EQ(ports.size(), 1u) << describe(ra, rb);
+  EXPECT_EQ(ports.count(port), 0u) << describe(ra, rb);
+  EXPECT_NE((ra.err + rb.err).find("commgrad-run: rendezvous round 1: node 0 of 2 (--nnodes 1:2), WORLD_SIZE 4"),
+            std::string::npos)
+      << describe(ra, rb);
+  EXPECT_NE((ra.err + rb.err).find("commgrad-run: rendezvous round 1: node 1 of 2 (--nnodes 1:2), WORLD_SIZE 4"),
+            std::string::npos)
+      << describe(ra, rb);
+}
+
+// Node 1's first start kills its own launcher (the node is gone for good);
+// node 0's ranks fail, it restarts, waits out the last call alone and runs
+// the job at half the world.
+TEST(ElasticLaunch, ANodeThatDoesNotComeBackIsLeftOutAfterTheLastCall) {
+  const std::string port = free_port();
+  const std::string script =
+      "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then"
+      "  if [ \"$GROUP_RANK\" = 1 ]; then [ \"$LOCAL_RANK\" = 0 ] && kill -KILL $PPID; sleep 20; fi;"
+      "  sleep 1; exit 3; "
+      "fi; echo W=$WORLD_SIZE G=$GROUP_RANK";
+  ChildProcess a(agent("1:2", port, script, {"--max-restarts", "1"}));
+  ChildProcess b(agent("1:2", port, script, {"--max-restarts", "1"}));
+  const ChildResult ra = a.finish(kRunLimitS);
+  const ChildResult rb = b.finish(kRunLimitS);
+  const ChildResult& survivor = ra.code == 128 + SIGKILL ? rb : ra;
+  const ChildResult& lost = ra.code == 128 + SIGKILL ? ra : rb;
+  EXPECT_EQ(lost.code, 128 + SIGKILL) << describe(ra, rb);
+  ASSERT_EQ(survivor.code, 0) << describe(ra, rb);
+  EXPECT_NE(survivor.err.find("rendezvous round 1: node 0 of 2 (--nnodes 1:2), WORLD_SIZE 4"), std::string::npos)
+      << describe(ra, rb);
+  EXPECT_NE(survivor.err.find("exited with code 3"), std::string::npos) << describe(ra, rb);
+  EXPECT_NE(survivor.err.find("restarting the job (restart 1 of 1)"), std::string::npos) << describe(ra, rb);
+  EXPECT_NE(survivor.err.find("rendezvous round 2: node 0 of 1 (--nnodes 1:2), WORLD_SIZE 2"), std::string::npos)
+      << describe(ra, rb);
+  EXPECT_TRUE(has_line(survivor.out, "[0] W=2 G=0")) << describe(ra, rb);
+  EXPECT_TRUE(has_line(survivor.out, "[1] W=2 G=0")) << describe(ra, rb);
+}
+
+TEST(ElasticLaunch, FewerThanMinNodesIsAClearFailure) {
+  const std::string port = free_port();
+  ChildProcess a(agent("2:3", port, "echo ran", {"--rdzv-join-timeout", "1"}));
+  const ChildResult r = a.finish(kRunLimitS);
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_EQ(r.out, "");  // no rank started
+  EXPECT_NE(r.err.find("commgrad-run: rendezvous round 1 at 127.0.0.1:" + port +
+                       " failed: 1 of at least 2 nodes joined within --rdzv-join-timeout 1s"),
+            std::string::npos)
+      << r.err;
+  EXPECT_LT(r.seconds, 10);
+}
+
+TEST(ElasticLaunch, AnAgentOfAnotherJobIsRefused) {
+  const std::string port = free_port();
+  ChildProcess a(agent("1:2", port, "echo W=$WORLD_SIZE", {"--rdzv-id", "job_a"}));
+  ChildProcess b(agent("1:2", port, "echo W=$WORLD_SIZE", {"--rdzv-id", "job_b"}));
+  const ChildResult ra = a.finish(kRunLimitS);
+  const ChildResult rb = b.finish(kRunLimitS);
+  // Whichever hosts runs alone; the other is told why it may not join.
+  const ChildResult& refused = ra.code != 0 ? ra : rb;
+  const ChildResult& host = ra.code != 0 ? rb : ra;
+  EXPECT_EQ(host.code, 0) << describe(ra, rb);
+  EXPECT_EQ(refused.code, 1) << describe(ra, rb);
+  EXPECT_TRUE(has_line(host.out, "[0] W=2")) << describe(ra, rb);
+  EXPECT_NE(refused.err.find("commgrad-run: the rendezvous belongs to another job (--rdzv-id 'job_"), std::string::npos)
+      << describe(ra, rb);
+}
+
+// Errors of the elastic command line, each named, exit code 2.
+TEST(ElasticLaunch, BadNodeRangesAreNamed) {
+  const std::string limit = "1 <= MIN <= MAX <= 1048576";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--nnodes", "2:1", "true"}, "--nnodes: expected MIN:MAX with integers " + limit + ", got '2:1' (MIN 2 > MAX 1)"},
+      {{"--nnodes", "0:2", "true"}, "--nnodes: expected MIN:MAX with integers " + limit + ", got '0:2' (MIN 0 < 1)"},
+      {{"--nnodes", "1:x", "true"}, "--nnodes: expected MIN:MAX with integers " + limit + ", got '1:x'"},
+      {{"--nnodes", ":2", "true"}, "--nnodes: expected MIN:MAX with integers " + limit + ", got ':2'"},
+      {{"--nnodes", "1:2:3", "true"}, "--nnodes: expected MIN:MAX with integers " + limit + ", got '1:2:3'"},
+      {{"--nnodes", "1:2", "true"}, "--nnodes 1:2 needs --master-addr and --master-port"},
+      {{"--nnodes", "1:2", "--master-addr", "127.0.0.1", "--master-port", "29500", "--node-rank", "0", "true"},
+       "--nnodes 1:2 hands out node ranks at the rendezvous; --node-rank is not allowed with it"},
+      {{"--rdzv-last-call", "-1", "true"}, "--rdzv-last-call: expected a number >= 0"},
+      {{"--rdzv-join-timeout", "0", "true"}, "--rdzv-join-timeout: expected a number > 0"},
+  };
+  for (const auto& [args, message] : cases) {
+    std::vector<std::string> argv = {launcher_path()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    ChildProcess child(argv);
+    const ChildResult r = child.finish(kRunLimitS);
+    EXPECT_EQ(r.code, 2) << args[1];
+    EXPECT_NE(r.err.find("commgrad-run: " + message), std::string::npos) << args[1] << ": " << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace commgrad::testing
