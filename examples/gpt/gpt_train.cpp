@@ -289,8 +289,9 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       ->type_name("N|auto")
       ->check(CLI::Validator(
           [](std::string& v) {
-            return v == "auto" || cli::to_integer(v, 1) ? std::string()
-                                                        : "expected auto or an integer in [1, 2147483647], got '" + v + "'";
+            return v == "auto" || cli::to_integer(v, 1)
+                       ? std::string()
+                       : "expected auto or an integer in [1, 2147483647], got '" + v + "'";
           },
           "", "replicas"));
   app.add_option("--cp", c.cp, "context-parallel ranks (each sequence split over them)")->check(cli::positive());

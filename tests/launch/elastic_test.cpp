@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <set>
 #include <sstream>
@@ -43,9 +44,19 @@ std::string free_port() {
 // options and `sh -c script`.
 std::vector<std::string> agent(const std::string& nodes, const std::string& port, const std::string& script,
                                std::vector<std::string> extra = {}) {
-  std::vector<std::string> argv = {launcher_path(), "--nnodes",   nodes, "--master-addr", "127.0.0.1",
-                                   "--master-port", port,         "-n",  "2",             "--rdzv-last-call",
-                                   "2",             "--grace",    "2"};
+  std::vector<std::string> argv = {launcher_path(),
+                                   "--nnodes",
+                                   nodes,
+                                   "--master-addr",
+                                   "127.0.0.1",
+                                   "--master-port",
+                                   port,
+                                   "-n",
+                                   "2",
+                                   "--rdzv-last-call",
+                                   "2",
+                                   "--grace",
+                                   "2"};
   argv.insert(argv.end(), extra.begin(), extra.end());
   argv.insert(argv.end(), {"sh", "-c", script});
   return argv;
@@ -53,7 +64,9 @@ std::vector<std::string> agent(const std::string& nodes, const std::string& port
 
 std::string describe(const ChildResult& a, const ChildResult& b) {
   std::ostringstream s;
-  s << "--- agent a: exit " << a.code << "\n" << a.out << a.err << "--- agent b: exit " << b.code << "\n" << b.out << b.err;
+  s << "--- agent a: exit " << a.code << "\n"
+    << a.out << a.err << "--- agent b: exit " << b.code << "\n"
+    << b.out << b.err;
   return s.str();
 }
 
@@ -66,7 +79,8 @@ bool has_line(const std::string& text, const std::string& line) {
 
 TEST(ElasticLaunch, TwoAgentsGetNodeRanksAndTheWorldOfTheRound) {
   const std::string port = free_port();
-  const std::string script = "echo R=$RANK W=$WORLD_SIZE G=$GROUP_RANK GW=$GROUP_WORLD_SIZE L=$LOCAL_RANK P=$MASTER_PORT";
+  const std::string script =
+      "echo R=$RANK W=$WORLD_SIZE G=$GROUP_RANK GW=$GROUP_WORLD_SIZE L=$LOCAL_RANK P=$MASTER_PORT";
   ChildProcess a(agent("1:2", port, script));
   ChildProcess b(agent("1:2", port, script));
   const ChildResult ra = a.finish(kRunLimitS);
@@ -77,12 +91,22 @@ TEST(ElasticLaunch, TwoAgentsGetNodeRanksAndTheWorldOfTheRound) {
   // ranks' MASTER_PORT is the round's, not the rendezvous's, and the same everywhere.
   const std::string all = ra.out + rb.out;
   std::set<std::string> ports;
-  for (int rank = 0; rank < 4; ++rank) {
-    const auto at = all.find("[" + std::to_string(rank) + "] R=" + std::to_string(rank) + " W=4 G=" +
-                             std::to_string(rank / 2) + " GW=2 L=" + std::to_string(rank % 2) + " P=");
-    ASSERT_NE(at, std::string::npos) << "rank " << rank << "\n" << describe(ra, rb);
-    ports.insert(all.substr(all.find("P=", at) + 2, all.find('\n', at) - all.find("P=", at) - 2));
+  std::istringstream lines(all);
+  int found = 0;
+  for (std::string line; std::getline(lines, line);) {
+    int rank = -1, world = -1, group = -1, groups = -1, local = -1, rank_port = -1;
+    if (std::sscanf(line.c_str(), "[%*d] R=%d W=%d G=%d GW=%d L=%d P=%d", &rank, &world, &group, &groups, &local,
+                    &rank_port) != 6) {
+      continue;
+    }
+    EXPECT_EQ(world, 4) << line;
+    EXPECT_EQ(group, rank / 2) << line;
+    EXPECT_EQ(groups, 2) << line;
+    EXPECT_EQ(local, rank % 2) << line;
+    ports.insert(std::to_string(rank_port));
+    found |= 1 << rank;
   }
+  EXPECT_EQ(found, 0xf) << describe(ra, rb);
   EXPECT_EQ(ports.size(), 1u) << describe(ra, rb);
   EXPECT_EQ(ports.count(port), 0u) << describe(ra, rb);
   EXPECT_NE((ra.err + rb.err).find("commgrad-run: rendezvous round 1: node 0 of 2 (--nnodes 1:2), WORLD_SIZE 4"),
@@ -154,7 +178,8 @@ TEST(ElasticLaunch, AnAgentOfAnotherJobIsRefused) {
 TEST(ElasticLaunch, BadNodeRangesAreNamed) {
   const std::string limit = "1 <= MIN <= MAX <= 1048576";
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--nnodes", "2:1", "true"}, "--nnodes: expected MIN:MAX with integers " + limit + ", got '2:1' (MIN 2 > MAX 1)"},
+      {{"--nnodes", "2:1", "true"},
+       "--nnodes: expected MIN:MAX with integers " + limit + ", got '2:1' (MIN 2 > MAX 1)"},
       {{"--nnodes", "0:2", "true"}, "--nnodes: expected MIN:MAX with integers " + limit + ", got '0:2' (MIN 0 < 1)"},
       {{"--nnodes", "1:x", "true"}, "--nnodes: expected MIN:MAX with integers " + limit + ", got '1:x'"},
       {{"--nnodes", ":2", "true"}, "--nnodes: expected MIN:MAX with integers " + limit + ", got ':2'"},

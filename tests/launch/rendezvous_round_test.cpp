@@ -66,8 +66,7 @@ TEST(RendezvousRound, JoinLinesOfAnotherJobOrAnotherRankCountAreRefused) {
             "the rendezvous belongs to another job (--rdzv-id 'job_a'; this node has 'job_b')");
   EXPECT_EQ(*refusal(join_line("job_a", 4), "job_a", 2),
             "every node must start the same number of ranks: the rendezvous host has -n 2, this node -n 4");
-  EXPECT_EQ(*refusal("GET / HTTP/1.1", "job_a", 2),
-            "not a commgrad-run of this version (it sent 'GET / HTTP/1.1')");
+  EXPECT_EQ(*refusal("GET / HTTP/1.1", "job_a", 2), "not a commgrad-run of this version (it sent 'GET / HTTP/1.1')");
 }
 
 TEST(RendezvousRound, AnswersRoundTrip) {

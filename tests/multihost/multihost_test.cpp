@@ -350,15 +350,27 @@ TEST(ElasticResume, JobContinuesOnTheRemainingHostAtHalfTheDataParallelSize) {
   TempDir dir;
   ASSERT_FALSE(dir.path.empty());
   const std::vector<std::string> job = {
-      build_path("bin/gpt_train"), "--steps",        "8",       "--microbatches", "2", "--save", dir.path + "/ckpt",
-      "--save-every",              "2",              "--check", "--curve",        "none"};
+      build_path("bin/gpt_train"), "--steps",      "8", "--microbatches", "2",       "--save",
+      dir.path + "/ckpt",          "--save-every", "2", "--check",        "--curve", "none"};
   auto results = run_on_all(
       *hosts,
       [&](int k) {
-        std::vector<std::string> argv = {launcher_path(),  "--nnodes",         "1:2", "--master-addr",
-                                         hosts->address(0), "--master-port",   kPort, "-n",
-                                         "2",               "--max-restarts",  "1",   "--rdzv-last-call",
-                                         "4",               "--rdzv-id",       "elastic_gpt", "--timeout",
+        std::vector<std::string> argv = {launcher_path(),
+                                         "--nnodes",
+                                         "1:2",
+                                         "--master-addr",
+                                         hosts->address(0),
+                                         "--master-port",
+                                         kPort,
+                                         "-n",
+                                         "2",
+                                         "--max-restarts",
+                                         "1",
+                                         "--rdzv-last-call",
+                                         "4",
+                                         "--rdzv-id",
+                                         "elastic_gpt",
+                                         "--timeout",
                                          "80"};
         argv.insert(argv.end(), job.begin(), job.end());
         return argv;

@@ -96,10 +96,10 @@ class Launcher {
 
   LaunchOptions options_;
   int port_ = 0;
-  std::string job_id_;     // TORCHELASTIC_RUN_ID ("" across nodes without --rdzv-id)
-  int restart_count_ = 0;  // TORCHELASTIC_RESTART_COUNT of the ranks running now
-  int node_rank_ = 0;      // GROUP_RANK of this start (--node-rank, or the rendezvous's)
-  int nnodes_ = 1;         // nodes of this start (--nnodes, or the rendezvous's round)
+  std::string job_id_;                      // TORCHELASTIC_RUN_ID ("" across nodes without --rdzv-id)
+  int restart_count_ = 0;                   // TORCHELASTIC_RESTART_COUNT of the ranks running now
+  int node_rank_ = 0;                       // GROUP_RANK of this start (--node-rank, or the rendezvous's)
+  int nnodes_ = 1;                          // nodes of this start (--nnodes, or the rendezvous's round)
   std::unique_ptr<Rendezvous> rendezvous_;  // --nnodes MIN:MAX only
   std::vector<Rank> ranks_;
   Watchdog watchdog_;

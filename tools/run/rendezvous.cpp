@@ -26,9 +26,7 @@
 namespace commgrad::run {
 namespace {
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 int to_ms(double s) { return static_cast<int>(std::clamp(std::ceil(s * 1000.0), 0.0, 3600.0 * 1000)); }
 
@@ -94,7 +92,9 @@ void accept_guests(int listen_fd, std::vector<Guest>& guests) {
   for (;;) {
     const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) return;
-    guests.push_back(Guest{fd});
+    Guest g;
+    g.fd = fd;
+    guests.push_back(std::move(g));
   }
 }
 

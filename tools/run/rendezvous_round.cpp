@@ -47,8 +47,9 @@ RoundDecision RoundState::decide(double now_s) const {
 }
 
 std::string RoundState::failure() const {
-  return std::to_string(nodes_) + " of at least " + std::to_string(rule_.min_nodes) + (rule_.min_nodes == 1 ? " node" : " nodes") +
-         " joined within --rdzv-join-timeout " + seconds(rule_.join_timeout_s);
+  return std::to_string(nodes_) + " of at least " + std::to_string(rule_.min_nodes) +
+         (rule_.min_nodes == 1 ? " node" : " nodes") + " joined within --rdzv-join-timeout " +
+         seconds(rule_.join_timeout_s);
 }
 
 std::string join_line(const std::string& job_id, int nproc_per_node) {
