@@ -174,6 +174,15 @@ TEST(ElasticLaunch, AnAgentOfAnotherJobIsRefused) {
       << describe(ra, rb);
 }
 
+TEST(ElasticLaunch, HelpNamesTheElasticOptions) {
+  ChildProcess child({launcher_path(), "--help"});
+  const ChildResult r = child.finish(kRunLimitS);
+  EXPECT_EQ(r.code, 0);
+  for (const char* text : {"--nnodes M|MIN:MAX", "--rdzv-last-call", "--rdzv-join-timeout", "With --nnodes MIN:MAX"}) {
+    EXPECT_NE(r.out.find(text), std::string::npos) << text << "\n" << r.out;
+  }
+}
+
 // Errors of the elastic command line, each named, exit code 2.
 TEST(ElasticLaunch, BadNodeRangesAreNamed) {
   const std::string limit = "1 <= MIN <= MAX <= 1048576";
