@@ -77,7 +77,18 @@ bool has_line(const std::string& text, const std::string& line) {
   return false;
 }
 
-TEST(ElasticLaunch, TwoAgentsGetNodeRanksAndTheWorldOfTheRound) {
+// commgrad-run does not link LibTorch: the second LibTorch line would only
+// repeat these cases (about 10 s).
+class ElasticLaunch : public ::testing::Test {
+ protected:
+  void SetUp() override {
+#ifdef COMMGRAD_ON_SECOND_TORCH_LINE
+    GTEST_SKIP() << "commgrad-run does not depend on LibTorch: these cases run on the default line only";
+#endif
+  }
+};
+
+TEST_F(ElasticLaunch, TwoAgentsGetNodeRanksAndTheWorldOfTheRound) {
   const std::string port = free_port();
   const std::string script =
       "echo R=$RANK W=$WORLD_SIZE G=$GROUP_RANK GW=$GROUP_WORLD_SIZE L=$LOCAL_RANK P=$MASTER_PORT";
@@ -120,7 +131,7 @@ TEST(ElasticLaunch, TwoAgentsGetNodeRanksAndTheWorldOfTheRound) {
 // Node 1's first start kills its own launcher (the node is gone for good);
 // node 0's ranks fail, it restarts, waits out the last call alone and runs
 // the job at half the world.
-TEST(ElasticLaunch, ANodeThatDoesNotComeBackIsLeftOutAfterTheLastCall) {
+TEST_F(ElasticLaunch, ANodeThatDoesNotComeBackIsLeftOutAfterTheLastCall) {
   const std::string port = free_port();
   const std::string script =
       "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then"
@@ -145,7 +156,7 @@ TEST(ElasticLaunch, ANodeThatDoesNotComeBackIsLeftOutAfterTheLastCall) {
   EXPECT_TRUE(has_line(survivor.out, "[1] W=2 G=0")) << describe(ra, rb);
 }
 
-TEST(ElasticLaunch, FewerThanMinNodesIsAClearFailure) {
+TEST_F(ElasticLaunch, FewerThanMinNodesIsAClearFailure) {
   const std::string port = free_port();
   ChildProcess a(agent("2:3", port, "echo ran", {"--rdzv-join-timeout", "1"}));
   const ChildResult r = a.finish(kRunLimitS);
@@ -158,7 +169,36 @@ TEST(ElasticLaunch, FewerThanMinNodesIsAClearFailure) {
   EXPECT_LT(r.seconds, 10);
 }
 
-TEST(ElasticLaunch, AnAgentOfAnotherJobIsRefused) {
+// --timeout counts the rendezvous too: a host waiting for nodes, and a
+// guest waiting for a host that never comes.
+TEST_F(ElasticLaunch, TimeoutEndsAWaitInTheRendezvous) {
+  for (const std::string nodes : {"2:2", "1:2"}) {
+    const std::string port = free_port();
+    ChildProcess host(agent(nodes, port, "echo ran", {"--timeout", "1"}));
+    const ChildResult r = host.finish(kRunLimitS);
+    EXPECT_EQ(r.code, 124) << r.out << r.err;
+    EXPECT_EQ(r.out, "");
+    EXPECT_NE(r.err.find("commgrad-run: job exceeded --timeout 1s in the rendezvous"), std::string::npos) << r.err;
+    EXPECT_LT(r.seconds, 10);
+  }
+  // A guest: the address is this host's, but another process holds the
+  // port without answering.
+  const int holder = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(holder, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(holder, 8), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(holder, reinterpret_cast<sockaddr*>(&addr), &len);
+  ChildProcess guest(agent("1:2", std::to_string(ntohs(addr.sin_port)), "echo ran", {"--timeout", "1"}));
+  const ChildResult r = guest.finish(kRunLimitS);
+  close(holder);
+  EXPECT_EQ(r.code, 124) << r.out << r.err;
+  EXPECT_NE(r.err.find("commgrad-run: job exceeded --timeout 1s in the rendezvous"), std::string::npos) << r.err;
+}
+
+TEST_F(ElasticLaunch, AnAgentOfAnotherJobIsRefused) {
   const std::string port = free_port();
   ChildProcess a(agent("1:2", port, "echo W=$WORLD_SIZE", {"--rdzv-id", "job_a"}));
   ChildProcess b(agent("1:2", port, "echo W=$WORLD_SIZE", {"--rdzv-id", "job_b"}));
@@ -174,7 +214,7 @@ TEST(ElasticLaunch, AnAgentOfAnotherJobIsRefused) {
       << describe(ra, rb);
 }
 
-TEST(ElasticLaunch, HelpNamesTheElasticOptions) {
+TEST_F(ElasticLaunch, HelpNamesTheElasticOptions) {
   ChildProcess child({launcher_path(), "--help"});
   const ChildResult r = child.finish(kRunLimitS);
   EXPECT_EQ(r.code, 0);
@@ -184,7 +224,7 @@ TEST(ElasticLaunch, HelpNamesTheElasticOptions) {
 }
 
 // Errors of the elastic command line, each named, exit code 2.
-TEST(ElasticLaunch, BadNodeRangesAreNamed) {
+TEST_F(ElasticLaunch, BadNodeRangesAreNamed) {
   const std::string limit = "1 <= MIN <= MAX <= 1048576";
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--nnodes", "2:1", "true"},

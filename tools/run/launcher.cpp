@@ -34,6 +34,8 @@ namespace {
 // After the last rank is reaped, how long its descendants may keep the
 // output pipes open before the launcher stops reading them.
 constexpr double kDrainSeconds = 2.0;
+// How long the rendezvous may wait without a --timeout: a year.
+constexpr double kNoDeadlineSeconds = 365.0 * 24 * 3600;
 constexpr int kHandledSignals[] = {SIGCHLD, SIGINT, SIGTERM, SIGHUP};
 constexpr int kNumHandled = sizeof(kHandledSignals) / sizeof(kHandledSignals[0]);
 
@@ -139,11 +141,20 @@ bool Launcher::open_rendezvous() {
 // --nnodes MIN:MAX: this start's node rank, nodes and port from the
 // rendezvous. Returns the exit code when the job ends here instead.
 std::optional<int> Launcher::join_round() {
-  const RendezvousResult r = rendezvous_->next_round(g_wake_read, [this] {
-    drain_signals();
-    return exit_code_.has_value();
-  });
+  const double time_left_s =
+      job_deadline_ ? std::chrono::duration<double>(*job_deadline_ - Clock::now()).count() : kNoDeadlineSeconds;
+  const RendezvousResult r = rendezvous_->next_round(
+      g_wake_read,
+      [this] {
+        drain_signals();
+        return exit_code_.has_value();
+      },
+      time_left_s);
   if (r.interrupted) return exit_code_.value_or(kExitLaunchFailed);
+  if (r.timed_out) {
+    report("job exceeded --timeout " + format_seconds(*options_.timeout_s) + "s in the rendezvous");
+    return exit_code_ = kExitTimeout;
+  }
   if (!r.ok) {
     report(r.error);
     return exit_code_ = kExitLaunchFailed;

@@ -177,12 +177,13 @@ bool Rendezvous::open(std::string* error) {
   return true;
 }
 
-RendezvousResult Rendezvous::next_round(int wake_fd, const std::function<bool()>& interrupted) {
+RendezvousResult Rendezvous::next_round(int wake_fd, const std::function<bool()>& interrupted, double time_left_s) {
   ++round_;
-  return hosting() ? host_round(wake_fd, interrupted) : guest_round(wake_fd, interrupted);
+  const double stop_at_s = now_s() + time_left_s;
+  return hosting() ? host_round(wake_fd, interrupted, stop_at_s) : guest_round(wake_fd, interrupted, stop_at_s);
 }
 
-RendezvousResult Rendezvous::host_round(int wake_fd, const std::function<bool()>& interrupted) {
+RendezvousResult Rendezvous::host_round(int wake_fd, const std::function<bool()>& interrupted, double stop_at_s) {
   const auto [lo, hi] = *options_.elastic_nodes;
   RoundState state(RoundRule{lo, hi, options_.rdzv_join_timeout_s, options_.rdzv_last_call_s}, now_s());
   state.joined(now_s());  // the host is a node of every round
@@ -191,10 +192,11 @@ RendezvousResult Rendezvous::host_round(int wake_fd, const std::function<bool()>
   for (RoundDecision d = state.decide(now_s()); d.verdict == RoundVerdict::kWait; d = state.decide(now_s())) {
     std::vector<pollfd> fds = {{listen_fd_, POLLIN, 0}, {wake_fd, POLLIN, 0}};
     for (const Guest& g : guests) fds.push_back({g.fd, POLLIN, 0});
-    if (poll(fds.data(), fds.size(), to_ms(d.wait_s)) < 0 && errno != EINTR) break;
-    if ((fds[1].revents & POLLIN) != 0 && interrupted()) {
+    if (poll(fds.data(), fds.size(), to_ms(std::min(d.wait_s, stop_at_s - now_s()))) < 0 && errno != EINTR) break;
+    const bool stop = (fds[1].revents & POLLIN) != 0 && interrupted();
+    if (stop || now_s() >= stop_at_s) {
       close_guests(guests);
-      result.interrupted = true;
+      (stop ? result.interrupted : result.timed_out) = true;
       return result;
     }
     if ((fds[0].revents & POLLIN) != 0) accept_guests(listen_fd_, guests);
@@ -231,11 +233,16 @@ RendezvousResult Rendezvous::host_round(int wake_fd, const std::function<bool()>
   return result;
 }
 
-RendezvousResult Rendezvous::guest_round(int wake_fd, const std::function<bool()>& interrupted) {
+RendezvousResult Rendezvous::guest_round(int wake_fd, const std::function<bool()>& interrupted, double stop_at_s) {
   RendezvousResult result;
-  const double deadline = now_s() + options_.rdzv_join_timeout_s;
+  const double join_deadline = now_s() + options_.rdzv_join_timeout_s;
+  const double deadline = std::min(join_deadline, stop_at_s);
   std::string why;
   const int fd = connect_before(options_.master_addr, *options_.master_port, deadline, &why);
+  if (fd < 0 && now_s() >= stop_at_s) {
+    result.timed_out = true;
+    return result;
+  }
   if (fd < 0) {
     result.error = "could not reach the rendezvous at " + endpoint() + " within --rdzv-join-timeout " +
                    seconds(options_.rdzv_join_timeout_s) + ": " + why;
@@ -248,6 +255,10 @@ RendezvousResult Rendezvous::guest_round(int wake_fd, const std::function<bool()
     std::vector<pollfd> fds = {{fd, POLLIN, 0}, {wake_fd, POLLIN, 0}};
     const int rc = left > 0 ? poll(fds.data(), fds.size(), to_ms(left)) : 0;
     if (rc < 0 && errno == EINTR) continue;
+    if (rc == 0 && now_s() >= stop_at_s) {
+      result.timed_out = true;
+      break;
+    }
     if (rc == 0) {
       result.error = "no rendezvous round at " + endpoint() + " closed within --rdzv-join-timeout " +
                      seconds(options_.rdzv_join_timeout_s) + " (the host's job may be running without this node)";

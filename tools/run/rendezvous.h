@@ -18,7 +18,7 @@
 // Example:
 //   Rendezvous rdzv(options, job_id);
 //   if (!rdzv.open(&error)) ...;
-//   RendezvousResult r = rdzv.next_round(wake_fd, interrupted);
+//   RendezvousResult r = rdzv.next_round(wake_fd, interrupted, time_left_s);
 //   // r.assignment.node_rank, r.assignment.nodes, r.assignment.port
 
 #include <functional>
@@ -33,6 +33,7 @@ namespace commgrad::run {
 struct RendezvousResult {
   bool ok = false;
   bool interrupted = false;  // `interrupted()` said stop (a signal to the launcher)
+  bool timed_out = false;    // `time_left_s` ran out (the launcher's --timeout)
   RoundAssignment assignment;
   std::string error;
 };
@@ -51,11 +52,12 @@ class Rendezvous {
 
   /// Runs the next round to its end. When `wake_fd` becomes readable it
   /// calls `interrupted()`; true ends the round with `interrupted` set.
-  RendezvousResult next_round(int wake_fd, const std::function<bool()>& interrupted);
+  /// After `time_left_s` it ends with `timed_out` set.
+  RendezvousResult next_round(int wake_fd, const std::function<bool()>& interrupted, double time_left_s);
 
  private:
-  RendezvousResult host_round(int wake_fd, const std::function<bool()>& interrupted);
-  RendezvousResult guest_round(int wake_fd, const std::function<bool()>& interrupted);
+  RendezvousResult host_round(int wake_fd, const std::function<bool()>& interrupted, double stop_at_s);
+  RendezvousResult guest_round(int wake_fd, const std::function<bool()>& interrupted, double stop_at_s);
   std::string endpoint() const;
 
   LaunchOptions options_;
