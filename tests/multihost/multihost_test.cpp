@@ -391,6 +391,7 @@ TEST(ElasticResume, JobContinuesOnTheRemainingHostAtHalfTheDataParallelSize) {
   EXPECT_THAT(survivor.out, HasSubstr("[0] check step 8/8")) << describe(results);
   EXPECT_THAT(survivor.out, HasSubstr("(tolerance 1e-05): ok\n")) << describe(results);
   std::printf("%s", tail(survivor.out, 1500).c_str());
+  for (const auto& line : lines_with_prefix(survivor.err, "commgrad-run: r")) std::printf("%s\n", line.c_str());
 }
 
 TEST(VirtualHostsHarness, HostsHaveTheirOwnNamesAndAddresses) {
