@@ -373,6 +373,9 @@ TEST(ElasticResume, JobContinuesOnTheRemainingHostAtHalfTheDataParallelSize) {
                                          "--timeout",
                                          "80"};
         argv.insert(argv.end(), job.begin(), job.end());
+        // Host 0 (the rendezvous) starts a second late: host 1 is then
+        // already knocking, and round 1 closes with both at once.
+        if (k == 0) argv.insert(argv.begin(), {"sh", "-c", "sleep 1; exec \"$@\"", "sh"});
         return argv;
       },
       clean_env({{"COMMGRAD_TIMEOUT", "20"}, {"GPT_TRAIN_FAULT", "kill-node:5"}}));
