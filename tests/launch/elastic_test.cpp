@@ -156,6 +156,50 @@ TEST_F(ElasticLaunch, ANodeThatDoesNotComeBackIsLeftOutAfterTheLastCall) {
   EXPECT_TRUE(has_line(survivor.out, "[1] W=2 G=0")) << describe(ra, rb);
 }
 
+// Node 1's ranks fail at once on the first start while node 0's would run
+// for 30 s: node 1 comes back to the rendezvous, node 0 hears of it, stops
+// its ranks and joins the new round (not counted as a restart), and the
+// second start runs on both nodes. And the other way round: node 0's ranks
+// fail while node 1's would run; node 0 opens a new round and tells node 1.
+TEST_F(ElasticLaunch, AFailureOnOneNodeStartsANewRoundOnTheOthers) {
+  for (const std::string failing : {"1", "0"}) {
+    char dir_template[] = "/tmp/commgrad_elastic_XXXXXX";
+    const std::string dir = mkdtemp(dir_template);
+    const std::string port = free_port();
+    // The first start is the one whose MASTER_PORT the first rank recorded
+    // (ln: the first writer wins; the failing rank writes before it fails).
+    const std::string script = "echo $MASTER_PORT > " + dir + "/t$$; ln " + dir + "/t$$ " + dir +
+                               "/first 2>/dev/null; if [ \"$(cat " + dir +
+                               "/first)\" = \"$MASTER_PORT\" ]; then"
+                               "  if [ \"$GROUP_RANK\" = " +
+                               failing +
+                               " ]; then exit 3; fi; exec sleep 30; "
+                               "fi; echo W=$WORLD_SIZE G=$GROUP_RANK";
+    ChildProcess a(agent("1:2", port, script, {"--max-restarts", "1"}));
+    ChildProcess b(agent("1:2", port, script, {"--max-restarts", "1"}));
+    const ChildResult ra = a.finish(kRunLimitS);
+    const ChildResult rb = b.finish(kRunLimitS);
+    std::system(("rm -rf '" + dir + "'").c_str());
+    ASSERT_EQ(ra.code, 0) << "failing node " << failing << "\n" << describe(ra, rb);
+    ASSERT_EQ(rb.code, 0) << "failing node " << failing << "\n" << describe(ra, rb);
+    const std::string err = ra.err + rb.err;
+    const std::string out = ra.out + rb.out;
+    EXPECT_NE(err.find("restarting the job (restart 1 of 1)"), std::string::npos) << describe(ra, rb);
+    EXPECT_NE(err.find(failing == "1" ? "a node came to the rendezvous; stopping 2 ranks to join it"
+                                      : "the rendezvous opened a new round; stopping 2 ranks to join it"),
+              std::string::npos)
+        << describe(ra, rb);
+    EXPECT_NE(err.find("starting this node's ranks again in the new rendezvous round (not counted as a restart)"),
+              std::string::npos)
+        << describe(ra, rb);
+    for (const std::string rank : {"0", "1", "2", "3"}) {
+      const std::string line = "[" + rank + "] W=4 G=" + (rank == "0" || rank == "1" ? "0" : "1");
+      EXPECT_TRUE(has_line(out, line)) << line << "\n" << describe(ra, rb);
+    }
+    EXPECT_LT(ra.seconds, 20) << describe(ra, rb);
+  }
+}
+
 TEST_F(ElasticLaunch, FewerThanMinNodesIsAClearFailure) {
   const std::string port = free_port();
   ChildProcess a(agent("2:3", port, "echo ran", {"--rdzv-join-timeout", "1"}));

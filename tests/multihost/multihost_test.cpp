@@ -371,14 +371,14 @@ TEST(ElasticResume, JobContinuesOnTheRemainingHostAtHalfTheDataParallelSize) {
                                          "--rdzv-id",
                                          "elastic_gpt",
                                          "--timeout",
-                                         "80"};
+                                         "150"};
         argv.insert(argv.end(), job.begin(), job.end());
         // Host 0 (the rendezvous) starts a second late: host 1 is then
         // already knocking, and round 1 closes with both at once.
         if (k == 0) argv.insert(argv.begin(), {"sh", "-c", "sleep 1; exec \"$@\"", "sh"});
         return argv;
       },
-      clean_env({{"COMMGRAD_TIMEOUT", "20"}, {"GPT_TRAIN_FAULT", "kill-node:5"}}));
+      clean_env({{"COMMGRAD_TIMEOUT", "20"}, {"GPT_TRAIN_FAULT", "kill-node:5"}}), std::chrono::seconds(160));
   const auto& survivor = results[0];
   EXPECT_NE(results[1].exit_code, 0) << describe(results);
   ASSERT_EQ(survivor.exit_code, 0) << describe(results);

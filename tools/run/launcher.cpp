@@ -117,25 +117,19 @@ int Launcher::run() {
   }
   int code = run_attempt(program.path);
   while (should_restart()) {
-    ++restart_count_;
-    report("restarting the job (restart " + std::to_string(restart_count_) + " of " +
-           std::to_string(options_.max_restarts) + ")");
+    if (new_round_) {
+      report("starting this node's ranks again in the new rendezvous round (not counted as a restart)");
+    } else {
+      ++restart_count_;
+      report("restarting the job (restart " + std::to_string(restart_count_) + " of " +
+             std::to_string(options_.max_restarts) + ")");
+    }
     reset_attempt();
     code = run_attempt(program.path);
   }
   watchdog_.stop();
   restore_signal_handlers();
   return code;
-}
-
-bool Launcher::open_rendezvous() {
-  rendezvous_ = std::make_unique<Rendezvous>(options_, job_id_);
-  std::string error;
-  if (!rendezvous_->open(&error)) {
-    report(error);
-    return false;
-  }
-  return true;
 }
 
 // --nnodes MIN:MAX: this start's node rank, nodes and port from the
@@ -213,6 +207,7 @@ void Launcher::report_rank_errors() {
 
 // After a rank failed (not a signal, not the timeout, not preemption), with restarts left.
 bool Launcher::should_restart() {
+  if (new_round_ && !rank_failed_ && !signalled_ && exit_code_ != kExitTimeout) return true;
   if (!rank_failed_ || signalled_ || exit_code_ == kExitTimeout) return false;
   if (restart_count_ < options_.max_restarts) return true;
   if (options_.max_restarts > 0) {
@@ -229,7 +224,7 @@ void Launcher::reset_attempt() {
   ranks_.clear();
   exit_code_.reset();
   first_failed_.reset();
-  rank_failed_ = false;
+  rank_failed_ = new_round_ = false;
   preempted_ = other_failures_ = 0;
   stopping_ = killed_ = orphan_check_due_ = false;
   kill_deadline_.reset();
@@ -435,6 +430,8 @@ void Launcher::supervise() {
         owners.emplace_back(&rank, is_err);
       }
     }
+    const int watch = watched_fd();
+    if (watch >= 0) fds.push_back(pollfd{watch, POLLIN, 0});  // last: the ranks' pipes keep their places
     const int rc = poll(fds.data(), fds.size(), poll_timeout_ms());
     if (rc < 0 && errno != EINTR) {
       report(std::string("poll: ") + std::strerror(errno) + "; killing all ranks");
@@ -451,6 +448,7 @@ void Launcher::supervise() {
       // Skip a pipe that handling a signal above already closed.
       if ((is_err ? rank.err_fd : rank.out_fd) == fds[i + 1].fd) read_pipe(rank, is_err);
     }
+    if (watch >= 0 && rc > 0 && fds.back().revents != 0) on_rendezvous_news();
     check_deadlines();
   }
 

@@ -72,6 +72,8 @@ class Launcher {
   std::optional<int> join_round();
   void reset_attempt();
   bool should_restart();
+  int watched_fd() const;
+  void on_rendezvous_news();
   bool install_signal_handlers();
   void restore_signal_handlers();
   bool spawn(Rank& rank, const std::string& path);
@@ -111,6 +113,7 @@ class Launcher {
   // Set once per start, by the first of: a failed rank, a signal, the timeout.
   std::optional<int> exit_code_;
   bool rank_failed_ = false;  // the verdict is a rank's failure (a restart may follow)
+  bool new_round_ = false;    // the rendezvous opened a new round: start again, uncounted
   bool signalled_ = false;    // the launcher was told to stop (never restarted)
   int preempted_ = 0;         // ranks that exited with kExitPreempted
   int other_failures_ = 0;    // ranks that exited otherwise non-zero

@@ -156,6 +156,20 @@ Rendezvous::Rendezvous(const LaunchOptions& options, std::string job_id)
 
 Rendezvous::~Rendezvous() {
   if (listen_fd_ >= 0) close(listen_fd_);
+  if (member_fd_ >= 0) close(member_fd_);
+  for (const int fd : members_) close(fd);
+}
+
+bool Rendezvous::new_round_wanted() {
+  if (hosting()) return true;  // a node knocks
+  if (member_fd_ < 0) return false;
+  const bool open = read_some(member_fd_, member_buf_);
+  if (const auto line = take_line(member_buf_)) return *line == restart_line();
+  if (!open) {  // the host ended (its job is over, or it died): no news to wait for
+    close(member_fd_);
+    member_fd_ = -1;
+  }
+  return false;
 }
 
 std::string Rendezvous::endpoint() const { return options_.master_addr + ":" + std::to_string(*options_.master_port); }
@@ -179,6 +193,14 @@ bool Rendezvous::open(std::string* error) {
 
 RendezvousResult Rendezvous::next_round(int wake_fd, const std::function<bool()>& interrupted, double time_left_s) {
   ++round_;
+  for (const int fd : members_) {
+    send_line(fd, restart_line());
+    close(fd);
+  }
+  members_.clear();
+  if (member_fd_ >= 0) close(member_fd_);
+  member_fd_ = -1;
+  member_buf_.clear();
   const double stop_at_s = now_s() + time_left_s;
   return hosting() ? host_round(wake_fd, interrupted, stop_at_s) : guest_round(wake_fd, interrupted, stop_at_s);
 }
@@ -224,10 +246,16 @@ RendezvousResult Rendezvous::host_round(int wake_fd, const std::function<bool()>
   // sent their line wait for the next round (they stay in the listen queue
   // no longer: they are told nothing and see the connection close).
   int next = 1;
-  for (const Guest& g : guests) {
-    if (g.joined) send_line(g.fd, assignment_line({round_, next++, state.nodes(), port}));
+  for (Guest& g : guests) {
+    if (!g.joined) continue;
+    send_line(g.fd, assignment_line({round_, next++, state.nodes(), port}));
+    members_.push_back(g.fd);
+    g.fd = -1;
   }
-  close_guests(guests);
+  for (const Guest& g : guests) {
+    if (g.fd >= 0) close(g.fd);
+  }
+  guests.clear();
   result.ok = true;
   result.assignment = RoundAssignment{round_, 0, state.nodes(), port};
   return result;
@@ -274,6 +302,8 @@ RendezvousResult Rendezvous::guest_round(int wake_fd, const std::function<bool()
       if (const auto a = parse_answer(*line, &result.error)) {
         result.ok = true;
         result.assignment = *a;
+        member_fd_ = fd;  // kept: the host says "restart" on it
+        return result;
       }
       break;
     }

@@ -9,11 +9,15 @@
 // round). The rules of a round (when it closes, when it fails) are in
 // rendezvous_round.h.
 //
-// The host answers only while it is between two starts: a node that joins
-// while the host's ranks still run waits (in the listen queue) for the next
-// round, up to --rdzv-join-timeout. A failed rank ends the start on every
-// node (the other ranks' collectives fail), so every agent comes back to the
-// rendezvous; one that does not is left out once the last call has passed.
+// The host answers only while it is between two starts. While the ranks
+// run, each agent watches for news of a new round (watch_fd()): the host
+// sees a node knock at its listening socket (a node whose ranks failed, or
+// a new one), a guest hears "restart" from the host on the connection it
+// joined with (the host's ranks failed). Either then stops its ranks and
+// joins the next round; that is not counted as a restart (as in torchrun).
+// So a failed rank ends the start on every node, also when the other ranks
+// would only notice after their collective timeout; an agent that does not
+// come back is left out once the last call has passed.
 //
 // Example:
 //   Rendezvous rdzv(options, job_id);
@@ -23,6 +27,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "options.h"
 #include "rendezvous_round.h"
@@ -55,6 +60,12 @@ class Rendezvous {
   /// After `time_left_s` it ends with `timed_out` set.
   RendezvousResult next_round(int wake_fd, const std::function<bool()>& interrupted, double time_left_s);
 
+  /// While the round's ranks run: the socket that brings news of a new
+  /// round (see the file comment), or -1.
+  int watch_fd() const { return hosting() ? listen_fd_ : member_fd_; }
+  /// After watch_fd() became readable: true when a new round is wanted.
+  bool new_round_wanted();
+
  private:
   RendezvousResult host_round(int wake_fd, const std::function<bool()>& interrupted, double stop_at_s);
   RendezvousResult guest_round(int wake_fd, const std::function<bool()>& interrupted, double stop_at_s);
@@ -64,6 +75,9 @@ class Rendezvous {
   std::string job_id_;
   int listen_fd_ = -1;
   int round_ = 0;
+  std::vector<int> members_;  // the host's: guests of the last round, told "restart" when the next opens
+  int member_fd_ = -1;        // a guest's: its connection to the host during the round
+  std::string member_buf_;
 };
 
 }  // namespace commgrad::run

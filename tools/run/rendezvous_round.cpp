@@ -83,6 +83,8 @@ std::string assignment_line(const RoundAssignment& a) {
 
 std::string failure_line(const std::string& reason) { return std::string(kMagic) + "fail " + reason; }
 
+std::string restart_line() { return std::string(kMagic) + "restart"; }
+
 std::optional<RoundAssignment> parse_answer(const std::string& line, std::string* error) {
   std::string rest;
   if (!after_magic(line, &rest)) {

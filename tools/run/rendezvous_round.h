@@ -82,6 +82,9 @@ struct RoundAssignment {
 std::string assignment_line(const RoundAssignment& a);
 /// "commgrad-rdzv 1 fail <reason>": the round failed, or this node was refused.
 std::string failure_line(const std::string& reason);
+/// "commgrad-rdzv 1 restart": the host opened a new round; the nodes of the
+/// last one stop their ranks and join it.
+std::string restart_line();
 
 /// A line from the host: the assignment, or (in `error`) the host's reason
 /// for a failure, or what is wrong with a line that is neither.
