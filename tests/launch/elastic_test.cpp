@@ -200,6 +200,23 @@ TEST_F(ElasticLaunch, AFailureOnOneNodeStartsANewRoundOnTheOthers) {
   }
 }
 
+// A node beyond MAX is refused; its knock still makes the running node
+// start its ranks again (the rendezvous cannot tell why a node knocks).
+TEST_F(ElasticLaunch, ANodeBeyondMaxIsRefused) {
+  const std::string port = free_port();
+  ChildProcess a(agent("1:1", port, "sleep 1; echo W=$WORLD_SIZE"));
+  usleep(300 * 1000);
+  ChildProcess b(agent("1:1", port, "echo W=$WORLD_SIZE"));
+  const ChildResult rb = b.finish(kRunLimitS);
+  const ChildResult ra = a.finish(kRunLimitS);
+  EXPECT_EQ(ra.code, 0) << describe(ra, rb);
+  EXPECT_TRUE(has_line(ra.out, "[0] W=2")) << describe(ra, rb);
+  EXPECT_EQ(rb.code, 1) << describe(ra, rb);
+  EXPECT_EQ(rb.out, "") << describe(ra, rb);
+  EXPECT_NE(rb.err.find("commgrad-run: the job is full: it has the most nodes --nnodes allows (1)"), std::string::npos)
+      << describe(ra, rb);
+}
+
 TEST_F(ElasticLaunch, FewerThanMinNodesIsAClearFailure) {
   const std::string port = free_port();
   ChildProcess a(agent("2:3", port, "echo ran", {"--rdzv-join-timeout", "1"}));

@@ -99,11 +99,15 @@ void accept_guests(int listen_fd, std::vector<Guest>& guests) {
 }
 
 // Reads a guest's join line, and notices a guest that went away.
-void serve_guest(Guest& g, RoundState& state, const std::string& job_id, int nproc) {
+void serve_guest(Guest& g, RoundState& state, const std::string& job_id, int nproc, int max_nodes) {
   const bool open = read_some(g.fd, g.buf);
   if (!g.joined) {
     if (const auto line = take_line(g.buf)) {
-      if (const auto why = refusal(*line, job_id, nproc)) {
+      auto why = refusal(*line, job_id, nproc);
+      if (!why && state.nodes() >= max_nodes) {
+        why = "the job is full: it has the most nodes --nnodes allows (" + std::to_string(max_nodes) + ")";
+      }
+      if (why) {
         send_line(g.fd, failure_line(*why));
         g.gone = true;
         return;
@@ -118,8 +122,20 @@ void serve_guest(Guest& g, RoundState& state, const std::string& job_id, int npr
   }
 }
 
+// Nodes that knocked as the round closed: in while there is room, else told
+// the job is full. None stays in the listen queue: it would knock again.
+void sweep_guests(int listen_fd, std::vector<Guest>& guests, RoundState& state, const std::string& job_id, int nproc,
+                  int max_nodes) {
+  accept_guests(listen_fd, guests);
+  for (Guest& g : guests) {
+    if (!g.joined && !g.gone) serve_guest(g, state, job_id, nproc, max_nodes);
+  }
+}
+
 void close_guests(std::vector<Guest>& guests) {
-  for (Guest& g : guests) close(g.fd);
+  for (Guest& g : guests) {
+    if (g.fd >= 0) close(g.fd);
+  }
   guests.clear();
 }
 
@@ -223,7 +239,7 @@ RendezvousResult Rendezvous::host_round(int wake_fd, const std::function<bool()>
     }
     if ((fds[0].revents & POLLIN) != 0) accept_guests(listen_fd_, guests);
     for (std::size_t i = 2; i < fds.size(); ++i) {
-      if (fds[i].revents != 0) serve_guest(guests[i - 2], state, job_id_, options_.nproc_per_node);
+      if (fds[i].revents != 0) serve_guest(guests[i - 2], state, job_id_, options_.nproc_per_node, hi);
     }
     for (Guest& g : guests) {
       if (g.gone) close(g.fd);
@@ -236,26 +252,26 @@ RendezvousResult Rendezvous::host_round(int wake_fd, const std::function<bool()>
     close_guests(guests);
     return result;
   }
+  sweep_guests(listen_fd_, guests, state, job_id_, options_.nproc_per_node, hi);
   const int port = pick_free_port(options_.master_addr, &result.error);
   if (port < 0) {
     for (const Guest& g : guests) send_line(g.fd, failure_line(result.error));
     close_guests(guests);
     return result;
   }
-  // Node ranks in the order of joining; guests that connected but never
-  // sent their line wait for the next round (they stay in the listen queue
-  // no longer: they are told nothing and see the connection close).
+  // Node ranks in the order of joining; a guest whose line has not come yet
+  // is told to try again.
   int next = 1;
   for (Guest& g : guests) {
-    if (!g.joined) continue;
-    send_line(g.fd, assignment_line({round_, next++, state.nodes(), port}));
-    members_.push_back(g.fd);
-    g.fd = -1;
+    if (g.joined && !g.gone) {
+      send_line(g.fd, assignment_line({round_, next++, state.nodes(), port}));
+      members_.push_back(g.fd);
+      g.fd = -1;
+    } else if (!g.gone) {
+      send_line(g.fd, failure_line("the rendezvous round closed as this node came; start it again"));
+    }
   }
-  for (const Guest& g : guests) {
-    if (g.fd >= 0) close(g.fd);
-  }
-  guests.clear();
+  close_guests(guests);
   result.ok = true;
   result.assignment = RoundAssignment{round_, 0, state.nodes(), port};
   return result;
