@@ -65,8 +65,6 @@ std::string format_seconds(double s) {
 
 std::string ranks_phrase(int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); }
 
-namespace {}  // namespace
-
 Launcher::Launcher(LaunchOptions options) : options_(std::move(options)) {}
 
 Launcher::~Launcher() {
