@@ -20,15 +20,19 @@ Faults Faults::from_environment() {
   f.kind_ = kind;
   f.step_ = step;
   f.starts_ = starts;
-  const bool known = f.kind_ == "kill" || f.kind_ == "preempt" || f.kind_ == "preempt-twice";
+  const bool known = f.kind_ == "kill" || f.kind_ == "preempt" || f.kind_ == "preempt-twice" || f.kind_ == "kill-node";
   if (n < 2 || !known || step < 1 || starts < 1) {
     throw std::invalid_argument(std::string("GPT_TRAIN_FAULT='") + text +
-                                "': expected kill:N[:R], preempt:N or preempt-twice:N");
+                                "': expected kill:N[:R], preempt:N, preempt-twice:N or kill-node:N");
   }
   return f;
 }
 
 void Faults::step_begins(int step, int rank) const {
+  if (kind_ == "kill-node") {
+    kill_node(step, rank);
+    return;
+  }
   if (rank != 0 || step != step_) return;
   if (kind_ == "kill") {
     const char* count = std::getenv("TORCHELASTIC_RESTART_COUNT");
@@ -41,6 +45,17 @@ void Faults::step_begins(int step, int rank) const {
     std::fflush(stdout);
     ::kill(::getppid(), SIGTERM);
   }
+}
+
+void Faults::kill_node(int step, int rank) const {
+  const char* count = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (step != step_ || (count != nullptr && std::atoi(count) > 0) || world == nullptr || rank != std::atoi(world) - 1) {
+    return;
+  }
+  std::printf("fault: rank %d kills its launcher (SIGKILL) as step %d begins\n", rank, step);
+  std::fflush(stdout);
+  ::kill(::getppid(), SIGKILL);
 }
 
 void Faults::preemption_save_begins(int rank) const {

@@ -9,6 +9,10 @@
 //                       (the launcher forwards it to every rank: a preemption)
 //   preempt-twice:N     ... and a second SIGTERM as the save of the
 //                       preemption begins (the launcher then SIGKILLs the ranks)
+//   kill-node:N         on the job's first start, the last rank SIGKILLs its
+//                       launcher as step N begins: the ranks of that node die
+//                       with it (parent-death signal) and the node does not
+//                       come back (commgrad-run --nnodes MIN:MAX goes on without it)
 
 #include <string>
 
@@ -25,6 +29,8 @@ class Faults {
   void preemption_save_begins(int rank) const;
 
  private:
+  void kill_node(int step, int rank) const;
+
   std::string kind_;
   int step_ = -1;
   int starts_ = 1;

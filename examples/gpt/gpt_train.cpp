@@ -27,7 +27,12 @@
 // a unit of its own) and stepped by the same AdamW. Each step takes a
 // global batch of 8 sequences of a deterministic corpus (examples/gpt/
 // corpus.h; --text FILE: the file's bytes): every replica its 8/dp rows,
-// split into `microbatches`. With --cp N each sequence is split over N
+// split into `microbatches`. --dp auto (the default) takes the world size
+// over tp x pp x cp: a job that commgrad-run --nnodes MIN:MAX restarts on
+// fewer nodes resumes its checkpoint at a smaller DP (the load reshards) and
+// keeps the global batch of 8; the number of microbatches stays, so each
+// microbatch grows (8/(dp x microbatches) rows): at DP=1 a rank computes
+// what the one-rank reference of --check computes. With --cp N each sequence is split over N
 // context-parallel ranks (head-tail, positions included; attention across
 // them by --cp-mode), gradients and the logged loss averaged over data x
 // context: the loss printed is the loss of the whole sequence.
@@ -108,7 +113,8 @@ double tolerance(const std::string& precision) {
 }
 
 struct Config {
-  int tp = 1, pp = 1, dp = 1, cp = 1;
+  int tp = 1, pp = 1, cp = 1;
+  int dp = 0;  // 0: --dp auto, the world size over tp x pp x cp
   std::string cp_mode = "ring";
   bool sp = false;
   bool fsdp = false;
@@ -239,15 +245,49 @@ void check_recompute_options(const Config& c) {
   if (c.dropout > 0 && c.cp > 1) throw cli::usage_error("--dropout does not combine with --cp (attention dropout)");
 }
 
+// The global batch splits into dp replicas x microbatches, and EP divides dp x cp.
+void check_data_parallel(const Config& c) {
+  namespace cli = commgrad::cli;
+  if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
+    throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
+                           std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
+  }
+  if (c.ep > 1 && (c.dp * c.cp) % c.ep != 0) {
+    throw cli::usage_error("--ep " + std::to_string(c.ep) + " does not divide --dp " + std::to_string(c.dp) +
+                           (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : ""));
+  }
+}
+
+// --dp auto: the data-parallel size of this world (a job restarted on fewer
+// nodes trains at a smaller DP, from the same checkpoint).
+void derive_data_parallel(Config& c, int world) {
+  const int64_t model = static_cast<int64_t>(c.tp) * c.pp * c.cp;
+  if (c.dp == 0) {
+    if (world % model != 0) {
+      throw std::invalid_argument("--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) +
+                                  (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : "") +
+                                  " does not divide the world size " + std::to_string(world) + " (--dp auto)");
+    }
+    c.dp = static_cast<int>(world / model);
+    check_data_parallel(c);
+  }
+  if (model * c.dp != world) {
+    throw std::invalid_argument("--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) + " x --dp " +
+                                std::to_string(c.dp) + (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : "") +
+                                " is not the world size " + std::to_string(world));
+  }
+}
+
 // The combinations --experts does not support (yet), named.
 void check_experts(const Config& c) {
   namespace cli = commgrad::cli;
   if (c.experts > 0 && c.precision == "fp16" && !c.fsdp) {
     throw cli::usage_error("--precision fp16 with --experts needs --fsdp (one loss scaler over every gradient)");
   }
-  if (c.ep > 1 && (c.experts == 0 || (c.dp * c.cp) % c.ep != 0 || c.experts % c.ep != 0)) {
+  if (c.ep > 1 && (c.experts == 0 || (c.dp > 0 && (c.dp * c.cp) % c.ep != 0) || c.experts % c.ep != 0)) {
     throw cli::usage_error("--ep " + std::to_string(c.ep) + " needs --experts divisible by it and divides --dp " +
-                           std::to_string(c.dp) + (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : ""));
+                           (c.dp > 0 ? std::to_string(c.dp) : "auto") +
+                           (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : ""));
   }
   const bool router =
       c.moe_score != "softmax" || c.aux_loss != 1e-2 || c.z_loss > 0 || c.expert_bias > 0 || c.capacity_factor > 0;
@@ -278,7 +318,17 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
                "  commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2");
   app.add_option("--tp", c.tp, "tensor-parallel ranks")->check(cli::positive());
   app.add_option("--pp", c.pp, "pipeline stages (ranks)")->check(cli::positive());
-  app.add_option("--dp", c.dp, "data-parallel replicas")->check(cli::positive());
+  app.add_option_function<std::string>(
+         "--dp", [&c](const std::string& v) { c.dp = v == "auto" ? 0 : std::stoi(v); },
+         "data-parallel replicas; auto (the default): the world size\nover --tp x --pp x --cp")
+      ->type_name("N|auto")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            return v == "auto" || cli::to_integer(v, 1)
+                       ? std::string()
+                       : "expected auto or an integer in [1, 2147483647], got '" + v + "'";
+          },
+          "", "replicas"));
   app.add_option("--cp", c.cp, "context-parallel ranks (each sequence split over them)")->check(cli::positive());
   app.add_option("--cp-mode", c.cp_mode, "attention across the context-parallel ranks:\nring, allgather or ulysses")
       ->check(cli::one_of({"ring", "allgather", "ulysses"}));
@@ -310,10 +360,7 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
                              " needs --schedule interleaved");
     }
     check_context_parallel(c);
-    if (kBatch % (static_cast<int64_t>(c.dp) * c.microbatches) != 0) {
-      throw cli::usage_error("the global batch of " + std::to_string(kBatch) + " does not split into " +
-                             std::to_string(c.dp) + " replicas x " + std::to_string(c.microbatches) + " microbatches");
-    }
+    if (c.dp > 0) check_data_parallel(c);
     check_experts(c);
     check_recompute_options(c);
     if (c.save_every > 0 && c.save.empty()) {
@@ -470,12 +517,7 @@ int main(int argc, char** argv) {
     if (const auto code = parse(argc, argv, c)) return *code;
     commgrad::init_process_group();
     const int rank = commgrad::rank();
-    const int n = commgrad::world_size();
-    if (static_cast<int64_t>(c.tp) * c.pp * c.dp * c.cp != n) {
-      throw std::invalid_argument("--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) + " x --dp " +
-                                  std::to_string(c.dp) + (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : "") +
-                                  " is not the world size " + std::to_string(n));
-    }
+    derive_data_parallel(c, commgrad::world_size());
     gpt::GptConfig model_config;
     const auto corpus = c.text.empty() ? gpt::Corpus::synthetic(model_config.vocab)
                                        : gpt::Corpus::from_file(c.text, model_config.sequence);

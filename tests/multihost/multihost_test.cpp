@@ -6,7 +6,8 @@
 // rank 0's printout is checked here, and multihost_job's report of which
 // transport groups inside and across hosts get. Then the failures a
 // multi-node user meets: a host that dies mid-job, one cut off the network,
-// one that never joins, one given the wrong --master-addr. Skipped (with the reason) where namespaces cannot be
+// one that never joins, one given the wrong --master-addr; and a job that
+// continues on the host that is left (--nnodes 1:2). Skipped (with the reason) where namespaces cannot be
 // made: not root, no iproute2, a container without CAP_NET_ADMIN.
 
 #include "harness/subprocess.h"
@@ -329,6 +330,71 @@ TEST(HostFailure, WrongMasterAddressIsAClearErrorNotAHang) {
       << describe(results);
   EXPECT_THAT(results[0].err, HasSubstr("missing ranks: [2, 3]")) << describe(results);
   std::printf("host 1 (wrong --master-addr):\n%s", results[1].err.c_str());
+}
+
+// ----------------------------------------------------------------------------
+// Elastic resume (--nnodes MIN:MAX)
+
+// gpt_train on two hosts of 2 ranks each (DP=4 from the world size),
+// --nnodes 1:2 --max-restarts 1, a checkpoint every 2 steps. As step 5
+// begins, the last rank SIGKILLs host 1's launcher: host 1 is gone for good.
+// Host 0's ranks fail, its launcher restarts, the rendezvous waits out the
+// last call without host 1, and the job resumes step 4 on host 0 alone at
+// DP=2 (the load reshards; the global batch of 8 stays) and finishes; its
+// losses of steps 5-8 match the one-rank curve within 1e-5 (--check).
+TEST(ElasticResume, JobContinuesOnTheRemainingHostAtHalfTheDataParallelSize) {
+#ifdef COMMGRAD_ON_SECOND_TORCH_LINE
+  GTEST_SKIP() << "the LibTorch 1.13 line adds nothing to this case (CI time)";
+#endif
+  MAKE_HOSTS_OR_SKIP(hosts, 2);
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  const std::vector<std::string> job = {
+      build_path("bin/gpt_train"), "--steps",      "8", "--microbatches", "2",       "--save",
+      dir.path + "/ckpt",          "--save-every", "2", "--check",        "--curve", "none"};
+  auto results = run_on_all(
+      *hosts,
+      [&](int k) {
+        std::vector<std::string> argv = {launcher_path(),
+                                         "--nnodes",
+                                         "1:2",
+                                         "--master-addr",
+                                         hosts->address(0),
+                                         "--master-port",
+                                         kPort,
+                                         "-n",
+                                         "2",
+                                         "--max-restarts",
+                                         "1",
+                                         "--rdzv-last-call",
+                                         "4",
+                                         "--rdzv-id",
+                                         "elastic_gpt",
+                                         "--timeout",
+                                         "150"};
+        argv.insert(argv.end(), job.begin(), job.end());
+        // Host 0 (the rendezvous) starts a second late: host 1 is then
+        // already knocking, and round 1 closes with both at once.
+        if (k == 0) argv.insert(argv.begin(), {"sh", "-c", "sleep 1; exec \"$@\"", "sh"});
+        return argv;
+      },
+      clean_env({{"COMMGRAD_TIMEOUT", "20"}, {"GPT_TRAIN_FAULT", "kill-node:5"}}), std::chrono::seconds(160));
+  const auto& survivor = results[0];
+  EXPECT_NE(results[1].exit_code, 0) << describe(results);
+  ASSERT_EQ(survivor.exit_code, 0) << describe(results);
+  EXPECT_THAT(survivor.err, HasSubstr("rendezvous round 1: node 0 of 2 (--nnodes 1:2), WORLD_SIZE 4"))
+      << describe(results);
+  EXPECT_THAT(survivor.out, HasSubstr("TP=1 x PP=1 x DP=4")) << describe(results);
+  EXPECT_THAT(survivor.err, HasSubstr("restarting the job (restart 1 of 1)")) << describe(results);
+  EXPECT_THAT(survivor.err, HasSubstr("rendezvous round 2: node 0 of 1 (--nnodes 1:2), WORLD_SIZE 2"))
+      << describe(results);
+  EXPECT_THAT(survivor.out, HasSubstr("TP=1 x PP=1 x DP=2")) << describe(results);
+  EXPECT_THAT(survivor.out, HasSubstr("[0] resumed from step 4 of " + dir.path + "/ckpt (saved at TP=1 x PP=1 x DP=4)"))
+      << describe(results);
+  EXPECT_THAT(survivor.out, HasSubstr("[0] check step 8/8")) << describe(results);
+  EXPECT_THAT(survivor.out, HasSubstr("(tolerance 1e-05): ok\n")) << describe(results);
+  std::printf("%s", tail(survivor.out, 1500).c_str());
+  for (const auto& line : lines_with_prefix(survivor.err, "commgrad-run: r")) std::printf("%s\n", line.c_str());
 }
 
 TEST(VirtualHostsHarness, HostsHaveTheirOwnNamesAndAddresses) {

@@ -382,10 +382,11 @@ TEST(GptTrainExample, LayoutsThatDoNotFitAreErrors) {
        "4 layers do not split into 8 stages"},
       {{2, {"--pp", "2", "--stages-per-rank", "2"}}, "--stages-per-rank 2 needs --schedule interleaved"},
       {{2, {"--dp", "2", "--microbatches", "8"}}, "does not split into 2 replicas x 8 microbatches"},
-      {{2, {"--tp", "2", "--pp", "2"}}, "--tp 2 x --pp 2 x --dp 1 is not the world size 2"},
+      {{2, {"--tp", "2", "--pp", "2"}}, "--tp 2 x --pp 2 does not divide the world size 2 (--dp auto)"},
+      {{2, {"--tp", "2", "--dp", "2"}}, "--tp 2 x --pp 1 x --dp 2 is not the world size 2"},
       {{1, {"--save-every", "2"}}, "--save-every needs --save DIR"},
       {{2, {"--cp", "3"}}, "--cp 3: the sequence of 16 tokens does not split into 2 x 3 chunks (head-tail)"},
-      {{2, {"--cp", "2", "--tp", "2"}}, "--tp 2 x --pp 1 x --dp 1 x --cp 2 is not the world size 2"},
+      {{2, {"--cp", "2", "--tp", "2"}}, "--tp 2 x --pp 1 x --cp 2 does not divide the world size 2 (--dp auto)"},
   };
   for (const auto& [run, message] : cases) {
     auto r = gpt_train(run.first, run.second);
@@ -411,7 +412,8 @@ TEST(GptTrainExample, BadOptionsAreNamedBeforeAnyRankStarts) {
           {{"--tp", "2", "--bogus", "1"}, "unknown option '--bogus'"},
           {{"extra"}, "unexpected argument 'extra'"},
           {{"--microbatches", "0"}, "--microbatches: " + positive + ", got '0'"},
-          {{"--dp", "0"}, "--dp: " + positive + ", got '0'"},
+          {{"--dp", "0"}, "--dp: expected auto or an integer in [1, 2147483647], got '0'"},
+          {{"--dp", "many"}, "--dp: expected auto or an integer in [1, 2147483647], got 'many'"},
           {{"--tp", "0"}, "--tp: " + positive + ", got '0'"},
           {{"--pp", "0"}, "--pp: " + positive + ", got '0'"},
           {{"--tp", "two"}, "--tp: " + positive + ", got 'two'"},

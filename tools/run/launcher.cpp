@@ -34,6 +34,8 @@ namespace {
 // After the last rank is reaped, how long its descendants may keep the
 // output pipes open before the launcher stops reading them.
 constexpr double kDrainSeconds = 2.0;
+// How long the rendezvous may wait without a --timeout: a year.
+constexpr double kNoDeadlineSeconds = 365.0 * 24 * 3600;
 constexpr int kHandledSignals[] = {SIGCHLD, SIGINT, SIGTERM, SIGHUP};
 constexpr int kNumHandled = sizeof(kHandledSignals) / sizeof(kHandledSignals[0]);
 
@@ -59,9 +61,9 @@ std::string format_seconds(double s) {
   return buf;
 }
 
-std::string ranks_phrase(int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); }
-
 }  // namespace
+
+std::string ranks_phrase(int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); }
 
 Launcher::Launcher(LaunchOptions options) : options_(std::move(options)) {}
 
@@ -92,7 +94,11 @@ int Launcher::run() {
     report("cannot execute '" + options_.program + "': " + program.error);
     return program.exit_code;
   }
-  job_id_ = !options_.rdzv_id.empty() ? options_.rdzv_id : options_.nnodes == 1 ? random_job_id() : "";
+  const bool one_node = options_.nnodes == 1 && !options_.elastic_nodes;
+  job_id_ = !options_.rdzv_id.empty() ? options_.rdzv_id : one_node ? random_job_id() : "";
+  node_rank_ = options_.node_rank;
+  nnodes_ = options_.nnodes;
+  if (options_.elastic_nodes && !open_rendezvous()) return kExitLaunchFailed;
   // First, so the watchdog holds no rank pipe and no self-pipe open and
   // cannot run our signal handlers.
   watchdog_.start();
@@ -109,9 +115,13 @@ int Launcher::run() {
   }
   int code = run_attempt(program.path);
   while (should_restart()) {
-    ++restart_count_;
-    report("restarting the job (restart " + std::to_string(restart_count_) + " of " +
-           std::to_string(options_.max_restarts) + ")");
+    if (new_round_) {
+      report("starting this node's ranks again in the new rendezvous round (not counted as a restart)");
+    } else {
+      ++restart_count_;
+      report("restarting the job (restart " + std::to_string(restart_count_) + " of " +
+             std::to_string(options_.max_restarts) + ")");
+    }
     reset_attempt();
     code = run_attempt(program.path);
   }
@@ -120,9 +130,42 @@ int Launcher::run() {
   return code;
 }
 
+// --nnodes MIN:MAX: this start's node rank, nodes and port from the
+// rendezvous. Returns the exit code when the job ends here instead.
+std::optional<int> Launcher::join_round() {
+  const double time_left_s =
+      job_deadline_ ? std::chrono::duration<double>(*job_deadline_ - Clock::now()).count() : kNoDeadlineSeconds;
+  const RendezvousResult r = rendezvous_->next_round(
+      g_wake_read,
+      [this] {
+        drain_signals();
+        return exit_code_.has_value();
+      },
+      time_left_s);
+  if (r.interrupted) return exit_code_.value_or(kExitLaunchFailed);
+  if (r.timed_out) {
+    report("job exceeded --timeout " + format_seconds(*options_.timeout_s) + "s in the rendezvous");
+    return exit_code_ = kExitTimeout;
+  }
+  if (!r.ok) {
+    report(r.error);
+    return exit_code_ = kExitLaunchFailed;
+  }
+  node_rank_ = r.assignment.node_rank;
+  nnodes_ = r.assignment.nodes;
+  port_ = r.assignment.port;
+  const auto [lo, hi] = *options_.elastic_nodes;
+  report("rendezvous round " + std::to_string(r.assignment.round) + ": node " + std::to_string(node_rank_) + " of " +
+         std::to_string(nnodes_) + " (--nnodes " + std::to_string(lo) + ":" + std::to_string(hi) + "), WORLD_SIZE " +
+         std::to_string(nnodes_ * options_.nproc_per_node));
+  return std::nullopt;
+}
+
 // One start of the job: every rank of this node, supervised to the end.
 int Launcher::run_attempt(const std::string& path) {
-  if (options_.master_port) {
+  if (rendezvous_) {
+    if (const auto code = join_round()) return *code;
+  } else if (options_.master_port) {
     port_ = *options_.master_port;
   } else {
     std::string error;
@@ -136,7 +179,7 @@ int Launcher::run_attempt(const std::string& path) {
   if (!error_files_.created()) error_files_.create();  // without it, ranks print their errors themselves
   ranks_.resize(static_cast<std::size_t>(options_.nproc_per_node));
   for (int r = 0; r < options_.nproc_per_node; ++r) {
-    ranks_[r].rank = options_.node_rank * options_.nproc_per_node + r;
+    ranks_[r].rank = node_rank_ * options_.nproc_per_node + r;
     if (!spawn(ranks_[r], path)) {
       exit_code_ = kExitLaunchFailed;
       stop_ranks(SIGTERM);
@@ -162,6 +205,7 @@ void Launcher::report_rank_errors() {
 
 // After a rank failed (not a signal, not the timeout, not preemption), with restarts left.
 bool Launcher::should_restart() {
+  if (new_round_ && !rank_failed_ && !signalled_ && exit_code_ != kExitTimeout) return true;
   if (!rank_failed_ || signalled_ || exit_code_ == kExitTimeout) return false;
   if (restart_count_ < options_.max_restarts) return true;
   if (options_.max_restarts > 0) {
@@ -178,7 +222,7 @@ void Launcher::reset_attempt() {
   ranks_.clear();
   exit_code_.reset();
   first_failed_.reset();
-  rank_failed_ = false;
+  rank_failed_ = new_round_ = false;
   preempted_ = other_failures_ = 0;
   stopping_ = killed_ = orphan_check_due_ = false;
   kill_deadline_.reset();
@@ -282,10 +326,11 @@ std::vector<std::string> Launcher::rank_variables(const Rank& rank) const {
   const int n = options_.nproc_per_node;
   std::vector<std::pair<std::string, std::string>> vars = {
       {"RANK", std::to_string(rank.rank)},
-      {"WORLD_SIZE", std::to_string(options_.nnodes * n)},
-      {"LOCAL_RANK", std::to_string(rank.rank - options_.node_rank * n)},
+      {"WORLD_SIZE", std::to_string(nnodes_ * n)},
+      {"LOCAL_RANK", std::to_string(rank.rank - node_rank_ * n)},
       {"LOCAL_WORLD_SIZE", std::to_string(n)},
-      {"GROUP_RANK", std::to_string(options_.node_rank)},
+      {"GROUP_RANK", std::to_string(node_rank_)},
+      {"GROUP_WORLD_SIZE", std::to_string(nnodes_)},
       {"MASTER_ADDR", options_.master_addr},
       {"MASTER_PORT", std::to_string(port_)},
       {"TORCHELASTIC_RUN_ID", job_id_.empty() ? "none" : job_id_},
@@ -383,6 +428,8 @@ void Launcher::supervise() {
         owners.emplace_back(&rank, is_err);
       }
     }
+    const int watch = watched_fd();
+    if (watch >= 0) fds.push_back(pollfd{watch, POLLIN, 0});  // last: the ranks' pipes keep their places
     const int rc = poll(fds.data(), fds.size(), poll_timeout_ms());
     if (rc < 0 && errno != EINTR) {
       report(std::string("poll: ") + std::strerror(errno) + "; killing all ranks");
@@ -399,6 +446,7 @@ void Launcher::supervise() {
       // Skip a pipe that handling a signal above already closed.
       if ((is_err ? rank.err_fd : rank.out_fd) == fds[i + 1].fd) read_pipe(rank, is_err);
     }
+    if (watch >= 0 && rc > 0 && fds.back().revents != 0) on_rendezvous_news();
     check_deadlines();
   }
 
@@ -489,36 +537,6 @@ void Launcher::reap() {
   }
 }
 
-void Launcher::on_rank_exit(Rank& rank, const siginfo_t& info) {
-  rank.running = false;
-  // Show what the rank wrote before it died ahead of the verdict on it.
-  read_pipe(rank, false);
-  read_pipe(rank, true);
-  const bool exited = info.si_code == CLD_EXITED;
-  if (exited && info.si_status == 0) return;
-  const bool preempted = exited && info.si_status == kExitPreempted;
-  (preempted ? preempted_ : other_failures_) += 1;
-  if (stopping_) return;
-
-  std::string what;
-  if (preempted) {
-    what = "was preempted (exit code " + std::to_string(kExitPreempted) + ": it saved a checkpoint; not a failure)";
-  } else if (exited) {
-    what = "exited with code " + std::to_string(info.si_status);
-  } else {
-    what = "was killed by signal " + signal_name(info.si_status) + " (" + std::to_string(info.si_status) +
-           (info.si_code == CLD_DUMPED ? ", core dumped" : "") + ")";
-  }
-  const int others = running_count();
-  std::string message = "rank " + std::to_string(rank.rank) + " (pid " + std::to_string(rank.pid) + ") " + what;
-  if (others > 0) message += "; stopping the other " + ranks_phrase(others);
-  report(message);
-  first_failed_ = rank.rank;
-  exit_code_ = exited ? info.si_status : 128 + info.si_status;
-  rank_failed_ = !preempted;
-  stop_ranks_after_delay();
-}
-
 void Launcher::on_signal(int sig) {
   const int running = running_count();
   signalled_ = true;     // told to stop: no restart follows
@@ -560,36 +578,6 @@ void Launcher::check_deadlines() {
     for (const Rank& rank : ranks_) signal_rank(rank, SIGKILL);
     killed_ = true;
   }
-}
-
-bool Launcher::read_pipe(Rank& rank, bool is_err) {
-  static char buf[1 << 16];
-  // Bounded, so one chatty rank cannot starve the others or the signals.
-  for (int i = 0; i < 16; ++i) {
-    const int fd = is_err ? rank.err_fd : rank.out_fd;
-    if (fd < 0) return false;
-    const ssize_t n = read(fd, buf, sizeof(buf));
-    if (n > 0) {
-      (is_err ? rank.err : rank.out)->feed(buf, static_cast<std::size_t>(n));
-    } else if (n < 0 && errno == EINTR) {
-      continue;
-    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      return true;
-    } else {
-      close_pipe(rank, is_err);  // EOF (or an error, which ends the stream too)
-      return false;
-    }
-  }
-  return true;
-}
-
-void Launcher::close_pipe(Rank& rank, bool is_err) {
-  int& fd = is_err ? rank.err_fd : rank.out_fd;
-  if (fd < 0) return;
-  std::unique_ptr<LineForwarder>& forwarder = is_err ? rank.err : rank.out;
-  if (forwarder) forwarder->finish();
-  close(fd);
-  fd = -1;
 }
 
 }  // namespace commgrad::run

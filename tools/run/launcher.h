@@ -17,6 +17,7 @@
 #include "options.h"
 #include "output.h"
 #include "process.h"
+#include "rendezvous.h"
 
 namespace commgrad::run {
 
@@ -28,6 +29,9 @@ constexpr int kExitLaunchFailed = 1;
 /// it saved a checkpoint and exited. Not a failure: no restart is spent on
 /// it, and commgrad-run exits with it too (EX_TEMPFAIL of sysexits.h).
 constexpr int kExitPreempted = 75;
+
+/// "1 rank", "3 ranks".
+std::string ranks_phrase(int n);
 
 /// Runs one node's share of a job to the end.
 ///
@@ -64,8 +68,12 @@ class Launcher {
   };
 
   int run_attempt(const std::string& path);
+  bool open_rendezvous();
+  std::optional<int> join_round();
   void reset_attempt();
   bool should_restart();
+  int watched_fd() const;
+  void on_rendezvous_news();
   bool install_signal_handlers();
   void restore_signal_handlers();
   bool spawn(Rank& rank, const std::string& path);
@@ -90,8 +98,11 @@ class Launcher {
 
   LaunchOptions options_;
   int port_ = 0;
-  std::string job_id_;     // TORCHELASTIC_RUN_ID ("" across nodes without --rdzv-id)
-  int restart_count_ = 0;  // TORCHELASTIC_RESTART_COUNT of the ranks running now
+  std::string job_id_;                      // TORCHELASTIC_RUN_ID ("" across nodes without --rdzv-id)
+  int restart_count_ = 0;                   // TORCHELASTIC_RESTART_COUNT of the ranks running now
+  int node_rank_ = 0;                       // GROUP_RANK of this start (--node-rank, or the rendezvous's)
+  int nnodes_ = 1;                          // nodes of this start (--nnodes, or the rendezvous's round)
+  std::unique_ptr<Rendezvous> rendezvous_;  // --nnodes MIN:MAX only
   std::vector<Rank> ranks_;
   Watchdog watchdog_;
   ErrorFiles error_files_;           // where ranks leave an uncaught error
@@ -102,6 +113,7 @@ class Launcher {
   // Set once per start, by the first of: a failed rank, a signal, the timeout.
   std::optional<int> exit_code_;
   bool rank_failed_ = false;  // the verdict is a rank's failure (a restart may follow)
+  bool new_round_ = false;    // the rendezvous opened a new round: start again, uncounted
   bool signalled_ = false;    // the launcher was told to stop (never restarted)
   int preempted_ = 0;         // ranks that exited with kExitPreempted
   int other_failures_ = 0;    // ranks that exited otherwise non-zero

@@ -49,8 +49,65 @@ ranks which start this is. A rank that exits with 75 (preempted: it saved a
 checkpoint on SIGTERM/SIGUSR1) is not a failure: the job stops without a
 restart and commgrad-run exits with 75.
 
+With --nnodes MIN:MAX every node's commgrad-run joins a rendezvous at
+--master-addr:--master-port (hosted by the commgrad-run that can bind that
+address) before each start: it waits until MAX nodes joined, or until MIN
+joined and --rdzv-last-call passed (--rdzv-join-timeout for MIN), then gives
+each node its rank (GROUP_RANK; the host's is 0) and sets WORLD_SIZE to the
+nodes of this start times N. A node that does not come back after a failure
+is left out; fewer than MIN ends the job.
+
 exit codes: the first failing rank's code, 0 if all succeed, 2 bad usage,
   75 preempted, 124 timeout, 126 program not executable, 127 program not found.)";
+
+// --nnodes: "M" (an integer in [1, kMaxNodes]) or "MIN:MAX" with
+// 1 <= MIN <= MAX <= kMaxNodes. The reason it is not, or "".
+std::string nodes_error(std::string& text) {
+  const std::string range = "[1, " + std::to_string(kMaxNodes) + "]";
+  const auto colon = text.find(':');
+  if (colon == std::string::npos) {
+    return cli::to_integer(text, 1, kMaxNodes) ? "" : "expected an integer in " + range + ", got '" + text + "'";
+  }
+  const auto lo = cli::to_integer(text.substr(0, colon), 0, kMaxNodes);
+  const auto hi = cli::to_integer(text.substr(colon + 1), 0, kMaxNodes);
+  const std::string expected = "expected MIN:MAX with integers 1 <= MIN <= MAX <= " + std::to_string(kMaxNodes);
+  if (!lo || !hi) return expected + ", got '" + text + "'";
+  if (*lo < 1) return expected + ", got '" + text + "' (MIN " + std::to_string(*lo) + " < 1)";
+  if (*lo > *hi) {
+    return expected + ", got '" + text + "' (MIN " + std::to_string(*lo) + " > MAX " + std::to_string(*hi) + ")";
+  }
+  return "";
+}
+
+// Stores a valid --nnodes value (nodes_error passed it).
+void set_nodes(const std::string& text, LaunchOptions& opts) {
+  const auto colon = text.find(':');
+  if (colon == std::string::npos) {
+    opts.nnodes = *cli::to_integer(text, 1, kMaxNodes);
+    opts.elastic_nodes.reset();
+    return;
+  }
+  const int lo = *cli::to_integer(text.substr(0, colon), 1, kMaxNodes);
+  const int hi = *cli::to_integer(text.substr(colon + 1), 1, kMaxNodes);
+  opts.elastic_nodes = std::make_pair(lo, hi);
+  opts.nnodes = hi;
+}
+
+// The elastic form's own rules: node ranks come from the rendezvous, which
+// lives at --master-addr:--master-port.
+void check_elastic(const CLI::App& app, const LaunchOptions& opts) {
+  const auto [lo, hi] = *opts.elastic_nodes;
+  const std::string nodes = "--nnodes " + std::to_string(lo) + ":" + std::to_string(hi);
+  if (app.count("--node-rank") > 0) {
+    throw cli::usage_error(nodes + " hands out node ranks at the rendezvous; --node-rank is not allowed with it");
+  }
+  if (app.count("--master-addr") == 0 || !opts.master_port) {
+    throw cli::usage_error(nodes + " needs --master-addr and --master-port (the rendezvous, the same on every node)");
+  }
+  if (static_cast<long long>(hi) * opts.nproc_per_node > std::numeric_limits<int>::max()) {
+    throw cli::usage_error("--nnodes times --nproc-per-node is too large");
+  }
+}
 
 // After parsing: the program and its arguments (what CLI11 left over), and
 // the checks that take more than one option.
@@ -65,6 +122,10 @@ void finish(const CLI::App& app, LaunchOptions& opts) {
   if (opts.program.empty()) throw cli::usage_error("the program name is empty");
   opts.args.assign(rest.begin() + 1, rest.end());
 
+  if (opts.elastic_nodes) {
+    check_elastic(app, opts);
+    return;
+  }
   if (opts.nnodes > 1 && (app.count("--master-addr") == 0 || !opts.master_port)) {
     throw cli::usage_error("--nnodes > 1 needs --master-addr and --master-port (the same on every node)");
   }
@@ -88,11 +149,13 @@ std::optional<int> parse_options(int argc, const char* const* argv, LaunchOption
   app.add_option("-n,--nproc-per-node", opts.nproc_per_node, "ranks to start on this node")
       ->type_name("N")
       ->check(cli::integer(1, kMaxProcPerNode));
-  app.add_option("--nnodes", opts.nnodes,
-                 "nodes in the job; with M > 1, --master-addr and --master-port\n"
-                 "are required and commgrad-run is started once on every node")
-      ->type_name("M")
-      ->check(cli::integer(1, kMaxNodes));
+  app.add_option_function<std::string>(
+         "--nnodes", [&opts](const std::string& text) { set_nodes(text, opts); },
+         "nodes in the job; with M > 1, --master-addr and --master-port\n"
+         "are required and commgrad-run is started once on every node;\n"
+         "MIN:MAX: elastic, node ranks handed out by a rendezvous\nbefore every start (torchrun's form)")
+      ->type_name("M|MIN:MAX")
+      ->check(CLI::Validator(nodes_error, "", "nodes"));
   app.add_option("--node-rank", opts.node_rank,
                  "this node's index in [0, M);\nRANK = K*N + local rank, WORLD_SIZE = M*N")
       ->type_name("K")
@@ -136,6 +199,14 @@ std::optional<int> parse_options(int argc, const char* const* argv, LaunchOption
             return plain ? std::string() : "expected letters, digits and '_' (at most 64), got '" + id + "'";
           },
           "", "job id"));
+  app.add_option("--rdzv-join-timeout", opts.rdzv_join_timeout_s,
+                 "with --nnodes MIN:MAX: seconds to wait for MIN nodes\nat each start (default 600)")
+      ->type_name("S")
+      ->check(cli::number(0, /*inclusive=*/false, kMaxSeconds));
+  app.add_option("--rdzv-last-call", opts.rdzv_last_call_s,
+                 "with --nnodes MIN:MAX: seconds to wait for more nodes\nonce MIN joined (default 30)")
+      ->type_name("S")
+      ->check(cli::number(0, /*inclusive=*/true, kMaxSeconds));
   app.add_flag_callback(
       "--no-prefix", [&opts] { opts.prefix = false; },
       "pass output through unchanged instead of prefixing\nevery line with \"[RANK] \"");

@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace commgrad::run {
@@ -20,6 +21,15 @@ struct LaunchOptions {
   /// Nodes in the job (`--nnodes`) and this node's index (`--node-rank`).
   int nnodes = 1;
   int node_rank = 0;
+  /// `--nnodes MIN:MAX` (torchrun's elastic form): the node agents meet in a
+  /// rendezvous on --master-addr:--master-port before every start, which
+  /// hands out node ranks and the number of nodes of that start (between MIN
+  /// and MAX; see rendezvous.h). Unset: the fixed form, --nnodes N.
+  std::optional<std::pair<int, int>> elastic_nodes;
+  /// Seconds the rendezvous waits for MIN nodes (`--rdzv-join-timeout`),
+  /// then for more nodes once MIN joined (`--rdzv-last-call`).
+  double rdzv_join_timeout_s = 600.0;
+  double rdzv_last_call_s = 30.0;
   /// Rendezvous address and port; empty port means "pick a free one".
   std::string master_addr = "127.0.0.1";
   std::optional<int> master_port;
