@@ -16,7 +16,9 @@
 # both programs (--layers 8 --width 512 --batch 32 --steps 15 by default).
 # Builds nothing: needs zero_bench and commgrad-run in BUILDDIR (default
 # build, or $COMMGRAD_BUILD_DIR) and torch with commgrad's Python package in
-# $COMMGRAD_VENV (default .venv).
+# $COMMGRAD_VENV (default .venv). The Python side loads BUILDDIR's commgrad
+# libraries (put first on LD_LIBRARY_PATH, ahead of the package's runpath),
+# so both sides run the same transport build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,6 +44,8 @@ done
 for f in "$build/bin/commgrad-run" "$build/bin/zero_bench" "$venv/bin/torchrun"; do
   [[ -x $f ]] || { echo "fsdp_compare: $f is missing" >&2; exit 2; }
 done
+libs=$(cd "$build/src" && pwd)
+export LD_LIBRARY_PATH="$libs/dist:$libs/backend:$libs/util${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 for t in $transports; do
   case $t in
     shm) "$venv/bin/python" -c "import commgrad" ||
