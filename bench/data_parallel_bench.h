@@ -27,10 +27,12 @@ struct DataParallelConfig {
 };
 
 /// Parses `--layers N --width N --batch N --steps N --bucket-cap-mb MB` into
-/// `c` (its values are the defaults); the exit code when the program ends
-/// here (--help, or a bad command line, named on stderr with exit code 2).
+/// `c` (its values are the defaults), and the options `more` adds (a
+/// program's own); the exit code when the program ends here (--help, or a
+/// bad command line, named on stderr with exit code 2).
 inline std::optional<int> parse_config(const std::string& program, const std::string& description, int argc,
-                                       char** argv, DataParallelConfig& c) {
+                                       char** argv, DataParallelConfig& c,
+                                       const std::function<void(cli::App&)>& more = nullptr) {
   cli::App app(program, description);
   app.add_option("--layers", c.layers, "Linear + ReLU layers of the model")->check(cli::positive());
   app.add_option("--width", c.width, "width of each layer")->check(cli::positive());
@@ -38,6 +40,7 @@ inline std::optional<int> parse_config(const std::string& program, const std::st
   app.add_option("--steps", c.steps, "measured steps (after " + std::to_string(c.warmup) + " warm-up steps)")
       ->check(cli::positive());
   app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "gradient bucket size (MiB)")->check(cli::number(0, false));
+  if (more) more(app);
   return cli::parse(app, argc, argv);
 }
 

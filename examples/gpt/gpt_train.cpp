@@ -4,7 +4,7 @@
 //   commgrad-run -n 8 gpt_train --tp 2 --pp 2 --dp 2 [--cp 1 [--cp-mode ring|allgather|ulysses]]
 //                               [--sp] [--microbatches 4] [--steps 10]
 //                               [--schedule 1f1b|gpipe|interleaved|zbh1] [--stages-per-rank 2] [--fsdp]
-//                               [--precision fp32|bf16|fp16]
+//                               [--precision fp32|bf16|fp16 [--loss-scale-init S]]
 //                               [--save DIR [--save-every K] [--async-save]] [--resume DIR] [--text FILE]
 //                               [--curve PREFIX|none] [--check] [--dropout P]
 //                               [--recompute none|selective|full [--recompute-layers K]] [--check-recompute]
@@ -72,7 +72,11 @@
 // the steps this run trained): the program exits non-zero when they part by
 // more than 1e-5 (relative; float32, different reduction orders), 5e-3 under
 // --precision bf16 and 1e-3 under fp16 (the reference computes in the same
-// dtype; the tolerance follows the dtype's rounding).
+// dtype; the tolerance follows the dtype's rounding). Under fp16 every rank
+// prints the steps the loss scaler skipped (inf/NaN gradients on some
+// rank: the same steps on every rank), and --check also wants the one-rank
+// run to skip the same steps; --loss-scale-init S (default 65536) sets the
+// first scale, e.g. one so large that the first steps overflow.
 //
 //   [0] GPT: 4 layers, hidden 32, 4 heads, vocab 64, sequence 16, tied embeddings; TP=2 x PP=2 x DP=2, 1f1b, ...
 //   [0] step 1/10: loss 4.171530, 2409 tokens/s, ETA 0 s
@@ -93,6 +97,7 @@
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <optional>
@@ -119,6 +124,7 @@ struct Config {
   bool sp = false;
   bool fsdp = false;
   std::string precision = "fp32";
+  double loss_scale_init = 0;  // 0: the trainer's default
   int microbatches = 4;
   int steps = 10;
   std::string schedule = "1f1b";
@@ -153,6 +159,7 @@ gpt::TrainerOptions trainer_options(const Config& c) {
   o.stages_per_rank = c.stages_per_rank;
   o.fsdp = c.fsdp;
   o.precision = c.precision;
+  if (c.loss_scale_init > 0) o.loss_scale_init = c.loss_scale_init;
   o.cp_mode = c.cp_mode;
   o.async_save = c.async_save;
   return o;
@@ -339,6 +346,9 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   app.add_option("--precision", c.precision,
                  "fp32, bf16 (bfloat16 compute, float32 masters) or fp16\n(float16 compute with loss scaling)")
       ->check(cli::one_of({"fp32", "bf16", "fp16"}));
+  app.add_option("--loss-scale-init", c.loss_scale_init, "with --precision fp16: the loss scaler's first scale (65536)")
+      ->type_name("S")
+      ->check(cli::number(0, false));
   app.add_option("--microbatches", c.microbatches, "microbatches per step and replica")->check(cli::positive());
   app.add_option("--steps", c.steps, "train to this step (after a resume too)")->check(cli::positive());
   app.add_option("--schedule", c.schedule, "pipeline schedule: 1f1b, gpipe, interleaved or zbh1")
@@ -359,6 +369,8 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
       throw cli::usage_error("--stages-per-rank " + std::to_string(c.stages_per_rank) +
                              " needs --schedule interleaved");
     }
+    if (c.loss_scale_init > 0 && c.precision != "fp16")
+      throw cli::usage_error("--loss-scale-init needs --precision fp16");
     check_context_parallel(c);
     if (c.dp > 0) check_data_parallel(c);
     check_experts(c);
@@ -377,9 +389,16 @@ std::optional<int> parse(int argc, char** argv, Config& c) {
   });
 }
 
+// What a training gave: the loss of every step, and the steps the loss
+// scaler skipped (fp16).
+struct Curve {
+  std::vector<double> losses;
+  std::vector<int> skipped;
+};
+
 // Trains the model alone on every rank (a group of this process alone for
-// every role) from step 1; returns the losses.
-std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus) {
+// every role) from step 1.
+Curve train_alone(Config c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus) {
   const commgrad::Group alone = commgrad::self_group();
   c.schedule = "1f1b";
   c.stages_per_rank = 1;
@@ -392,9 +411,20 @@ std::vector<double> train_alone(Config c, const gpt::GptConfig& model_config, co
   config.sequence_parallel = false;
   config.recompute = tp::RecomputeGranularity::kNone;  // the plain curve
   gpt::Trainer trainer(trainer_options(c), config, gpt::Layout{alone, alone, alone, alone});
-  std::vector<double> losses;
-  for (int k = 0; k < c.steps; ++k) losses.push_back(trainer.step(corpus, k));
-  return losses;
+  Curve curve;
+  for (int k = 0; k < c.steps; ++k) curve.losses.push_back(trainer.step(corpus, k));
+  curve.skipped = trainer.skipped_steps();
+  return curve;
+}
+
+// "1 2 5", or "none".
+std::string step_list(const std::vector<int>& steps) {
+  std::string text;
+  for (int s : steps) {
+    if (!text.empty()) text += ' ';
+    text += std::to_string(s);
+  }
+  return text.empty() ? "none" : text;
 }
 
 // The model's options of the command line.
@@ -442,23 +472,39 @@ void print_header(const Config& c, const gpt::GptConfig& model_config, const gpt
 }
 
 // --check: trains the model alone, puts its losses beside `curve`'s, prints
-// them (rank 0); true when they part by no more than the tolerance.
+// them (rank 0); true when they part by no more than the tolerance (and,
+// under fp16, the one-rank run skipped the steps `skipped` holds).
 bool matches_one_rank(const Config& c, const gpt::GptConfig& model_config, const gpt::Corpus& corpus,
-                      std::vector<gpt::CurvePoint>& curve, int rank) {
-  const auto reference = train_alone(c, model_config, corpus);
+                      std::vector<gpt::CurvePoint>& curve, const std::vector<int>& skipped, int rank) {
+  const auto alone = train_alone(c, model_config, corpus);
+  const auto& reference = alone.losses;
   double worst = 0;
   for (auto& point : curve) {
     point.reference = reference[point.step - 1];
-    worst = std::max(worst, std::abs(point.loss - *point.reference) / std::abs(*point.reference));
+    const double difference = std::abs(point.loss - *point.reference) / std::abs(*point.reference);
+    worst = std::isnan(difference) ? difference : std::max(worst, difference);
     if (rank == 0) {
       std::printf("check step %d/%d: loss %.6f (one rank %.6f)\n", point.step, c.steps, point.loss, *point.reference);
     }
   }
   const double allowed = tolerance(c.precision);
-  const bool ok = worst <= allowed;
+  bool ok = worst <= allowed;  // (a NaN loss fails)
   if (rank == 0) {
     std::printf("max relative difference from one rank %.2g (tolerance %.0e): %s\n", worst, allowed,
                 ok ? "ok" : "MISMATCH");
+  }
+  if (c.precision == "fp16") {
+    // Only the steps this run trained (after a resume, the last ones).
+    const int first = curve.empty() ? c.steps + 1 : curve.front().step;
+    std::vector<int> expected;
+    for (int s : alone.skipped)
+      if (s >= first) expected.push_back(s);
+    const bool same = expected == skipped;
+    if (rank == 0) {
+      std::printf("skipped steps %s, one rank %s: %s\n", step_list(skipped).c_str(), step_list(expected).c_str(),
+                  same ? "the same" : "MISMATCH");
+    }
+    ok = ok && same;
   }
   return ok;
 }
@@ -509,6 +555,19 @@ int train(const Config& c, gpt::Trainer& trainer, const gpt::Corpus& corpus, int
   return saved;
 }
 
+// fp16: the scaler's state (rank 0) and the steps it skipped (every rank,
+// "rank r skipped steps: 1 2"; the same on every rank).
+void print_loss_scaler(const gpt::Trainer& trainer, int rank) {
+  const auto* scaler = trainer.loss_scaler();
+  if (scaler == nullptr) return;
+  if (rank == 0) {
+    std::printf("loss scale %g, %lld steps skipped (inf/NaN gradients)\n", scaler->scale(),
+                static_cast<long long>(scaler->skipped_steps()));
+  }
+  std::printf("rank %d skipped steps: %s\n", rank, step_list(trainer.skipped_steps()).c_str());
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -548,13 +607,10 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       progress.finish();
       if (saved > 0) std::printf("saved step %d in %s\n", saved, c.save.c_str());
-      if (const auto* scaler = trainer.loss_scaler()) {
-        std::printf("loss scale %g, %lld steps skipped (inf/NaN gradients)\n", scaler->scale(),
-                    static_cast<long long>(scaler->skipped_steps()));
-      }
     }
+    print_loss_scaler(trainer, rank);
 
-    bool ok = !c.check || matches_one_rank(c, model_config, corpus, curve, rank);
+    bool ok = !c.check || matches_one_rank(c, model_config, corpus, curve, trainer.skipped_steps(), rank);
     if (c.check_recompute) {
       ok = gpt::recompute_matches(trainer_options(c), model_config, layout, corpus, c.steps, commgrad::world()) && ok;
     }

@@ -69,9 +69,10 @@ void Trainer::make_optimizer() {
     if (model_->config().experts > 0 && !options_.fsdp) {
       throw std::invalid_argument("experts with fp16 need fsdp (one loss scaler over every gradient)");
     }
-    scaler_ = std::make_unique<commgrad::optim::DynamicLossScaler>(
-        commgrad::optim::DynamicLossScalerOptions().initial_scale(65536.0).groups(
-            {layout_.replicas(), layout_.tp, layout_.pp}));
+    scaler_ =
+        std::make_unique<commgrad::optim::DynamicLossScaler>(commgrad::optim::DynamicLossScalerOptions()
+                                                                 .initial_scale(options_.loss_scale_init)
+                                                                 .groups({layout_.replicas(), layout_.tp, layout_.pp}));
   }
   if (options_.fsdp) {
     sharded_ = model_->fully_shard(commgrad::fsdp::FullyShardOptions(layout_.replicas()).mixed_precision(policy),
@@ -120,6 +121,7 @@ double Trainer::step(const Corpus& corpus, int k) {
     x = commgrad::cp::shard_sequence(x, 1, commgrad::cp::SequenceLayout::kHeadTail, layout_.cp);
     y = commgrad::cp::shard_sequence(y, 1, commgrad::cp::SequenceLayout::kHeadTail, layout_.cp);
   }
+  const int64_t skipped_before = scaler_ ? scaler_->skipped_steps() : 0;
   if (options_.fsdp) {
     optimizer_->zero_grad();
     last_ = pipe_->step(x, y);
@@ -132,6 +134,7 @@ double Trainer::step(const Corpus& corpus, int k) {
     zero_->step();
     if (expert_zero_) expert_zero_->step();
   }
+  if (scaler_ && scaler_->skipped_steps() > skipped_before) skipped_.push_back(k + 1);
   if (model_->config().routing.expert_bias_rate() > 0) commgrad::moe::update_expert_bias(*model_);
   // Each rank's loss is the mean over its tokens (the same number on every
   // rank): their mean over data x context is the mean over every token.

@@ -18,7 +18,7 @@
 // computes in bfloat16 (FSDP: float32 shards, float32 gradient reductions;
 // ZeRO-2: bfloat16 parameters with float32 masters and float32 reductions,
 // one dp::MixedPrecisionPolicy for both); fp16 computes in float16 under
-// either with optim::DynamicLossScaler (initial scale 2^16; the inf/NaN
+// either with optim::DynamicLossScaler (initial scale 2^16 by default; the inf/NaN
 // check agreed over DP, TP and PP; a skipped step leaves every rank as it
 // was; with experts under fsdp only). A step takes
 // batch k of a corpus: every replica its batch/dp rows, split into the
@@ -36,6 +36,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace gpt {
 
@@ -64,6 +65,9 @@ struct TrainerOptions {
   /// "fp32", "bf16" (bfloat16 compute, float32 masters and reductions) or
   /// "fp16" (float16 compute with dynamic loss scaling).
   std::string precision = "fp32";
+  /// fp16: the loss scaler's first scale (a power of two; one so large that
+  /// the first steps overflow shows the scaler skipping them).
+  double loss_scale_init = 65536.0;
   /// With a context-parallel group: allgather, ring or ulysses (cp::AttentionMode).
   std::string cp_mode = "ring";
   /// save() copies the state to host memory and writes it in the background
@@ -86,6 +90,9 @@ class Trainer {
 
   /// The loss scaler (precision fp16), else null.
   const commgrad::optim::DynamicLossScaler* loss_scaler() const { return scaler_.get(); }
+  /// The steps (k + 1 of step(corpus, k)) whose update the loss scaler
+  /// skipped (inf/NaN gradients on some rank), in this Trainer's life.
+  const std::vector<int>& skipped_steps() const { return skipped_; }
 
   /// Writes a sharded checkpoint (model and optimizer) of step `step` under `root`.
   void save(const std::string& root, int step, const std::string& layout);
@@ -104,6 +111,7 @@ class Trainer {
   commgrad::fsdp::FullyShardedModule sharded_;                   // with fsdp
   std::unique_ptr<torch::optim::Optimizer> optimizer_;           // with fsdp
   std::unique_ptr<commgrad::optim::DynamicLossScaler> scaler_;   // with fp16
+  std::vector<int> skipped_;                                     // steps the scaler skipped
   void step_sharded();
   void unscale_losses(double scale);
   std::vector<commgrad::pp::NoSyncFunction> no_sync_functions();

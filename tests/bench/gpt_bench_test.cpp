@@ -9,10 +9,12 @@
 
 #include "harness/command_line.h"
 #include "harness/subprocess.h"
+#include "harness/temp_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -199,10 +201,14 @@ TEST(RecomputeBench, HeldBytesMeetTheClosedForm) {
 // zero_bench at a tiny size: every variant's bytes meet its formula exactly
 // (no padding at 2 ranks), FSDP's collectives per step meet the closed form
 // (2 all-gathers per unit with resharding, 1 without; a reduce-scatter per
-// unit; 3 Psi and 2 Psi moved), and every variant has a step time.
+// unit; 3 Psi and 2 Psi moved), and every variant has a step time, also in
+// the --times file (bench/fsdp_compare.sh reads it): a row per measured step.
 TEST(ZeroBench, BytesAndFsdpCollectivesMeetTheClosedForms) {
+  TempRoot dir("zero_bench");
+  fs::create_directories(dir.path());
+  const auto times_file = (dir.path() / "times.csv").string();
   const auto r = run_process({launcher_path(), "-n", "2", "--timeout", "60", build_path("bin/zero_bench"), "--layers",
-                              "2", "--width", "64", "--batch", "4", "--steps", "2"},
+                              "2", "--width", "64", "--batch", "4", "--steps", "2", "--times", times_file},
                              clean_env({{"COMMGRAD_TIMEOUT", "30"}}), std::chrono::seconds(90));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   int memory = 0, collectives = 0, times = 0;
@@ -230,6 +236,14 @@ TEST(ZeroBench, BytesAndFsdpCollectivesMeetTheClosedForms) {
   EXPECT_EQ(memory, 6) << r.out;
   EXPECT_EQ(collectives, 2) << r.out;
   EXPECT_EQ(times, 6) << r.out;
+  std::ifstream in(times_file);
+  std::vector<std::string> rows;
+  for (std::string line; std::getline(in, line);) rows.push_back(line);
+  ASSERT_EQ(rows.size(), 1u + 6 * 2) << r.out;  // the header, 6 variants x 2 steps
+  EXPECT_EQ(rows[0], "implementation,backend,ranks,variant,step,ms");
+  EXPECT_THAT(rows[1], ::testing::StartsWith("commgrad,shm,2,\"DDP + Adam\",1,"));
+  EXPECT_THAT(rows[12], ::testing::StartsWith("commgrad,shm,2,\"FSDP + Adam, no reshard\",2,"));
+  EXPECT_GT(std::stod(rows[12].substr(rows[12].rfind(',') + 1)), 0.0);
 }
 
 // The data-parallel and tensor-parallel benchmarks take their options the same way.

@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 #include <regex>
 #include <sstream>
 
@@ -162,6 +163,36 @@ TEST(GptTrainExample, Float16WithTheLossScalerFollowsTheOneRankCurveAndResumes) 
   ASSERT_EQ(zero.exit_code, 0) << zero.out << zero.err;
   EXPECT_THAT(zero.out, HasSubstr("loss scale 65536, 0 steps skipped"));
   EXPECT_THAT(zero.out, HasSubstr("(tolerance 1e-03): ok\n"));
+}
+
+// float16 whose first loss scale (2^20) is so large that the first steps
+// overflow: the scaler skips them on every rank alike (inf/NaN agreed over
+// DP and PP; hysteresis 2, then halving: here steps 1-4, and 2^17 trains),
+// the one-rank run skips the same steps (gpt_train --check compares them),
+// and the curve, trained on from there, still follows one rank's.
+TEST(GptTrainExample, Float16SkipsTheOverflowingStepsOnEveryRankAlike) {
+#ifdef COMMGRAD_DEFAULT_LINE_ONLY
+  GTEST_SKIP() << "float16: LibTorch 1.13 has no float16 matmul on the CPU";
+#endif
+  auto r = gpt_train(4, {"--pp", "2", "--dp", "2", "--fsdp", "--precision", "fp16", "--loss-scale-init", "1048576",
+                         "--steps", "6", "--check", "--curve", "none"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::map<int, std::string> skipped;  // by rank
+  const std::regex line(R"(\[(\d+)\] rank (\d+) skipped steps: ([0-9 ]+|none)\n)");
+  for (std::sregex_iterator it(r.out.begin(), r.out.end(), line), end; it != end; ++it) {
+    EXPECT_EQ((*it)[1], (*it)[2]);
+    skipped[std::stoi((*it)[2])] = (*it)[3];
+  }
+  ASSERT_EQ(skipped.size(), 4u) << r.out;
+  const std::string steps = skipped[0];
+  for (const auto& [rank, s] : skipped) EXPECT_EQ(s, steps) << "rank " << rank << "\n" << r.out;
+  // The first steps overflow, the last one trains.
+  EXPECT_TRUE(std::regex_match(steps, std::regex("1 2( [345])*"))) << steps;
+  EXPECT_THAT(r.out, HasSubstr("skipped steps " + steps + ", one rank " + steps + ": the same\n"));
+  EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-03): ok\n"));
+  auto fp32 = gpt_train(1, {"--loss-scale-init", "1024"});
+  EXPECT_NE(fp32.exit_code, 0);
+  EXPECT_THAT(fp32.err, HasSubstr("--loss-scale-init needs --precision fp16"));
 }
 
 // --async-save writes in the background while the next steps run: the same
