@@ -46,7 +46,9 @@ ShmOptions resolve(ShmOptions o, int size) {
   }
   if (o.single_copy_bytes() < 0) {
     const int64_t env = env_int("COMMGRAD_SHM_SINGLE_COPY_BYTES", "bytes");
-    o.single_copy_bytes(env >= 0 ? env : int64_t{2} << 20);
+    // When ranks outnumber cores, a step's barrier waits for a rank that is
+    // not running, and the staging's smaller steps keep the cores busier.
+    o.single_copy_bytes(env >= 0 ? env : size <= usable_cpus() ? int64_t{2} << 20 : 0);
   }
   if (o.single_copy_max_bytes() < 0) {
     const int64_t env = env_int("COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES", "bytes");

@@ -51,8 +51,9 @@ struct ShmOptions {
   /// rank may read every other one (same user, ptrace allowed; probed when
   /// the group is created), else the segment carries everything. Above the
   /// range the pipelined staging, whose steps stay in cache, is faster. -1:
-  /// $COMMGRAD_SHM_SINGLE_COPY_BYTES, else 2 MiB; 0: never. Every rank of a
-  /// group must use the same values.
+  /// $COMMGRAD_SHM_SINGLE_COPY_BYTES, else 2 MiB when the group's ranks fit
+  /// on this process's CPUs and 0 (never) when they outnumber them. Every
+  /// rank of a group must use the same values.
   TORCH_ARG(int64_t, single_copy_bytes) = -1;
   /// -1: $COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES, else 16 MiB.
   TORCH_ARG(int64_t, single_copy_max_bytes) = -1;
