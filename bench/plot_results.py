@@ -34,10 +34,11 @@ COLORS = {"shm": "#1f77b4", "Gloo": "#d62728", "OpenMPI": "#2ca02c", "ops::all_r
 # ~~~ reading ~~~
 
 def read_bench(path):
-    """size -> (raw time us, raw busbw, differentiable-forward busbw or None, ovh % or None)."""
-    rows = {}
+    """size -> (raw time us, raw busbw, differentiable-forward busbw or None, ovh % or None); a file with
+    several rounds (compare_transports.sh -r) gives each field's median over them."""
+    seen = {}
     if not os.path.exists(path):
-        return rows
+        return {}
     for line in open(path):
         if line.startswith("#") or "|" not in line:
             continue
@@ -46,9 +47,12 @@ def read_bench(path):
         raw = parts[1].split()
         fwd = parts[2].split() if len(parts) > 2 else []
         ovh = parts[-1].strip() if len(parts) > 3 else ""
-        rows[size] = (float(raw[0]), float(raw[2]), float(fwd[2]) if len(fwd) > 2 else None,
-                      float(ovh) if re.fullmatch(r"[+-]?[0-9.]+", ovh) else None)
-    return rows
+        seen.setdefault(size, []).append((float(raw[0]), float(raw[2]), float(fwd[2]) if len(fwd) > 2 else None,
+                                          float(ovh) if re.fullmatch(r"[+-]?[0-9.]+", ovh) else None))
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+    return {size: tuple(median(field) for field in zip(*rounds)) for size, rounds in seen.items()}
 
 
 def newest_session(results):
