@@ -48,7 +48,6 @@ namespace {
 // Up to this many bytes an all-reduce uses the one-barrier algorithm.
 constexpr int64_t kSmallBytes = 32 * 1024;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t clamp_len(int64_t total, int64_t off, int64_t cap) { return std::max<int64_t>(0, std::min(cap, total - off)); }
 
 void copy(void* dst, const void* src, int64_t bytes) {
@@ -98,10 +97,7 @@ void Comm::allreduce_pipelined(const Call& call, const uint8_t* in, uint8_t* out
   const int64_t align = std::max<int64_t>(1, 64 / es);
   const bool gets_result = root < 0 || root == rank_;
   // Slice q of a chunk of c elements: [begin(c, q), begin(c, q + 1)).
-  auto begin_of = [&](int64_t c, int q) {
-    const int64_t per = ceil_div(ceil_div(c, size_), align) * align;
-    return std::min<int64_t>(c, per * q);
-  };
+  auto begin_of = [&](int64_t c, int q) { return slice_begin(c, q, size_, align); };
   const OpDescriptor d =
       begin(call, root < 0 ? OpKind::kAllreduce : OpKind::kReduce, dtype, static_cast<int32_t>(op), root, count * es);
   int prev_set = 0;

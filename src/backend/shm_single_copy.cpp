@@ -37,7 +37,6 @@ namespace {
 
 const volatile uint64_t probe_word = kSingleCopyProbe;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Bytes of its slice each rank reduces per step: large enough that the
 // system calls do not count, small enough that a step's data stays in cache.
 constexpr int64_t kStepBytes = 2 << 20;
@@ -131,9 +130,8 @@ void Comm::allreduce_single_copy(const Call& call, const uint8_t* in, uint8_t* o
     if (j < nchunks) {
       const int64_t off = j * chunk;
       const int64_t c = std::min(chunk, count - off);
-      const int64_t per = ceil_div(ceil_div(c, size_), align) * align;
-      const int64_t b = off + std::min<int64_t>(c, per * rank_);
-      const int64_t len = std::min<int64_t>(c, per * (rank_ + 1)) - (b - off);
+      const int64_t b = off + slice_begin(c, rank_, size_, align);
+      const int64_t len = off + slice_begin(c, rank_ + 1, size_, align) - b;
       if (len > 0) {
         for (int q = 0, k = 0; q < size_; ++q) {
           if (q == rank_) {
@@ -150,10 +148,9 @@ void Comm::allreduce_single_copy(const Call& call, const uint8_t* in, uint8_t* o
     if (j > 0) {
       const int64_t off = (j - 1) * chunk;
       const int64_t c = std::min(chunk, count - off);
-      const int64_t per = ceil_div(ceil_div(c, size_), align) * align;
       for (int q = 0; q < size_; ++q) {
-        const int64_t b = off + std::min<int64_t>(c, per * q);
-        const int64_t e = off + std::min<int64_t>(c, per * (q + 1));
+        const int64_t b = off + slice_begin(c, q, size_, align);
+        const int64_t e = off + slice_begin(c, q + 1, size_, align);
         if (q != rank_ && e > b) read_peer(call, q, outputs[q] + b * es, out + b * es, (e - b) * es);
       }
     }

@@ -9,6 +9,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/FunctionRef.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -49,6 +50,15 @@ bool reduction_supported(c10::ScalarType dtype, RedOp op, std::string* why);
 /// element for element (in-place).
 void reduce_into(void* dst, void* dst2, const void* const* srcs, int nsrcs, int64_t count, c10::ScalarType dtype,
                  RedOp op, int divisor);
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/// Where slice q of a chunk of `count` elements begins when the chunk is cut
+/// into n slices, one per rank, each a multiple of `align` elements but the
+/// last (which may be short or empty): slice q is [slice_begin(q), slice_begin(q + 1)).
+inline int64_t slice_begin(int64_t count, int q, int n, int64_t align) {
+  return std::min<int64_t>(count, ceil_div(ceil_div(count, n), align) * align * q);
+}
 
 /// Per-call context: names and deadline for error messages.
 struct Call {
