@@ -3,7 +3,8 @@
 # side by side in one run: commgrad-bench's raw transport call over Gloo and
 # over shm and, when OpenMPI's mpicc and mpirun are installed, a plain
 # MPI_Allreduce (bench/mpi_allreduce.c) timed the same way over the same
-# sizes; next to them the copy floor: the time the bytes each rank must
+# sizes (each program times its call alone, back to back: commgrad-bench
+# --raw-only); next to them the copy floor: the time the bytes each rank must
 # read and write take at this machine's copy bandwidth, measured in the same
 # run by bench/copy_floor.c with every rank copying at once (a transport
 # that stages through shared memory reads and writes (5n-2)/(2n) times the
@@ -96,7 +97,7 @@ for round in $(seq "$rounds"); do
     for backend in gloo shm; do
       echo "== round $round: all_reduce, $n ranks, $backend" >&2
       "${rt[@]}" "$run" -n "$n" --no-prefix --timeout 3600 "$bench" --backend "$backend" --op all_reduce \
-        -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --no-backward | tee -a "$out/allreduce_n${n}_${backend}.txt"
+        -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --raw-only | tee -a "$out/allreduce_n${n}_${backend}.txt"
     done
     if [[ $have_mpi == 1 ]]; then
       echo "== round $round: all_reduce, $n ranks, OpenMPI" >&2

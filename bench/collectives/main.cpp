@@ -19,6 +19,12 @@
 // overhead over the raw call in percent (the median over rounds of each
 // round's own ratio, which cancels slow drift of a shared machine).
 //
+// With --raw-only it times the raw call alone, back to back (as nccl-tests
+// and an MPI benchmark do): interleaved with the op, whose input and fresh
+// output evict the raw call's buffer, a 16 MiB all_reduce on 2 ranks reads
+// its buffer from memory instead of the cache and takes 1.5x as long. The
+// transport comparison (bench/compare_transports.sh) uses it.
+//
 // With --link-gbps G (and --link-latency-us T) each row ends with the link
 // floor: the bytes that must cross the busiest host link for the op on the
 // group's hosts (Collective::link; formulas in docs/benchmarks.md), at G
@@ -62,6 +68,7 @@ struct Options {
   int warmup = 5;
   bool check = true;
   bool backward = true;
+  bool raw_only = false;
   double link_gbps = 0;  // 0: no link floor columns
   double link_latency_us = 0;
 };
@@ -166,6 +173,13 @@ std::optional<int> parse(int argc, char** argv, Options& o) {
   app.add_option("-c,--check", o.check, "check results (0 or 1)")->type_name("0|1")->check(cli::integer(0, 1));
   app.add_flag_callback(
       "--no-backward", [&o] { o.backward = false; }, "skip the forward+backward columns");
+  app.add_flag_callback(
+      "--raw-only", [&o] {
+        o.raw_only = true;
+        o.backward = false;
+      },
+      "time the raw transport call alone (no differentiable columns;\n"
+      "what a transport comparison needs)");
   app.add_option("--link-gbps", o.link_gbps, "add the link floor (us) at G Gbit/s per host link, and xfloor")
       ->type_name("G")
       ->check(cli::number(0, /*inclusive=*/false));
@@ -291,6 +305,7 @@ struct Row {
   int64_t count = 0;
   double size = 0;  // bytes
   double t_raw = 0, t_op = 0, t_fb = 0, t_floor = 0, ovh = 0;
+  bool op = false;  // the differentiable forward measured
   bool fb = false;  // forward+backward measured
   int64_t wrong_raw = 0, wrong_op = 0;
 };
@@ -308,24 +323,26 @@ Row measure(const Collective& c, const Options& o, const Group& g, int64_t count
   Row row;
   row.count = count;
   row.size = static_cast<double>(count * static_cast<int64_t>(c10::elementSize(o.dtype)));
+  row.op = !o.raw_only;
   row.fb = o.backward && in.forward_backward != nullptr;
   // The result is dropped inside the timed call (as a training step drops
   // it), so its memory is reused like the raw call's buffer.
-  std::vector<std::function<void()>> fs{in.raw, [&] { in.op(in.input); }};
+  std::vector<std::function<void()>> fs{in.raw};
+  if (row.op) fs.push_back([&] { in.op(in.input); });
   if (row.fb) {
     fs.push_back(in.forward_backward);
     fs.push_back(autograd_floor(in.input));
   }
   const auto t = time_us(g, o.warmup, o.iters, fs);
   row.t_raw = median(t[0]);
-  row.t_op = median(t[1]);
+  row.t_op = row.op ? median(t[1]) : 0;
   row.t_fb = row.fb ? median(t[2]) : 0;
   row.t_floor = row.fb ? median(t[3]) : 0;
-  row.ovh = paired_overhead_pct(t[1], t[0]);
+  row.ovh = row.op ? paired_overhead_pct(t[1], t[0]) : 0;
   if (o.check) {
     barrier(g);
     row.wrong_raw = sum_over_ranks(g, in.check_raw());
-    row.wrong_op = sum_over_ranks(g, in.check_op(in.op(in.input)));
+    if (row.op) row.wrong_op = sum_over_ranks(g, in.check_op(in.op(in.input)));
   }
   return row;
 }
@@ -333,17 +350,26 @@ Row measure(const Collective& c, const Options& o, const Group& g, int64_t count
 void print_row(const Collective& c, const Options& o, const Row& r, double factor, const std::vector<int>& layout) {
   const char* redop = c.has_redop ? reduce_op_name(o.redop) : "none";
   const int root = c.has_root ? o.root : -1;
-  std::printf(" %11lld %10lld %8s %6s %4d | %8.1f %7.3f %7.3f %6lld | %8.1f %7.3f %7.3f %6lld | ",
-              static_cast<long long>(r.size), static_cast<long long>(r.count), dtype_name(o.dtype), redop, root,
-              r.t_raw, gbps(r.size, r.t_raw), gbps(r.size, r.t_raw) * factor, static_cast<long long>(r.wrong_raw),
-              r.t_op, gbps(r.size, r.t_op), gbps(r.size, r.t_op) * factor, static_cast<long long>(r.wrong_op));
+  std::printf(" %11lld %10lld %8s %6s %4d | %8.1f %7.3f %7.3f %6lld | ", static_cast<long long>(r.size),
+              static_cast<long long>(r.count), dtype_name(o.dtype), redop, root, r.t_raw, gbps(r.size, r.t_raw),
+              gbps(r.size, r.t_raw) * factor, static_cast<long long>(r.wrong_raw));
+  if (r.op) {
+    std::printf("%8.1f %7.3f %7.3f %6lld | ", r.t_op, gbps(r.size, r.t_op), gbps(r.size, r.t_op) * factor,
+                static_cast<long long>(r.wrong_op));
+  } else {
+    std::printf("%8s %7s %7s %6s | ", "n/a", "", "", "");
+  }
   if (r.fb) {
     std::printf("%8.1f %7.3f %4.2f | %8.1f %5.2f | ", r.t_fb, gbps(2 * r.size, r.t_fb) * factor, r.t_fb / r.t_raw,
                 r.t_floor, (r.t_fb - r.t_floor) / r.t_raw);
   } else {
     std::printf("%8s %7s %4s | %8s %5s | ", "n/a", "", "", "n/a", "");
   }
-  std::printf("%+6.1f", r.ovh);
+  if (r.op) {
+    std::printf("%+6.1f", r.ovh);
+  } else {
+    std::printf("%6s", "n/a");
+  }
   if (o.link_gbps > 0) {
     const double floor = link_floor_us(c, o, layout, r.size);
     if (floor > 0) {
@@ -379,8 +405,12 @@ void run(const Collective& c, const Options& o, const Group& g) {
     ++rows;
   }
   if (speaker && rows > 0) {
-    std::printf("# Avg bus bandwidth: raw %.3f GB/s, differentiable forward %.3f GB/s\n\n", sum_raw / rows,
-                sum_op / rows);
+    if (o.raw_only) {
+      std::printf("# Avg bus bandwidth: raw %.3f GB/s\n\n", sum_raw / rows);
+    } else {
+      std::printf("# Avg bus bandwidth: raw %.3f GB/s, differentiable forward %.3f GB/s\n\n", sum_raw / rows,
+                  sum_op / rows);
+    }
   }
 }
 

@@ -21,6 +21,7 @@ namespace commgrad::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 const std::vector<std::string> kOps = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
                                        "scatter",    "gather",     "all_to_all",     "send_recv"};
@@ -115,6 +116,25 @@ TEST(Bench, IntegerTypesHaveNoGradientColumns) {
   EXPECT_EQ(words(groups[1])[3], "0") << rows[0];
   EXPECT_EQ(words(groups[2])[3], "0") << rows[0];
   EXPECT_EQ(words(groups[3]), std::vector<std::string>{"n/a"}) << rows[0];
+}
+
+// --raw-only (the transport comparison's mode): the raw call timed and
+// checked, every differentiable column n/a.
+TEST(Bench, RawOnlyTimesTheTransportCallAlone) {
+  const auto r = bench(2, "shm", {"--op", "all_reduce", "-b", "4K", "-e", "64K", "-f", "16", "--iters", "2",
+                                  "--warmup", "0", "--raw-only"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto rows = rows_of(r.out, "all_reduce");
+  ASSERT_EQ(rows.size(), 2u) << r.out;  // 4K, 64K
+  for (const std::string& row : rows) {
+    const auto groups = split(row, '|');
+    ASSERT_EQ(groups.size(), 6u) << row;
+    EXPECT_GT(std::stod(words(groups[1])[0]), 0) << row;
+    EXPECT_EQ(words(groups[1])[3], "0") << row;
+    for (size_t g = 2; g < groups.size(); ++g) EXPECT_EQ(words(groups[g]), std::vector<std::string>{"n/a"}) << row;
+  }
+  EXPECT_THAT(r.out, HasSubstr("# Avg bus bandwidth: raw "));
+  EXPECT_THAT(r.out, Not(HasSubstr("GB/s, differentiable forward")));
 }
 
 // The link floor: bytes across the busiest host link / bandwidth + latency x
