@@ -174,7 +174,8 @@ std::optional<int> parse(int argc, char** argv, Options& o) {
   app.add_flag_callback(
       "--no-backward", [&o] { o.backward = false; }, "skip the forward+backward columns");
   app.add_flag_callback(
-      "--raw-only", [&o] {
+      "--raw-only",
+      [&o] {
         o.raw_only = true;
         o.backward = false;
       },
@@ -350,11 +351,11 @@ Row measure(const Collective& c, const Options& o, const Group& g, int64_t count
 void print_row(const Collective& c, const Options& o, const Row& r, double factor, const std::vector<int>& layout) {
   const char* redop = c.has_redop ? reduce_op_name(o.redop) : "none";
   const int root = c.has_root ? o.root : -1;
-  std::printf(" %11lld %10lld %8s %6s %4d | %8.1f %7.3f %7.3f %6lld | ", static_cast<long long>(r.size),
+  std::printf(" %11lld %10lld %8s %6s %4d | %8.2f %7.3f %7.3f %6lld | ", static_cast<long long>(r.size),
               static_cast<long long>(r.count), dtype_name(o.dtype), redop, root, r.t_raw, gbps(r.size, r.t_raw),
               gbps(r.size, r.t_raw) * factor, static_cast<long long>(r.wrong_raw));
   if (r.op) {
-    std::printf("%8.1f %7.3f %7.3f %6lld | ", r.t_op, gbps(r.size, r.t_op), gbps(r.size, r.t_op) * factor,
+    std::printf("%8.2f %7.3f %7.3f %6lld | ", r.t_op, gbps(r.size, r.t_op), gbps(r.size, r.t_op) * factor,
                 static_cast<long long>(r.wrong_op));
   } else {
     std::printf("%8s %7s %7s %6s | ", "n/a", "", "", "");

@@ -39,10 +39,6 @@ using detail::RedOp;
 using detail::ShmWork;
 using detail::Staged;
 
-struct ShmProcessGroup::Job {
-  std::function<void(Comm&, const Call&)> run;
-};
-
 // ~~~ construction ~~~
 
 ShmProcessGroup::ShmProcessGroup(const commgrad::detail::StorePtr& store, int rank, int size, ShmOptions options)
@@ -89,38 +85,29 @@ ShmProcessGroup::~ShmProcessGroup() {
 std::string ShmProcessGroup::segment_name() const { return comm_->segment().name(); }
 int64_t ShmProcessGroup::segment_bytes() const { return static_cast<int64_t>(comm_->segment().layout().total_bytes); }
 std::string ShmProcessGroup::describe() const { return comm_->context(); }
+bool ShmProcessGroup::uses_single_copy(int64_t bytes) const { return comm_->single_copy(bytes); }
 
 std::chrono::milliseconds ShmProcessGroup::timeout_of(std::chrono::milliseconds requested) const {
   return requested.count() > 0 ? requested : options_.timeout();
 }
 
+// Small collectives run on the calling thread when nothing is queued (see
+// ShmOptions::async_bytes).
+template <class Run>
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_collective(const char* op, c10d::OpType type,
                                                                   std::vector<at::Tensor> outputs, int64_t bytes,
-                                                                  std::chrono::milliseconds timeout, Job job) {
-  auto work = c10::make_intrusive<ShmWork>(getRank(), type, std::move(outputs));
-  const uint64_t ticket =
-      collectives_->submit(detail::completing(work, comm_.get(), op, timeout_of(timeout), std::move(job.run)),
-                           bytes < options_.async_bytes());
-  if (ticket != 0) work->queued_in(collectives_.get(), ticket);
-  return work;
+                                                                  std::chrono::milliseconds timeout, Run&& run) {
+  return detail::run_or_queue(*collectives_, bytes < options_.async_bytes(), *comm_, op, timeout_of(timeout), getRank(),
+                              type, std::move(outputs), std::forward<Run>(run));
 }
 
 void ShmProcessGroup::reject(const char* op, int kind, const std::string& message) {
   Comm* comm = comm_.get();
   const auto limit = options_.timeout();
-  collectives_->submit(
-      [comm, op, kind, limit, message] {
-        Call call;
-        call.op = op;
-        call.timeout = limit;
-        call.deadline = std::chrono::steady_clock::now() + limit;
-        try {
-          comm->reject(call, static_cast<OpKind>(kind), message);
-        } catch (...) {
-          // This rank already reported the problem to its caller.
-        }
-      },
-      false);
+  collectives_->submit([comm, op, kind, limit, message] {
+    auto run = [&](Comm& c, const Call& call) { c.reject(call, static_cast<OpKind>(kind), message); };
+    (void)detail::run_call(*comm, op, limit, run);  // this rank reports the problem to its caller below
+  });
   TORCH_CHECK(false, "[commgrad] ", op, " ", comm_->context(), ": ", message);
 }
 
@@ -132,12 +119,13 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce(std::vector<at::Tensor
   check.require(tensors.size() == 1, "expects exactly one tensor per call, got ", tensors.size());
   check.tensor(tensors[0], "the tensor");
   const RedOp red = check.reduction(opts.reduceOp, tensors[0].scalar_type());
-  const Staged s(tensors[0]);
-  return submit_collective(check.op(), c10d::OpType::ALLREDUCE, tensors, s.bytes(), opts.timeout,
-                           Job{[s, red](Comm& c, const Call& call) {
+  Staged s(tensors[0]);
+  const int64_t bytes = s.bytes();  // before s moves into the job
+  return submit_collective(check.op(), c10d::OpType::ALLREDUCE, tensors, bytes, opts.timeout,
+                           [s = std::move(s), red](Comm& c, const Call& call) {
                              c.allreduce(call, s.data(), s.data(), s.buffer.numel(), s.buffer.scalar_type(), red);
                              s.finish();
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_reduce_out(const Checks& check, const at::Tensor& input,
@@ -158,10 +146,10 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_reduce_out(const Checks& 
   const RedOp red = check.reduction(reduce_op, input.scalar_type());
   const auto type = root < 0 ? c10d::OpType::ALLREDUCE : c10d::OpType::REDUCE;
   return submit_collective(check.op(), type, {output}, static_cast<int64_t>(output.nbytes()), timeout,
-                           Job{[input, output, red, root](Comm& c, const Call& call) {
+                           [input, output, red, root](Comm& c, const Call& call) {
                              c.reduce(call, input.data_ptr(), output.data_ptr(), output.numel(), output.scalar_type(),
                                       red, root);
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_out(const at::Tensor& input, const at::Tensor& output,
@@ -192,12 +180,12 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_coalesced(std::vector<
     bytes += staged.back().bytes();
   }
   return submit_collective(check.op(), c10d::OpType::ALLREDUCE_COALESCED, tensors, bytes, opts.timeout,
-                           Job{[staged, red](Comm& c, const Call& call) {
+                           [staged, red](Comm& c, const Call& call) {
                              for (const Staged& s : staged) {
                                c.allreduce(call, s.data(), s.data(), s.buffer.numel(), s.buffer.scalar_type(), red);
                                s.finish();
                              }
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce(std::vector<at::Tensor>& tensors,
@@ -209,13 +197,14 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce(std::vector<at::Tensor>& 
   check.require(opts.rootTensor == 0, "root tensor ", opts.rootTensor, " must be 0 (one tensor per call)");
   check.tensor(tensors[0], "the tensor");
   const RedOp red = check.reduction(opts.reduceOp, tensors[0].scalar_type());
-  const Staged s(tensors[0]);
+  Staged s(tensors[0]);
+  const int64_t bytes = s.bytes();  // before s moves into the job
   const int root = static_cast<int>(opts.rootRank);
-  return submit_collective(check.op(), c10d::OpType::REDUCE, tensors, s.bytes(), opts.timeout,
-                           Job{[s, red, root](Comm& c, const Call& call) {
+  return submit_collective(check.op(), c10d::OpType::REDUCE, tensors, bytes, opts.timeout,
+                           [s = std::move(s), red, root](Comm& c, const Call& call) {
                              c.reduce(call, s.data(), s.data(), s.buffer.numel(), s.buffer.scalar_type(), red, root);
                              if (c.rank() == root) s.finish();
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::broadcast(std::vector<at::Tensor>& tensors,
@@ -226,13 +215,14 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::broadcast(std::vector<at::Tensor
                 getSize(), ")");
   check.require(opts.rootTensor == 0, "root tensor ", opts.rootTensor, " must be 0 (one tensor per call)");
   check.tensor(tensors[0], "the tensor");
-  const Staged s(tensors[0]);
+  Staged s(tensors[0]);
+  const int64_t bytes = s.bytes();  // before s moves into the job
   const int root = static_cast<int>(opts.rootRank);
-  return submit_collective(check.op(), c10d::OpType::BROADCAST, tensors, s.bytes(), opts.timeout,
-                           Job{[s, root](Comm& c, const Call& call) {
+  return submit_collective(check.op(), c10d::OpType::BROADCAST, tensors, bytes, opts.timeout,
+                           [s = std::move(s), root](Comm& c, const Call& call) {
                              c.broadcast(call, s.data(), s.bytes(), s.buffer.scalar_type(), root);
                              if (c.rank() != root) s.finish();
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -256,7 +246,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather(std::vector<std::vecto
                 outputs[0][getRank()].numel(), " elements, the input ", inputs[0].numel());
   const Staged in(inputs[0]);
   return submit_collective(check.op(), c10d::OpType::ALLGATHER, outputs[0], in.bytes() * getSize(), opts.timeout,
-                           Job{[in, outs, dtype](Comm& c, const Call& call) {
+                           [in, outs, dtype](Comm& c, const Call& call) {
                              std::vector<void*> ptrs;
                              std::vector<int64_t> sizes;
                              for (const Staged& o : outs) {
@@ -265,7 +255,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather(std::vector<std::vecto
                              }
                              c.allgather(call, in.data(), in.bytes(), ptrs.data(), sizes.data(), dtype, -1);
                              for (const Staged& o : outs) o.finish();
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -281,14 +271,14 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& outp
   const Staged in(input);
   const Staged out(output);
   return submit_collective(check.op(), c10d::OpType::_ALLGATHER_BASE, {output}, out.bytes(), opts.timeout,
-                           Job{[in, out](Comm& c, const Call& call) {
+                           [in, out](Comm& c, const Call& call) {
                              std::vector<void*> ptrs;
                              std::vector<int64_t> sizes(c.size(), in.bytes());
                              for (int q = 0; q < c.size(); ++q) ptrs.push_back(out.data() + q * in.bytes());
                              c.allgather(call, in.data(), in.bytes(), ptrs.data(), sizes.data(),
                                          in.buffer.scalar_type(), -1);
                              out.finish();
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -320,7 +310,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::gather(std::vector<std::vector<a
   const Staged in(inputs[0]);
   std::vector<at::Tensor> results = getRank() == root ? outputs[0] : std::vector<at::Tensor>{};
   return submit_collective(check.op(), c10d::OpType::GATHER, results, in.bytes(), opts.timeout,
-                           Job{[in, outs, dtype, root](Comm& c, const Call& call) {
+                           [in, outs, dtype, root](Comm& c, const Call& call) {
                              std::vector<void*> ptrs;
                              std::vector<int64_t> sizes;
                              for (const Staged& o : outs) {
@@ -330,7 +320,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::gather(std::vector<std::vector<a
                              c.allgather(call, in.data(), in.bytes(), outs.empty() ? nullptr : ptrs.data(),
                                          outs.empty() ? nullptr : sizes.data(), dtype, root);
                              for (const Staged& o : outs) o.finish();
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>& outputs,
@@ -359,7 +349,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>&
   }
   const Staged out(outputs[0]);
   return submit_collective(check.op(), c10d::OpType::SCATTER, outputs, out.bytes(), opts.timeout,
-                           Job{[ins, out, dtype, root](Comm& c, const Call& call) {
+                           [ins, out, dtype, root](Comm& c, const Call& call) {
                              std::vector<const void*> ptrs;
                              std::vector<int64_t> sizes;
                              for (const Staged& i : ins) {
@@ -369,7 +359,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>&
                              c.scatter(call, ins.empty() ? nullptr : ptrs.data(), ins.empty() ? nullptr : sizes.data(),
                                        out.data(), out.bytes(), dtype, root);
                              out.finish();
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -393,13 +383,13 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_scatter(std::vector<at::T
   }
   const Staged out(outputs[0]);
   return submit_collective(check.op(), c10d::OpType::REDUCE_SCATTER, outputs, out.bytes() * getSize(), opts.timeout,
-                           Job{[ins, out, red](Comm& c, const Call& call) {
+                           [ins, out, red](Comm& c, const Call& call) {
                              std::vector<const void*> ptrs;
                              for (const Staged& i : ins) ptrs.push_back(i.data());
                              c.reduce_scatter(call, ptrs.data(), out.data(), out.buffer.numel(),
                                               out.buffer.scalar_type(), red);
                              out.finish();
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -416,13 +406,13 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_reduce_scatter_base(at::Tensor&
   const Staged in(input);
   const Staged out(output);
   return submit_collective(check.op(), c10d::OpType::_REDUCE_SCATTER_BASE, {output}, in.bytes(), opts.timeout,
-                           Job{[in, out, red](Comm& c, const Call& call) {
+                           [in, out, red](Comm& c, const Call& call) {
                              std::vector<const void*> ptrs;
                              for (int q = 0; q < c.size(); ++q) ptrs.push_back(in.data() + q * out.bytes());
                              c.reduce_scatter(call, ptrs.data(), out.data(), out.buffer.numel(),
                                               out.buffer.scalar_type(), red);
                              out.finish();
-                           }});
+                           });
 }
 
 namespace {
@@ -488,7 +478,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall_base(at::Tensor& output
   const Staged in(input);
   const Staged out(output);
   return submit_collective(check.op(), c10d::OpType::ALLTOALL_BASE, {output}, in.bytes(), opts.timeout,
-                           Job{[in, out, in_off, in_bytes, out_off, out_bytes](Comm& c, const Call& call) {
+                           [in, out, in_off, in_bytes, out_off, out_bytes](Comm& c, const Call& call) {
                              std::vector<const void*> ins;
                              std::vector<void*> outs;
                              for (int q = 0; q < c.size(); ++q) {
@@ -498,7 +488,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall_base(at::Tensor& output
                              c.alltoall(call, ins.data(), in_bytes.data(), outs.data(), out_bytes.data(),
                                         in.buffer.scalar_type());
                              out.finish();
-                           }});
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall(std::vector<at::Tensor>& outputs,
@@ -525,26 +515,25 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall(std::vector<at::Tensor>
   check.require(inputs[getRank()].numel() == outputs[getRank()].numel(), "input ", getRank(), " has ",
                 inputs[getRank()].numel(), " elements but output ", getRank(), " (this rank's own piece) has ",
                 outputs[getRank()].numel());
-  return submit_collective(check.op(), c10d::OpType::ALLTOALL, outputs, bytes, opts.timeout,
-                           Job{[ins, outs, dtype](Comm& c, const Call& call) {
-                             std::vector<const void*> in_ptrs;
-                             std::vector<void*> out_ptrs;
-                             std::vector<int64_t> in_bytes, out_bytes;
-                             for (int q = 0; q < c.size(); ++q) {
-                               in_ptrs.push_back(ins[q].data());
-                               in_bytes.push_back(ins[q].bytes());
-                               out_ptrs.push_back(outs[q].data());
-                               out_bytes.push_back(outs[q].bytes());
-                             }
-                             c.alltoall(call, in_ptrs.data(), in_bytes.data(), out_ptrs.data(), out_bytes.data(),
-                                        dtype);
-                             for (const Staged& o : outs) o.finish();
-                           }});
+  return submit_collective(
+      check.op(), c10d::OpType::ALLTOALL, outputs, bytes, opts.timeout, [ins, outs, dtype](Comm& c, const Call& call) {
+        std::vector<const void*> in_ptrs;
+        std::vector<void*> out_ptrs;
+        std::vector<int64_t> in_bytes, out_bytes;
+        for (int q = 0; q < c.size(); ++q) {
+          in_ptrs.push_back(ins[q].data());
+          in_bytes.push_back(ins[q].bytes());
+          out_ptrs.push_back(outs[q].data());
+          out_bytes.push_back(outs[q].bytes());
+        }
+        c.alltoall(call, in_ptrs.data(), in_bytes.data(), out_ptrs.data(), out_bytes.data(), dtype);
+        for (const Staged& o : outs) o.finish();
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::barrier(const c10d::BarrierOptions& opts) {
   return submit_collective("barrier", c10d::OpType::BARRIER, {}, 0, opts.timeout,
-                           Job{[](Comm& c, const Call& call) { c.barrier(call); }});
+                           [](Comm& c, const Call& call) { c.barrier(call); });
 }
 
 }  // namespace commgrad::backend

@@ -32,27 +32,21 @@ detail::Executor& ShmProcessGroup::peer_executor(bool sending, int peer) {
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
   const Staged s(p2p_tensor("send", tensors, dst_rank, "destination"));
-  auto work = c10::make_intrusive<ShmWork>(getRank(), c10d::OpType::SEND, std::vector<at::Tensor>{});
-  peer_executor(true, dst_rank)
-      .submit(detail::completing(work, comm_.get(), "send", options_.timeout(),
-                                 [s, dst_rank, tag](Comm& c, const Call& call) {
-                                   c.send(call, dst_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
-                                 }),
-              comm_->send_fits(dst_rank, s.bytes()));
-  return work;
+  return detail::run_or_queue(peer_executor(true, dst_rank), comm_->send_fits(dst_rank, s.bytes()), *comm_, "send",
+                              options_.timeout(), getRank(), c10d::OpType::SEND, {},
+                              [s, dst_rank, tag](Comm& c, const Call& call) {
+                                c.send(call, dst_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
+                              });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
   const Staged s(p2p_tensor("recv", tensors, src_rank, "source"));
-  auto work = c10::make_intrusive<ShmWork>(getRank(), c10d::OpType::RECV, tensors);
-  peer_executor(false, src_rank)
-      .submit(detail::completing(work, comm_.get(), "recv", options_.timeout(),
-                                 [s, src_rank, tag](Comm& c, const Call& call) {
-                                   c.recv(call, src_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
-                                   s.finish();
-                                 }),
-              comm_->recv_ready(src_rank, s.bytes()));
-  return work;
+  return detail::run_or_queue(peer_executor(false, src_rank), comm_->recv_ready(src_rank, s.bytes()), *comm_, "recv",
+                              options_.timeout(), getRank(), c10d::OpType::RECV, tensors,
+                              [s, src_rank, tag](Comm& c, const Call& call) {
+                                c.recv(call, src_rank, tag, s.data(), s.bytes(), s.buffer.scalar_type());
+                                s.finish();
+                              });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
@@ -63,13 +57,11 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recvAnysource(std::vector<at::Te
     std::lock_guard<std::mutex> lock(peers_mutex_);
     if (!any_source_receiver_) any_source_receiver_ = std::make_unique<detail::Executor>();
   }
-  any_source_receiver_->submit(
-      detail::completing(work, comm_.get(), "recvAnysource", options_.timeout(),
-                         [s, tag, work](Comm& c, const Call& call) {
-                           work->set_source_rank(c.recv_any(call, tag, s.data(), s.bytes(), s.buffer.scalar_type()));
-                           s.finish();
-                         }),
-      /*inline_ok=*/false);
+  any_source_receiver_->submit(detail::completing(
+      work, comm_.get(), "recvAnysource", options_.timeout(), [s, tag, work](Comm& c, const Call& call) {
+        work->set_source_rank(c.recv_any(call, tag, s.data(), s.bytes(), s.buffer.scalar_type()));
+        s.finish();
+      }));
   return work;
 }
 

@@ -72,18 +72,8 @@ void ShmWork::settle(c10::ivalue::Future& future) {
 
 std::function<void()> completing(c10::intrusive_ptr<ShmWork> work, Comm* comm, const char* op,
                                  std::chrono::milliseconds limit, std::function<void(Comm&, const Call&)> run) {
-  return [work = std::move(work), comm, op, limit, run = std::move(run)] {
-    Call call;
-    call.op = op;
-    call.timeout = limit;
-    call.deadline = std::chrono::steady_clock::now() + limit;
-    std::exception_ptr error;
-    try {
-      run(*comm, call);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    work->complete(error);
+  return [work = std::move(work), comm, op, limit, run = std::move(run)]() mutable {
+    work->complete(run_call(*comm, op, limit, run));
   };
 }
 

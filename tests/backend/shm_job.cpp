@@ -5,10 +5,18 @@
 //                          messages on the world group (backend: "shm", "auto", ...)
 //                          and prints "rank r ok (<backend>)"
 //   shm_job kill [ops]     rank 1 is SIGKILLed in the middle of a stream of
-//                          all-reduces (transport calls, or ops::all_reduce with
-//                          "ops"); the other ranks print the error they get
+//                          4 MiB all-reduces (transport calls, or ops::all_reduce
+//                          with "ops"); the other ranks print the error they get
 //                          and exit with 3 (they ignore SIGTERM, so the launcher's
-//                          teardown cannot hide whether they noticed)
+//                          teardown cannot hide whether they noticed); rank 0
+//                          prints "single copy on|off" (whether they read their
+//                          peers' tensors directly)
+//   shm_job single-copy [unreadable]
+//                          all-reduces of 1-5 MiB, in place and out of place;
+//                          every rank prints "rank r single copy on|off" and
+//                          "rank r ok". With "unreadable" no rank may read rank
+//                          1 (it is not dumpable, and every rank drops
+//                          CAP_SYS_PTRACE), so the group must stage instead
 //   shm_job mismatch       rank 1 sets another COMMGRAD_SHM_CHUNK_BYTES: every rank
 //                          prints the error it gets ("rank r setup failed: ...")
 //                          and exits 3
@@ -26,7 +34,10 @@
 #include <ATen/ATen.h>
 
 #include <dirent.h>
+#include <linux/capability.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -51,6 +62,50 @@ void print_segment(const commgrad::Group& world) {
   if (auto* shm = dynamic_cast<commgrad::backend::ShmProcessGroup*>(&world.transport())) {
     std::cout << "segment " << shm->segment_name() << std::endl;
   }
+}
+
+const char* single_copy_state(const commgrad::Group& world, int64_t bytes) {
+  auto* shm = dynamic_cast<commgrad::backend::ShmProcessGroup*>(&world.transport());
+  return shm != nullptr && shm->uses_single_copy(bytes) ? "on" : "off";
+}
+
+// This process may no longer read others regardless of their owner
+// (process_vm_readv of a process that is not dumpable needs CAP_SYS_PTRACE).
+bool drop_ptrace_capability() {
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[2] = {};
+  if (syscall(SYS_capget, &header, data) != 0) return false;
+  data[CAP_TO_INDEX(CAP_SYS_PTRACE)].effective &= ~CAP_TO_MASK(CAP_SYS_PTRACE);
+  return syscall(SYS_capset, &header, data) == 0;
+}
+
+int run_single_copy(bool unreadable) {
+  if (unreadable) {
+    if (!drop_ptrace_capability()) std::cerr << "capset failed" << std::endl;
+    const char* rank = std::getenv("RANK");
+    if (rank != nullptr && std::string(rank) == "1") prctl(PR_SET_DUMPABLE, 0);
+  }
+  commgrad::Group world = commgrad::init_process_group(commgrad::InitOptions().backend("shm"));
+  auto& pg = world.transport();
+  const int n = world.size();
+  const int r = world.rank();
+  std::cout << "rank " << r << " single copy " << single_copy_state(world, 4 << 20) << std::endl;
+  // Small integers: every order of the sum is exact, so equal means right.
+  for (int64_t numel : {(int64_t{1} << 18) + 5, int64_t{3} << 18, (int64_t{5} << 18) - 3}) {
+    const at::Tensor input = at::arange(numel, at::kFloat).remainder(7) + r;
+    const at::Tensor expected = at::arange(numel, at::kFloat).remainder(7) * n + n * (n - 1) / 2.0f;
+    std::vector<at::Tensor> t{input.clone()};
+    pg.allreduce(t)->wait();
+    check(at::equal(t[0], expected), "allreduce of " + std::to_string(numel));
+    auto* shm = dynamic_cast<commgrad::backend::ShmProcessGroup*>(&pg);
+    at::Tensor out = at::empty_like(input);
+    shm->allreduce_out(input, out)->wait();
+    check(at::equal(out, expected), "out-of-place allreduce of " + std::to_string(numel));
+  }
+  pg.barrier()->wait();
+  std::cout << "rank " << r << " ok" << std::endl;
+  commgrad::destroy_process_group();
+  return failures == 0 ? 0 : 1;
 }
 
 int run_ops(const std::string& backend) {
@@ -92,6 +147,7 @@ int run_kill(bool via_ops) {
   signal(SIGTERM, SIG_IGN);
   commgrad::Group world = commgrad::init_process_group(commgrad::InitOptions().backend("shm"));
   print_segment(world);
+  if (world.rank() == 0) std::cout << "single copy " << single_copy_state(world, 4 << 20) << std::endl;
   auto& pg = world.transport();
   if (world.rank() == 1) {
     std::thread([] {
@@ -156,6 +212,7 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "ops";
   try {
     if (mode == "ops") return run_ops(argc > 2 ? argv[2] : "shm");
+    if (mode == "single-copy") return run_single_copy(argc > 2 && std::string(argv[2]) == "unreadable");
     if (mode == "kill") return run_kill(argc > 2 && std::string(argv[2]) == "ops");
     if (mode == "mismatch" || mode == "die") return run_setup_failure(mode == "die");
   } catch (const std::exception& e) {

@@ -3,13 +3,18 @@
 // COMMGRAD_BACKEND for an unchanged program (the founding example), and a
 // rank killed with SIGKILL in the middle of a collective: the others fail
 // with an error naming it within the timeout, the launcher reports it, and
-// /dev/shm holds nothing of the job afterwards.
+// /dev/shm holds nothing of the job afterwards. The single-copy all-reduce
+// (ranks read each other's tensors) across processes, its fallback when a
+// rank may not be read, and a rank killed in the middle of it.
 
 #include "harness/subprocess.h"
 
 #include <gtest/gtest.h>
 
 #include <dirent.h>
+#include <signal.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <string>
@@ -50,6 +55,64 @@ TEST_P(ShmJob, CollectivesAndMessagesAcrossProcesses) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmJob, ::testing::Values(1, 2, 4));
 
+// Whether a process may read a sibling's memory on this machine (what the
+// ranks of a shm group probe among themselves: Yama, seccomp or a
+// container may forbid it).
+bool siblings_may_read_each_other() {
+  static const uint64_t word = 0x5eed;
+  const pid_t sleeper = fork();
+  if (sleeper == 0) {
+    pause();
+    _exit(0);
+  }
+  const pid_t reader = fork();
+  if (reader == 0) {
+    uint64_t value = 0;
+    iovec mine{&value, sizeof(value)};
+    iovec theirs{const_cast<uint64_t*>(&word), sizeof(word)};
+    _exit(process_vm_readv(sleeper, &mine, 1, &theirs, 1, 0) == sizeof(value) && value == word ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(reader, &status, 0);
+  kill(sleeper, SIGKILL);
+  waitpid(sleeper, nullptr, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// All-reduces from 1 MiB on read the peers' tensors (on 3 ranks and 2 cores
+// the default would stage them).
+std::map<std::string, std::string> single_copy_env() {
+  return shm_env({{"COMMGRAD_SHM_SINGLE_COPY_BYTES", "1048576"}});
+}
+
+// Where the machine lets siblings read each other, the group does, and
+// the results are exact; where it does not, the group stages, as exactly.
+TEST(ShmSingleCopy, AllreducesReadThePeersAcrossProcesses) {
+  const std::string expected = siblings_may_read_each_other() ? "on" : "off";
+  auto r = run_process({launcher_path(), "-n", "3", "--timeout", "90", job(), "single-copy"}, single_copy_env());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  for (int q = 0; q < 3; ++q) {
+    const std::string p = "[" + std::to_string(q) + "] rank " + std::to_string(q);
+    EXPECT_TRUE(contains(r.out, p + " single copy " + expected)) << r.out;
+    EXPECT_TRUE(contains(r.out, p + " ok")) << r.out;
+  }
+}
+
+// Rank 1 may not be read (not dumpable; no rank has CAP_SYS_PTRACE), while
+// it may read the others: the ranks disagree in their probes, and the group
+// agrees to stage on every rank; the results are exact.
+TEST(ShmSingleCopy, FallsBackToStagingWhenARankCannotBeRead) {
+  auto r = run_process({launcher_path(), "-n", "3", "--timeout", "90", job(), "single-copy", "unreadable"},
+                       single_copy_env());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_FALSE(contains(r.err, "capset failed")) << r.err;
+  for (int q = 0; q < 3; ++q) {
+    const std::string p = "[" + std::to_string(q) + "] rank " + std::to_string(q);
+    EXPECT_TRUE(contains(r.out, p + " single copy off")) << r.out;
+    EXPECT_TRUE(contains(r.out, p + " ok")) << r.out;
+  }
+}
+
 TEST(ShmSelection, AutoPicksShmWhenEveryRankIsOnThisHost) {
   auto r = run_process({launcher_path(), "-n", "3", "--timeout", "90", job(), "ops", "auto"}, shm_env());
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
@@ -86,6 +149,22 @@ TEST(ShmFailure, KillNineOfARankMidCollectiveIsReportedAndLeavesNothingBehind) {
   const std::string segment = segment_of(r.out);
   ASSERT_FALSE(segment.empty()) << r.out;
   EXPECT_NE(access(("/dev/shm" + segment).c_str(), F_OK), 0) << segment << " was left in /dev/shm";
+}
+
+// Killed in the middle of single-copy all-reduces (a peer may be reading
+// its tensor at that moment: process_vm_readv fails, or the peer waits at a
+// step's barrier): the survivor names it within seconds.
+TEST(ShmFailure, KillNineOfARankMidSingleCopyAllreduceIsReported) {
+  if (!siblings_may_read_each_other()) GTEST_SKIP() << "processes may not read each other here: no single copy";
+  auto r = run_process({launcher_path(), "-n", "2", "--grace", "15", "--timeout", "90", job(), "kill"},
+                       single_copy_env(), std::chrono::seconds(120));
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[0] single copy on")) << r.out;
+  const auto lines = lines_with_prefix(r.err, "[0] rank 0 failed after ");
+  ASSERT_EQ(lines.size(), 1u) << r.err;
+  EXPECT_TRUE(contains(lines[0], "rank 1 (pid ") || contains(lines[0], "rank 1's tensor")) << lines[0];
+  EXPECT_TRUE(contains(lines[0], "died") || contains(lines[0], "the process is gone")) << lines[0];
+  EXPECT_LT(std::stod(lines[0].substr(lines[0].find("after ") + 6)), 10.0) << lines[0];
 }
 
 // Through ops::all_reduce the error has one prefix and one collective number

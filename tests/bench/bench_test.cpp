@@ -121,8 +121,9 @@ TEST(Bench, IntegerTypesHaveNoGradientColumns) {
 // --raw-only (the transport comparison's mode): the raw call timed and
 // checked, every differentiable column n/a.
 TEST(Bench, RawOnlyTimesTheTransportCallAlone) {
-  const auto r = bench(2, "shm", {"--op", "all_reduce", "-b", "4K", "-e", "64K", "-f", "16", "--iters", "2",
-                                  "--warmup", "0", "--raw-only"});
+  const auto r =
+      bench(2, "shm",
+            {"--op", "all_reduce", "-b", "4K", "-e", "64K", "-f", "16", "--iters", "2", "--warmup", "0", "--raw-only"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const auto rows = rows_of(r.out, "all_reduce");
   ASSERT_EQ(rows.size(), 2u) << r.out;  // 4K, 64K

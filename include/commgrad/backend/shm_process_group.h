@@ -117,12 +117,18 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
   int64_t segment_bytes() const;
   /// "rank 0/4 group 'world' (shm)".
   std::string describe() const;
+  /// True when all-reduces of `bytes` read the peers' tensors directly: in
+  /// options().single_copy_bytes() to single_copy_max_bytes(), and every
+  /// rank could read every other one when the group was created (else the
+  /// group stages every size through the segment).
+  bool uses_single_copy(int64_t bytes) const;
 
  private:
-  struct Job;
   class Checks;  // a collective's argument checks (src/backend/detail/shm_checks.h)
+  // Runs `run(Comm&, const Call&)` as this group's next collective (shm_process_group.cpp).
+  template <class Run>
   c10::intrusive_ptr<c10d::Work> submit_collective(const char* op, c10d::OpType type, std::vector<at::Tensor> outputs,
-                                                   int64_t bytes, std::chrono::milliseconds timeout, Job job);
+                                                   int64_t bytes, std::chrono::milliseconds timeout, Run&& run);
   [[noreturn]] void reject(const char* op, int kind, const std::string& message);
   // allreduce_out (root -1) and reduce_out: checks, then one Comm::reduce.
   c10::intrusive_ptr<c10d::Work> submit_reduce_out(const Checks& check, const at::Tensor& input,

@@ -1,7 +1,8 @@
 #pragma once
 // The executor behind every ShmProcessGroup call: jobs run in submission
-// order, on the caller's thread when nothing is queued or running (and the
-// caller allows it), otherwise on a worker thread started on first use.
+// order, on the caller's thread when nothing is queued or running and the
+// caller asks for it (run_if_idle), otherwise on a worker thread started on
+// first use (submit).
 // Whoever waits for a queued job that has not started runs it (and the
 // queued jobs before it) on its own thread (run_until): a caller that waits
 // at once then pays no thread handoff (two wake-ups, 100 us and more on a
@@ -45,15 +46,9 @@ class Executor {
     if (thread_.joinable()) thread_.join();
   }
 
-  /// Runs `job` now, on this thread, when `inline_ok` and nothing is queued
-  /// or running; otherwise queues it. `job` must not throw. Returns the
-  /// queued job's ticket for run_until(), or 0 when it already ran.
-  uint64_t submit(std::function<void()> job, bool inline_ok) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (inline_ok && !busy_ && queue_.empty()) {
-      run_locked(job, lock);
-      return 0;
-    }
+  /// Queues `job`, which must not throw. Returns its ticket for run_until().
+  uint64_t submit(std::function<void()> job) {
+    std::lock_guard<std::mutex> lock(mutex_);
     const uint64_t ticket = ++last_ticket_;
     const Clock::time_point now = Clock::now();
     queue_.push_back({ticket, eager_ ? now : now + lazy_start_, std::move(job)});
@@ -62,6 +57,22 @@ class Executor {
     // waiting, so the worker may start them all.
     if (eager_ || queue_.size() > 1 || busy_) release_all_locked(now);
     return ticket;
+  }
+
+  /// Runs `job` now, on this thread, when nothing is queued or running.
+  /// `job` must not throw. False when it did not run.
+  template <class Job>
+  bool run_if_idle(Job&& job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (busy_ || !queue_.empty()) return false;
+      busy_ = true;
+    }
+    job();
+    std::lock_guard<std::mutex> lock(mutex_);
+    busy_ = false;
+    if (!queue_.empty()) cv_.notify_all();
+    return true;
   }
 
   /// Runs the queued jobs up to and including `ticket` on this thread, in

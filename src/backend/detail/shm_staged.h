@@ -17,14 +17,15 @@ inline bool is_cpu_dense(const at::Tensor& t) {
 /// A tensor as the engine sees it: contiguous memory, copied back into the
 /// caller's tensor afterwards when that one is not contiguous.
 struct Staged {
-  at::Tensor user;
-  at::Tensor buffer;
+  at::Tensor buffer;  // the caller's tensor when contiguous, else a contiguous copy
+  at::Tensor user;    // the caller's tensor when `buffer` is a copy; undefined otherwise (one reference less to count)
 
-  explicit Staged(const at::Tensor& t) : user(t), buffer(t.is_contiguous() ? t : t.contiguous()) {}
+  explicit Staged(const at::Tensor& t)
+      : buffer(t.is_contiguous() ? t : t.contiguous()), user(t.is_contiguous() ? at::Tensor() : t) {}
   uint8_t* data() const { return static_cast<uint8_t*>(buffer.data_ptr()); }
   int64_t bytes() const { return static_cast<int64_t>(buffer.nbytes()); }
   void finish() const {
-    if (!buffer.is_same(user)) user.copy_(buffer);
+    if (user.defined()) user.copy_(buffer);
   }
 };
 

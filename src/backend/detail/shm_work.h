@@ -5,6 +5,7 @@
 #include "commgrad/detail/torch_compat.h"
 
 #include "detail/shm_comm.h"
+#include "detail/shm_executor.h"
 
 #include <ATen/core/ivalue.h>
 
@@ -14,6 +15,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <time.h>
 #include <vector>
 
 namespace commgrad::backend::detail {
@@ -27,6 +29,12 @@ class ShmWork : public c10d::Work {
  public:
   ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
       : c10d::Work(rank, type), outputs_(std::move(outputs)) {}
+  /// A Work born completed with `error` (or the outputs when null).
+  ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::exception_ptr error)
+      : c10d::Work(rank, type), outputs_(std::move(outputs)), error_(error), done_(true) {
+    completed_ = true;
+    exception_ = std::move(error);
+  }
 
   /// Marks the Work (and its Future, if one was asked for) done with `error`, or with the outputs when null.
   void complete(const std::exception_ptr& error);
@@ -59,9 +67,55 @@ class ShmWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+/// steady_clock's now() to the kernel's tick (a few ms): enough for a
+/// deadline, and it reads no clock source (the precise now() is about 20 ns
+/// of a 4 KiB all-reduce's 500 on one rank here).
+inline std::chrono::steady_clock::time_point coarse_now() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);  // steady_clock is CLOCK_MONOTONIC
+  return std::chrono::steady_clock::time_point(std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec));
+}
+
+/// Runs `run(comm, call)` under a Call for `op` whose deadline starts now;
+/// returns what it threw.
+template <class Run>
+std::exception_ptr run_call(Comm& comm, const char* op, std::chrono::milliseconds limit, Run& run) noexcept {
+  Call call;
+  call.op = op;
+  call.timeout = limit;
+  call.deadline = coarse_now() + limit;
+  try {
+    run(comm, call);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
 /// An executor job: runs `run` under a Call for `op` whose deadline starts
 /// when the job does, and completes `work` with the outcome.
 std::function<void()> completing(c10::intrusive_ptr<ShmWork> work, Comm* comm, const char* op,
                                  std::chrono::milliseconds limit, std::function<void(Comm&, const Call&)> run);
+
+/// Runs `run` (see run_call) on this thread when `inline_ok` and nothing is
+/// queued or running on `executor`, and returns a Work born completed: no
+/// job or closure on the heap, which a small collective would notice.
+/// Otherwise queues it as a job that completes the Work it returns.
+template <class Run>
+c10::intrusive_ptr<ShmWork> run_or_queue(Executor& executor, bool inline_ok, Comm& comm, const char* op,
+                                         std::chrono::milliseconds limit, int rank, c10d::OpType type,
+                                         std::vector<at::Tensor> outputs, Run&& run) {
+  if (inline_ok) {
+    std::exception_ptr error;
+    if (executor.run_if_idle([&] { error = run_call(comm, op, limit, run); })) {
+      return c10::make_intrusive<ShmWork>(rank, type, std::move(outputs), std::move(error));
+    }
+  }
+  auto work = c10::make_intrusive<ShmWork>(rank, type, std::move(outputs));
+  const uint64_t ticket = executor.submit(
+      completing(work, &comm, op, limit, std::function<void(Comm&, const Call&)>(std::forward<Run>(run))));
+  work->queued_in(&executor, ticket);
+  return work;
+}
 
 }  // namespace commgrad::backend::detail
