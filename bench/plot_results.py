@@ -28,7 +28,8 @@ import os
 import re
 import statistics
 
-COLORS = {"shm": "#1f77b4", "Gloo": "#d62728", "OpenMPI": "#2ca02c", "ops::all_reduce on shm": "#9467bd"}
+COLORS = {"shm": "#1f77b4", "Gloo": "#d62728", "OpenMPI": "#2ca02c", "ops::all_reduce on shm": "#9467bd",
+          "copy floor": "#7f7f7f"}
 
 
 # ~~~ reading ~~~
@@ -53,6 +54,24 @@ def read_bench(path):
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
     return {size: tuple(median(field) for field in zip(*rounds)) for size, rounds in seen.items()}
+
+
+def read_floor(path, n):
+    """size -> (floor time us, floor busbw, None, None) from bench/copy_floor.c's rounds: (5n-2)/(2n) times the
+    median memcpy, what a transport staging through shared memory must copy (compare_transports.sh)."""
+    seen = {}
+    if not os.path.exists(path):
+        return {}
+    for line in open(path):
+        if line.startswith("#") or not line.strip():
+            continue
+        size, t = line.split()[:2]
+        seen.setdefault(int(size), []).append(float(t))
+    rows = {}
+    for size, times in seen.items():
+        t = (5 * n - 2) / (2 * n) * statistics.median(times)
+        rows[size] = (t, size / t / 1e3 * 2 * (n - 1) / n, None, None)
+    return rows
 
 
 def newest_session(results):
@@ -89,6 +108,7 @@ def session_data(runs, n):
     data = {}
     for label, key in (("shm", "shm"), ("Gloo", "gloo"), ("OpenMPI", "mpi")):
         data[label] = [r for r in (read_bench(os.path.join(d, f"allreduce_n{n}_{key}.txt")) for d in runs) if r]
+    data["copy floor"] = [r for r in (read_floor(os.path.join(d, f"copy_floor_n{n}.txt"), n) for d in runs) if r]
     return data
 
 
@@ -163,11 +183,12 @@ def write(path, o):
 def busbw_plot(runs, out):
     ranks = [n for n in (2, 4) if any(session_data(runs, n).values())]
     W, PW, PH, L, T = 480 * len(ranks) + 40, 400, 300, 60, 60
-    o = svg_open(W, PH + T + 135)
+    o = svg_open(W, PH + T + 155)
     names = ", ".join(os.path.basename(d) for d in runs)
     o.append(f'<text x="{L}" y="20" font-size="14">all_reduce float32: bus bandwidth (GB/s, log) against '
              f'message size (bytes, log)</text>')
     o.append(f'<text x="{L}" y="38">line: median over the runs {names}; band: their min-max</text>')
+    with_op = False
     for i, n in enumerate(ranks):
         data = session_data(runs, n)
         series = []
@@ -182,6 +203,7 @@ def busbw_plot(runs, out):
             series.append(("ops::all_reduce on shm", [(s, statistics.median(r[s][2] for r in shm),
                                                        min(r[s][2] for r in shm), max(r[s][2] for r in shm))
                                                       for s in sizes], True))
+            with_op = True
         values = [v for _, pts, _ in series for p in pts for v in p[1:]]
         xs = sorted({p[0] for _, pts, _ in series for p in pts})
         if not xs:
@@ -190,9 +212,14 @@ def busbw_plot(runs, out):
         yhi = 10 ** math.ceil(math.log10(max(values)))
         cores = " on 2 cores" if n > 2 else ""
         panel(o, L + i * 480, T + 20, PW, PH, f"{n} ranks{cores}", series, xs, ylo, yhi)
-    legend(o, L, T + PH + 80, [("shm", False), ("Gloo", False), ("OpenMPI", False)])
-    legend(o, L + 200, T + PH + 80, [("ops::all_reduce on shm", True)])
-    o.append(f'<text x="{L + 200}" y="{T + PH + 102}">(commgrad-bench\'s differentiable forward over the shm transport)</text>')
+    legend(o, L, T + PH + 80, [("shm", False), ("Gloo", False), ("OpenMPI", False), ("copy floor", False)])
+    if with_op:
+        legend(o, L + 200, T + PH + 80, [("ops::all_reduce on shm", True)])
+        o.append(f'<text x="{L + 200}" y="{T + PH + 102}">(commgrad-bench\'s differentiable forward over the shm '
+                 'transport)</text>')
+    else:
+        o.append(f'<text x="{L + 200}" y="{T + PH + 84}">each transport\'s call timed alone (commgrad-bench '
+                 '--raw-only)</text>')
     o.append(f'<text x="{L + 200}" y="{T + PH + 120}">measured {session_machine(runs)}</text>')
     o.append(f'<text x="{L}" y="{T + PH + 56}">message size (bytes)</text>')
     write(os.path.join(out, "busbw_allreduce.svg"), o)
@@ -271,8 +298,9 @@ def ratio_range(values, suffix="x"):
 
 def tables(runs):
     print(f"Runs: {', '.join(os.path.basename(d) for d in runs)} ({session_machine(runs)})\n")
-    print("| size | 2 ranks: shm busbw GB/s | shm vs Gloo | shm vs OpenMPI | 4 ranks: shm busbw GB/s | shm vs Gloo | shm vs OpenMPI |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| size | 2 ranks: shm busbw GB/s | shm vs Gloo | shm vs OpenMPI | shm / copy floor "
+          "| 4 ranks: shm busbw GB/s | shm vs Gloo | shm vs OpenMPI | shm / copy floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     d2, d4 = session_data(runs, 2), session_data(runs, 4)
     sizes = sorted(set.intersection(*(set(r) for r in d2["shm"] + d4["shm"])))
     for s in sizes:
@@ -283,7 +311,12 @@ def tables(runs):
             for peer in ("Gloo", "OpenMPI"):
                 pairs = [(a[s][0], b[s][0]) for a, b in zip(shm, d[peer]) if s in a and s in b]
                 cells.append(ratio_range([p / a for a, p in pairs]) if pairs else "-")
+            pairs = [(a[s][0], f[s][0]) for a, f in zip(shm, d["copy floor"]) if s in a and s in f]
+            cells.append(ratio_range([a / f for a, f in pairs]) if pairs else "-")
         print("| " + " | ".join(cells) + " |")
+    if not any(r[s][3] is not None for d in (d2, d4) for peer in ("shm", "Gloo") for r in d[peer] for s in r):
+        print("\n(No ovh column: these runs timed each transport's call alone, commgrad-bench --raw-only.)")
+        return
     print("\nops::all_reduce (differentiable forward) over the raw call of its transport, % (commgrad-bench's ovh):\n")
     print("| size | shm, 2 ranks | Gloo, 2 ranks | shm, 4 ranks | Gloo, 4 ranks |")
     print("|---|---:|---:|---:|---:|")
