@@ -6,7 +6,8 @@
 // its input and output with its descriptor and arrives. The tensor is then
 // cut into steps of kStepBytes per rank, each step cut into one slice per
 // rank. In step j rank r reads slice r of chunk j from every peer's input
-// into a private scratch buffer and reduces it, in rank order, into its
+// into a private scratch buffer, 256 KiB at a time (so that it is still in
+// cache when it is reduced), and reduces it, in rank order, into its
 // output (its own contribution straight from its input); and reads the
 // other slices of chunk j - 1, which their ranks reduced in step j - 1,
 // straight from those ranks' outputs into its own. Every rank arrives after
@@ -40,6 +41,8 @@ const volatile uint64_t probe_word = kSingleCopyProbe;
 // Bytes of its slice each rank reduces per step: large enough that the
 // system calls do not count, small enough that a step's data stays in cache.
 constexpr int64_t kStepBytes = 2 << 20;
+// Bytes of a peer's slice read (and then reduced) at a time: the scratch stays in L2.
+constexpr int64_t kPieceBytes = 256 << 10;
 
 }  // namespace
 
@@ -123,7 +126,8 @@ void Comm::allreduce_single_copy(const Call& call, const uint8_t* in, uint8_t* o
     inputs[q] = static_cast<uint64_t>(segment_->aux(set, q)[0]);
     outputs[q] = static_cast<uint64_t>(segment_->aux(set, q)[1]);
   }
-  scratch_.resize(static_cast<size_t>((size_ - 1) * (chunk / size_) * es));
+  const int64_t piece = std::max<int64_t>(align, kPieceBytes / es);
+  scratch_.resize(static_cast<size_t>((size_ - 1) * piece * es));
   // Step j reduces this rank's slice of chunk j and copies the other slices
   // of chunk j - 1, which their ranks reduced in step j - 1.
   for (int64_t j = 0; j <= nchunks; ++j) {
@@ -132,17 +136,19 @@ void Comm::allreduce_single_copy(const Call& call, const uint8_t* in, uint8_t* o
       const int64_t c = std::min(chunk, count - off);
       const int64_t b = off + slice_begin(c, rank_, size_, align);
       const int64_t len = off + slice_begin(c, rank_ + 1, size_, align) - b;
-      if (len > 0) {
+      // Piece by piece, so that what was read is still in cache when it is reduced.
+      for (int64_t p = b; p < b + len; p += piece) {
+        const int64_t plen = std::min(piece, b + len - p);
         for (int q = 0, k = 0; q < size_; ++q) {
           if (q == rank_) {
-            srcs_[q] = in + b * es;
+            srcs_[q] = in + p * es;
             continue;
           }
-          uint8_t* to = scratch_.data() + k++ * (chunk / size_) * es;
-          read_peer(call, q, inputs[q] + b * es, to, len * es);
+          uint8_t* to = scratch_.data() + k++ * piece * es;
+          read_peer(call, q, inputs[q] + p * es, to, plen * es);
           srcs_[q] = to;
         }
-        reduce_into(out + b * es, nullptr, srcs_.data(), size_, len, dtype, op, size_);
+        reduce_into(out + p * es, nullptr, srcs_.data(), size_, plen, dtype, op, size_);
       }
     }
     if (j > 0) {
