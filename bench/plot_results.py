@@ -2,22 +2,27 @@
 """Draws the plots of docs/benchmarks.md from the raw results in bench/results.
 
     python3 bench/plot_results.py [--results bench/results] [--out docs/images] [--tables]
+    python3 bench/plot_results.py --run DIR
 
 Writes (plain SVG, Python's standard library only):
   OUT/busbw_allreduce.svg  all_reduce float32 bus bandwidth against size, one
       panel per rank count, for shm, Gloo and OpenMPI (commgrad-bench's raw
-      transport call and bench/mpi_allreduce.c), plus commgrad's
-      differentiable ops::all_reduce over shm. Read from the newest session
-      of bench/compare_transports.sh outputs, RESULTS/transports/runN*/ (the
-      highest N; every folder of that N is one run of the session): the line
-      is the median over the session's runs, the band their min-max.
+      transport call and bench/mpi_collectives.c) and the copy floor, plus
+      commgrad's differentiable ops::all_reduce over shm when the runs timed
+      it. Read from the newest session of bench/compare_transports.sh
+      outputs, RESULTS/transports/runN*/ (the highest N; every folder of that
+      N is one run of the session): the line is the median over the
+      session's runs, the band their min-max.
   OUT/vs_python.svg  commgrad's throughput over Python PyTorch's, per round
       and as the ratio of the medians: the tensor-parallel MLP
       (RESULTS/tp_mlp/*.csv, the newest file by name) and the GPT
       (RESULTS/gpt/*/summary.md, the newest folder by name, as
       bench/compare_gpt.sh writes it).
 With --tables, prints the markdown tables of docs/benchmarks.md's collectives
-section computed from the same files.
+section computed from the same files. With --run DIR, summarises one
+compare_transports.sh run (what the script calls when it ends): for every
+collective in DIR, a table per rank count (each transport's median time and
+bus bandwidth, shm's ratios) into DIR/summary.md, and DIR/OP_busbw.svg.
 """
 
 import argparse
@@ -28,8 +33,15 @@ import os
 import re
 import statistics
 
-COLORS = {"shm": "#1f77b4", "Gloo": "#d62728", "OpenMPI": "#2ca02c", "ops::all_reduce on shm": "#9467bd",
-          "copy floor": "#7f7f7f"}
+COLORS = {"shm": "#1f77b4", "Gloo": "#d62728", "OpenMPI": "#2ca02c", "copy floor": "#7f7f7f"}
+OP_COLOR = "#9467bd"  # commgrad's differentiable op over shm
+TRANSPORTS = (("shm", "shm"), ("Gloo", "gloo"), ("OpenMPI", "mpi"))  # (label, file key)
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
+def results_file(run_dir, op, n, key):
+    """compare_transports.sh's file of one collective, rank count and transport: allreduce_n2_shm.txt."""
+    return os.path.join(run_dir, f"{op.replace('_', '')}_n{n}_{key}.txt")
 
 
 # ~~~ reading ~~~
@@ -103,13 +115,25 @@ def session_machine(runs):
     return f"{day} {span} UTC, {first.group(3)}"
 
 
-def session_data(runs, n):
-    """{series label: [per-run {size: row}]} for one rank count."""
+def session_data(runs, n, op="all_reduce"):
+    """{series label: [per-run {size: row}]} for one collective and rank count; the copy floor is all_reduce's."""
     data = {}
-    for label, key in (("shm", "shm"), ("Gloo", "gloo"), ("OpenMPI", "mpi")):
-        data[label] = [r for r in (read_bench(os.path.join(d, f"allreduce_n{n}_{key}.txt")) for d in runs) if r]
-    data["copy floor"] = [r for r in (read_floor(os.path.join(d, f"copy_floor_n{n}.txt"), n) for d in runs) if r]
+    for label, key in TRANSPORTS:
+        data[label] = [r for r in (read_bench(results_file(d, op, n, key)) for d in runs) if r]
+    if op == "all_reduce":
+        data["copy floor"] = [r for r in (read_floor(os.path.join(d, f"copy_floor_n{n}.txt"), n) for d in runs) if r]
     return data
+
+
+def session_ranks(runs, op="all_reduce"):
+    """The rank counts the runs measured `op` at."""
+    found = set()
+    for d in runs:
+        for path in glob.glob(results_file(d, op, "*", "*")):
+            m = re.search(r"_n(\d+)_", os.path.basename(path))
+            if m:
+                found.add(int(m.group(1)))
+    return sorted(found)
 
 
 def newest(pattern):
@@ -147,7 +171,7 @@ def panel(o, x, y, w, h, title, series, xs, ylo, yhi):
     for label, pts, dashed in series:
         if not pts:
             continue
-        c = COLORS.get(label, "black")
+        c = COLORS.get(label, OP_COLOR)
         band = [(X(s), Y(hi)) for s, _, _, hi in pts] + [(X(s), Y(lo)) for s, _, lo, _ in reversed(pts)]
         o.append('<polygon points="' + " ".join(f"{a:.1f},{b:.1f}" for a, b in band) +
                  f'" fill="{c}" fill-opacity="0.15" stroke="none"/>')
@@ -160,7 +184,7 @@ def panel(o, x, y, w, h, title, series, xs, ylo, yhi):
 
 def legend(o, x, y, entries):
     for i, (label, dashed) in enumerate(entries):
-        c = COLORS.get(label, "black")
+        c = COLORS.get(label, OP_COLOR)
         dash = ' stroke-dasharray="6,4"' if dashed else ""
         o.append(f'<line x1="{x}" y1="{y + 18 * i}" x2="{x + 28}" y2="{y + 18 * i}" stroke="{c}" stroke-width="2"{dash}/>')
         o.append(f'<text x="{x + 34}" y="{y + 18 * i + 4}">{label}</text>')
@@ -180,29 +204,35 @@ def write(path, o):
 
 # ~~~ the plots ~~~
 
-def busbw_plot(runs, out):
-    ranks = [n for n in (2, 4) if any(session_data(runs, n).values())]
-    W, PW, PH, L, T = 480 * len(ranks) + 40, 400, 300, 60, 60
-    o = svg_open(W, PH + T + 155)
+def median_band(per_run, field):
+    """[(size, median, min, max)] of one field over the runs, at the sizes every run has."""
+    sizes = sorted(set.intersection(*(set(r) for r in per_run))) if per_run else []
+    if not all(r[s][field] is not None for r in per_run for s in sizes):
+        return []
+    return [(s, statistics.median(r[s][field] for r in per_run), min(r[s][field] for r in per_run),
+             max(r[s][field] for r in per_run)) for s in sizes]
+
+
+def busbw_plot(runs, path, op="all_reduce"):
+    """One panel per rank count: each transport's bus bandwidth (and the copy floor, and the differentiable op
+    over shm where the runs timed it) against size."""
+    ranks = session_ranks(runs, op)
+    W, PW, PH, L, T = 480 * max(len(ranks), 1) + 40, 400, 300, 60, 60
+    o = svg_open(max(W, 760), PH + T + 155)
     names = ", ".join(os.path.basename(d) for d in runs)
-    o.append(f'<text x="{L}" y="20" font-size="14">all_reduce float32: bus bandwidth (GB/s, log) against '
+    o.append(f'<text x="{L}" y="20" font-size="14">{op} float32: bus bandwidth (GB/s, log) against '
              f'message size (bytes, log)</text>')
     o.append(f'<text x="{L}" y="38">line: median over the runs {names}; band: their min-max</text>')
+    op_label = f"ops::{op} on shm"
     with_op = False
+    m = re.search(r"(\d+) cores", session_machine(runs))
+    measured_cores = int(m.group(1)) if m else None
     for i, n in enumerate(ranks):
-        data = session_data(runs, n)
-        series = []
-        for label, per_run in data.items():
-            sizes = sorted(set.intersection(*(set(r) for r in per_run))) if per_run else []
-            series.append((label, [(s, statistics.median(r[s][1] for r in per_run),
-                                    min(r[s][1] for r in per_run), max(r[s][1] for r in per_run)) for s in sizes],
-                           False))
-        shm = data["shm"]
-        sizes = sorted(set.intersection(*(set(r) for r in shm))) if shm else []
-        if sizes and all(r[s][2] is not None for r in shm for s in sizes):
-            series.append(("ops::all_reduce on shm", [(s, statistics.median(r[s][2] for r in shm),
-                                                       min(r[s][2] for r in shm), max(r[s][2] for r in shm))
-                                                      for s in sizes], True))
+        data = session_data(runs, n, op)
+        series = [(label, median_band(per_run, 1), False) for label, per_run in data.items()]
+        op_line = median_band(data["shm"], 2)
+        if op_line:
+            series.append((op_label, op_line, True))
             with_op = True
         values = [v for _, pts, _ in series for p in pts for v in p[1:]]
         xs = sorted({p[0] for _, pts, _ in series for p in pts})
@@ -210,11 +240,12 @@ def busbw_plot(runs, out):
             continue
         ylo = 10 ** math.floor(math.log10(min(values)))
         yhi = 10 ** math.ceil(math.log10(max(values)))
-        cores = " on 2 cores" if n > 2 else ""
+        cores = f" on {measured_cores} cores" if measured_cores and n > measured_cores else ""
         panel(o, L + i * 480, T + 20, PW, PH, f"{n} ranks{cores}", series, xs, ylo, yhi)
-    legend(o, L, T + PH + 80, [("shm", False), ("Gloo", False), ("OpenMPI", False), ("copy floor", False)])
+    entries = [("shm", False), ("Gloo", False), ("OpenMPI", False)]
+    legend(o, L, T + PH + 80, entries + ([("copy floor", False)] if op == "all_reduce" else []))
     if with_op:
-        legend(o, L + 200, T + PH + 80, [("ops::all_reduce on shm", True)])
+        legend(o, L + 200, T + PH + 80, [(op_label, True)])
         o.append(f'<text x="{L + 200}" y="{T + PH + 102}">(commgrad-bench\'s differentiable forward over the shm '
                  'transport)</text>')
     else:
@@ -222,7 +253,7 @@ def busbw_plot(runs, out):
                  '--raw-only)</text>')
     o.append(f'<text x="{L + 200}" y="{T + PH + 120}">measured {session_machine(runs)}</text>')
     o.append(f'<text x="{L}" y="{T + PH + 56}">message size (bytes)</text>')
-    write(os.path.join(out, "busbw_allreduce.svg"), o)
+    write(path, o)
 
 
 def tp_rows(path):
@@ -304,7 +335,7 @@ def tables(runs):
     d2, d4 = session_data(runs, 2), session_data(runs, 4)
     sizes = sorted(set.intersection(*(set(r) for r in d2["shm"] + d4["shm"])))
     for s in sizes:
-        cells = [human(s).replace("K", " KiB").replace("M", " MiB").replace("G", " GiB")]
+        cells = [size_name(s)]
         for d in (d2, d4):
             shm = d["shm"]
             cells.append(ratio_range([r[s][1] for r in shm], ""))
@@ -314,6 +345,7 @@ def tables(runs):
             pairs = [(a[s][0], f[s][0]) for a, f in zip(shm, d["copy floor"]) if s in a and s in f]
             cells.append(ratio_range([a / f for a, f in pairs]) if pairs else "-")
         print("| " + " | ".join(cells) + " |")
+    other_collectives_tables(runs)
     if not any(r[s][3] is not None for d in (d2, d4) for peer in ("shm", "Gloo") for r in d[peer] for s in r):
         print("\n(No ovh column: these runs timed each transport's call alone, commgrad-bench --raw-only.)")
         return
@@ -321,12 +353,89 @@ def tables(runs):
     print("| size | shm, 2 ranks | Gloo, 2 ranks | shm, 4 ranks | Gloo, 4 ranks |")
     print("|---|---:|---:|---:|---:|")
     for s in sizes:
-        cells = [human(s).replace("K", " KiB").replace("M", " MiB")]
+        cells = [size_name(s)]
         for d in (d2, d4):
             for peer in ("shm", "Gloo"):
                 v = [r[s][3] for r in d[peer] if s in r and r[s][3] is not None]
                 cells.append(f"{min(v):+.0f} to {max(v):+.0f}" if v else "-")
         print("| " + " | ".join(cells) + " |")
+
+
+def other_collectives_tables(runs):
+    """shm's speed-up over OpenMPI and over Gloo for the collectives other than all_reduce, where the runs
+    measured them (compare_transports.sh --op): one column per collective and rank count."""
+    columns = [(op, n) for op in OPS[1:] for n in session_ranks(runs, op)]
+    if not columns:
+        return
+    data = {(op, n): session_data(runs, n, op) for op, n in columns}
+    sizes = sorted(set.intersection(*(set(r) for d in data.values() for r in d["shm"])))
+    for peer in ("OpenMPI", "Gloo"):
+        print(f"\nshm vs {peer} (time ratio, higher: shm faster):\n")
+        print("| size | " + " | ".join(f"{op}, {n} ranks" for op, n in columns) + " |")
+        print("|---|" + "---:|" * len(columns))
+        for s in sizes:
+            cells = [size_name(s)]
+            for column in columns:
+                d = data[column]
+                pairs = [(a[s][0], b[s][0]) for a, b in zip(d["shm"], d[peer]) if s in a and s in b]
+                cells.append(ratio_range([p / a for a, p in pairs]) if pairs else "-")
+            print("| " + " | ".join(cells) + " |")
+
+
+# ~~~ one compare_transports.sh run ~~~
+
+def size_name(b):
+    return human(b).replace("K", " KiB").replace("M", " MiB").replace("G", " GiB")
+
+
+def run_table(run_dir, op, n):
+    """The markdown table of one collective at n ranks in one run: each transport's median time and busbw, then
+    shm's speed-up over the others and its time over the copy floor."""
+    data = {label: rows[0] for label, rows in session_data([run_dir], n, op).items() if rows}
+    if "shm" not in data:
+        return []
+    present = [label for label in ("Gloo", "shm", "OpenMPI", "copy floor") if label in data]
+    ratios = [f"shm vs {p}" for p in ("Gloo", "OpenMPI") if p in data] + (["shm / floor"] if "copy floor" in data else [])
+    md = [f"{op} float32, {n} ranks: time per call (us; the median over the rounds of each round's median) "
+          "and bus bandwidth (GB/s)", "",
+          "| size | " + " | ".join(f"{label} time | {label} busbw" for label in present) +
+          "".join(f" | {r}" for r in ratios) + " |",
+          "|" + "---|" * (1 + 2 * len(present) + len(ratios))]
+    for s in sorted(data["shm"]):
+        cells = [size_name(s)]
+        for label in present:
+            t, b = data[label].get(s, (float("nan"), float("nan")))[:2]
+            cells += [f"{t:.1f}", f"{b:.3f}"]
+        shm_t = data["shm"][s][0]
+        for label in ("Gloo", "OpenMPI"):
+            if label in data:
+                other = data[label].get(s)
+                cells.append(f"{other[0] / shm_t:.2f}x faster" if other and shm_t > 0 else "")
+        if "copy floor" in data:
+            f = data["copy floor"].get(s)
+            cells.append(f"{shm_t / f[0]:.2f}x" if f and f[0] > 0 else "")
+        md.append("| " + " | ".join(cells) + " |")
+    return md + [""]
+
+
+def run_summary(run_dir):
+    """DIR/summary.md (every collective and rank count of one run) and DIR/OP_busbw.svg; prints the summary."""
+    md = [machine(run_dir)]
+    for line in open(os.path.join(run_dir, "machine.txt")).readlines()[1:]:
+        md[0] += "; " + line.lstrip("# ").strip()
+    md.append("")
+    for op in OPS:
+        ranks = session_ranks([run_dir], op)
+        if not ranks:
+            continue
+        for n in ranks:
+            md += run_table(run_dir, op, n)
+        name = f"{op.replace('_', '')}_busbw.svg"
+        busbw_plot([run_dir], os.path.join(run_dir, name), op)
+        md += [f"![{op} bus bandwidth]({name})", ""]
+    with open(os.path.join(run_dir, "summary.md"), "w") as f:
+        f.write("\n".join(md))
+    print("\n".join(md))
 
 
 def main():
@@ -335,13 +444,17 @@ def main():
     p.add_argument("--results", default=os.path.normpath(os.path.join(here, "results")))
     p.add_argument("--out", default=os.path.normpath(os.path.join(here, "..", "docs", "images")))
     p.add_argument("--tables", action="store_true", help="print the collectives tables instead of drawing")
+    p.add_argument("--run", metavar="DIR", help="summarise one compare_transports.sh run folder instead")
     a = p.parse_args()
+    if a.run:
+        run_summary(a.run)
+        return
     runs = newest_session(a.results)
     if a.tables:
         tables(runs)
         return
     os.makedirs(a.out, exist_ok=True)
-    busbw_plot(runs, a.out)
+    busbw_plot(runs, os.path.join(a.out, "busbw_allreduce.svg"))
     vs_python_plot(a.results, a.out)
 
 

@@ -1,0 +1,155 @@
+/* OpenMPI's collectives (float32; SUM where they reduce) timed the way
+ * commgrad-bench times its raw transport call, for bench/compare_transports.sh:
+ *
+ *   mpirun -n N mpi_collectives OP MINBYTES MAXBYTES FACTOR ITERS WARMUP
+ *
+ * OP is all_reduce (MPI_Allreduce, in place), all_gather (MPI_Allgather),
+ * reduce_scatter (MPI_Reduce_scatter_block), broadcast (MPI_Bcast, root 0)
+ * or all_to_all (MPI_Alltoall). Sizes count as commgrad-bench's do (those of
+ * nccl-tests): all_gather's output, reduce_scatter's input, all_to_all's
+ * buffer per rank, the whole tensor for the others; the bus bandwidth factor
+ * is nccl-tests' too. For every size: WARMUP untimed calls, then ITERS rounds
+ * of (MPI_Barrier, one timed call); rank 0 prints the median in
+ * commgrad-bench's column layout (size count type redop root | time algbw
+ * busbw #wrong), so that one parser reads both. #wrong comes from a separate
+ * checked call on commgrad-bench's inputs, x_r[i] = (i mod 5) + r + 1, whose
+ * every result is exact in float. */
+
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum Op { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kAllToAll };
+
+static const char* const kNames[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"};
+
+static int parse_op(const char* name) {
+  for (int i = 0; i < (int)(sizeof(kNames) / sizeof(kNames[0])); ++i)
+    if (strcmp(name, kNames[i]) == 0) return i;
+  return -1;
+}
+
+/* Whether the op splits its buffer into one part per rank. */
+static int splits(int op) { return op == kAllGather || op == kReduceScatter || op == kAllToAll; }
+
+static double bus_factor(int op, int n) {
+  if (op == kAllReduce) return 2.0 * (n - 1) / n;
+  if (op == kBroadcast) return 1.0;
+  return (double)(n - 1) / n;
+}
+
+static float input_value(long i, int rank) { return (float)(i % 5 + rank + 1); }
+
+/* One call of OP on `count` elements (the table's count). */
+static void call(int op, float* send, float* recv, long count, int n) {
+  const int part = (int)(count / n);
+  switch (op) {
+    case kAllReduce:
+      MPI_Allreduce(MPI_IN_PLACE, send, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      break;
+    case kAllGather:
+      MPI_Allgather(send, part, MPI_FLOAT, recv, part, MPI_FLOAT, MPI_COMM_WORLD);
+      break;
+    case kReduceScatter:
+      MPI_Reduce_scatter_block(send, recv, part, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      break;
+    case kBroadcast:
+      MPI_Bcast(send, (int)count, MPI_FLOAT, 0, MPI_COMM_WORLD);
+      break;
+    default:
+      MPI_Alltoall(send, part, MPI_FLOAT, recv, part, MPI_FLOAT, MPI_COMM_WORLD);
+      break;
+  }
+}
+
+/* Fills the inputs, runs OP once and counts this rank's wrong elements. */
+static long checked_call(int op, float* send, float* recv, long count, int rank, int n) {
+  const long part = count / n;
+  const long in = op == kAllGather ? part : count;
+  for (long i = 0; i < in; ++i) send[i] = input_value(i, rank);
+  call(op, send, recv, count, n);
+  long wrong = 0;
+  switch (op) {
+    case kAllReduce:
+      for (long i = 0; i < count; ++i) wrong += send[i] != (float)(n * (i % 5) + n * (n + 1) / 2);
+      break;
+    case kAllGather:
+      for (long i = 0; i < count; ++i) wrong += recv[i] != input_value(i % part, (int)(i / part));
+      break;
+    case kReduceScatter:
+      for (long j = 0; j < part; ++j) wrong += recv[j] != (float)(n * ((rank * part + j) % 5) + n * (n + 1) / 2);
+      break;
+    case kBroadcast:
+      for (long i = 0; i < count; ++i) wrong += send[i] != input_value(i, 0);
+      break;
+    default:
+      for (long i = 0; i < count; ++i) wrong += recv[i] != input_value(rank * part + i % part, (int)(i / part));
+      break;
+  }
+  return wrong;
+}
+
+static int compare_doubles(const void* a, const void* b) {
+  const double x = *(const double*)a, y = *(const double*)b;
+  return (x > y) - (x < y);
+}
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, n = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  const int op = argc == 7 ? parse_op(argv[1]) : -1;
+  if (op < 0) {
+    if (rank == 0)
+      fprintf(stderr,
+              "usage: mpi_collectives all_reduce|all_gather|reduce_scatter|broadcast|all_to_all "
+              "MINBYTES MAXBYTES FACTOR ITERS WARMUP\n");
+    MPI_Finalize();
+    return 2;
+  }
+  const long min_bytes = atol(argv[2]), max_bytes = atol(argv[3]), factor = atol(argv[4]);
+  const int iters = atoi(argv[5]), warmup = atoi(argv[6]);
+  float* send = malloc((size_t)max_bytes);
+  float* recv = malloc((size_t)max_bytes);
+  double* times = malloc(sizeof(double) * (size_t)(iters > 0 ? iters : 1));
+  if (send == NULL || recv == NULL || times == NULL || factor < 2 || iters < 1 || min_bytes < 1) {
+    fprintf(stderr, "mpi_collectives: bad arguments or out of memory\n");
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  if (rank == 0) {
+    printf("# mpi_collectives %s: %d ranks, float, iters %d, warmup %d\n", kNames[op], n, iters, warmup);
+    printf("#       size      count     type  redop root |     time   algbw   busbw #wrong\n");
+  }
+  for (long bytes = min_bytes; bytes <= max_bytes; bytes *= factor) {
+    const long count = bytes / (long)sizeof(float);
+    if (splits(op) && count % n != 0) {
+      if (rank == 0) fprintf(stderr, "mpi_collectives: %ld floats do not split among %d ranks\n", count, n);
+      MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+    long wrong = checked_call(op, send, recv, count, rank, n), total_wrong = 0;
+    MPI_Reduce(&wrong, &total_wrong, 1, MPI_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
+    for (int i = 0; i < warmup; ++i) call(op, send, recv, count, n);
+    for (int i = 0; i < iters; ++i) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const double start = MPI_Wtime();
+      call(op, send, recv, count, n);
+      times[i] = (MPI_Wtime() - start) * 1e6;
+    }
+    if (rank == 0) {
+      qsort(times, (size_t)iters, sizeof(double), compare_doubles);
+      const double us = times[iters / 2];
+      const double algbw = (double)bytes / us / 1e3;
+      const int reduces = op == kAllReduce || op == kReduceScatter;
+      printf("%12ld %10ld %8s %6s %4d | %8.2f %7.3f %7.3f %6ld\n", bytes, count, "float", reduces ? "sum" : "-",
+             op == kBroadcast ? 0 : -1, us, algbw, algbw * bus_factor(op, n), total_wrong);
+      fflush(stdout);
+    }
+  }
+  free(times);
+  free(recv);
+  free(send);
+  MPI_Finalize();
+  return 0;
+}
