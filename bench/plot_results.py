@@ -388,6 +388,11 @@ def size_name(b):
     return human(b).replace("K", " KiB").replace("M", " MiB").replace("G", " GiB")
 
 
+def speedup(ratio):
+    """'1.52x faster', or '1.32x slower' when the ratio (their time / shm's) is below 1."""
+    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+
+
 def run_table(run_dir, op, n):
     """The markdown table of one collective at n ranks in one run: each transport's median time and busbw, then
     shm's speed-up over the others and its time over the copy floor."""
@@ -410,7 +415,7 @@ def run_table(run_dir, op, n):
         for label in ("Gloo", "OpenMPI"):
             if label in data:
                 other = data[label].get(s)
-                cells.append(f"{other[0] / shm_t:.2f}x faster" if other and shm_t > 0 else "")
+                cells.append(speedup(other[0] / shm_t) if other and shm_t > 0 else "")
         if "copy floor" in data:
             f = data["copy floor"].get(s)
             cells.append(f"{shm_t / f[0]:.2f}x" if f and f[0] > 0 else "")

@@ -5,8 +5,9 @@
 // Inputs are small integers, x_r[i] = (i mod 5) + r + 1, so every expected
 // result is exact in any floating type. The raw call is the bare transport
 // call on preallocated buffers, in place where c10d works in place; for
-// reduce_scatter it is the transport's own where it has one (shm,
-// hierarchical: TransportCapabilities), else, as Gloo lacks it, the
+// all_gather the transport's call into one tensor where it has one (shm),
+// else the list of rows; for reduce_scatter it is the transport's own where
+// it has one (shm, hierarchical: TransportCapabilities), else, as Gloo lacks it, the
 // alltoall_base that carries its traffic (the local sum is not counted), so
 // the overhead column shows the whole cost of the workaround's local step.
 
@@ -137,7 +138,12 @@ Instance all_gather(const Setup& s) {
   auto out = at::empty({n, part}, in.input.options());
   auto group = s.group;
   auto x = in.input;
-  auto run = [out, x, group, n]() {
+  auto run = [out, x, group, n, native = group.capabilities().all_gather]() {
+    if (native) {  // the transport's own into one tensor (shm), as the op uses it
+      at::Tensor o = out, i = x;
+      wait(native(o, i, {}));
+      return;
+    }
     std::vector<std::vector<at::Tensor>> o(1);
     for (int r = 0; r < n; ++r) o[0].push_back(out[r]);
     std::vector<at::Tensor> i{x};

@@ -81,6 +81,9 @@ detail::Transport create_shm(const detail::TransportConfig& c) {
   caps.reduce_scatter = [pg](at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) {
     return pg->_reduce_scatter_base(out, in, o);
   };
+  caps.all_gather = [pg](at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) {
+    return pg->_allgather_base(out, in, o);
+  };
   caps.reduces_16bit = true;  // shm_reduce.cpp accumulates float16/bfloat16 in float32
   caps.completes_on_call_below = pg->options().async_bytes();
   return {std::move(shm), std::move(caps)};

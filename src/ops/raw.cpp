@@ -21,7 +21,8 @@
 //     that accumulates them in float32 itself (shm). Data-movement ops
 //     carry any dtype Gloo lacks as raw bytes, at no cost.
 // Where the transport offers more than c10d's calls (out-of-place reductions,
-// a native reduce-scatter: Group::capabilities()), the ops use it.
+// a native reduce-scatter, an all-gather into one tensor:
+// Group::capabilities()), the ops use it.
 // Ops along a dim other than 0 move that dim to the front first, so every
 // rank's part is one contiguous block (one copy in, one copy out).
 
@@ -106,8 +107,11 @@ std::vector<int64_t> scaled(const std::vector<int64_t>& v, int64_t factor) {
   return out;
 }
 
-// Gloo's all_gather into `flat` ([n, per] in wire elements) of `in` (flat wire view).
-WorkPtr gather_all(const Call& call, const at::Tensor& flat_wire, const at::Tensor& in_wire) {
+// The all_gather into `flat` ([n, per] in wire elements, contiguous) of `in`
+// (flat wire view): the transport's own into one tensor where it has one,
+// else Gloo's into a list of the n rows.
+WorkPtr gather_all(const Call& call, at::Tensor flat_wire, at::Tensor in_wire) {
+  if (const auto& native = call.capabilities(in_wire).all_gather) return native(flat_wire, in_wire, {});
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < call.size; ++r) outputs[0].push_back(flat_wire[r]);
   std::vector<at::Tensor> inputs{in_wire};

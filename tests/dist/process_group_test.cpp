@@ -141,6 +141,7 @@ TEST(ProcessGroup, TransportsSayWhatTheyOfferBeyondC10d) {
           EXPECT_EQ(static_cast<bool>(caps.allreduce_out), shm) << backend;
           EXPECT_EQ(static_cast<bool>(caps.reduce_out), shm) << backend;
           EXPECT_EQ(static_cast<bool>(caps.reduce_scatter), shm) << backend;
+          EXPECT_EQ(static_cast<bool>(caps.all_gather), shm) << backend;
           EXPECT_EQ(caps.reduces_16bit, shm) << backend;
           EXPECT_EQ(caps.completes_on_call_below > 0, shm) << backend;
           if (!shm) return;
@@ -150,6 +151,9 @@ TEST(ProcessGroup, TransportsSayWhatTheyOfferBeyondC10d) {
           caps.allreduce_out(in, out, c10d::AllreduceOptions())->wait();
           EXPECT_TRUE(at::equal(out, at::full({4}, 3.0f)));
           EXPECT_TRUE(at::equal(in, at::full({4}, g.rank() + 1.0f)));
+          auto gathered = at::empty({2, 4});
+          caps.all_gather(gathered, in, c10d::AllgatherOptions())->wait();
+          EXPECT_TRUE(at::equal(gathered, at::stack({at::full({4}, 1.0f), at::full({4}, 2.0f)})));
         },
         testing::SpawnOptions().backend(backend));
   }

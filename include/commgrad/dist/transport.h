@@ -56,6 +56,7 @@ struct TransportCapabilities {
   using AllreduceOut = std::function<WorkPtr(at::Tensor& in, at::Tensor& out, const c10d::AllreduceOptions&)>;
   using ReduceOut = std::function<WorkPtr(at::Tensor& in, at::Tensor& out, const c10d::ReduceOptions&)>;
   using ReduceScatter = std::function<WorkPtr(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions&)>;
+  using AllGather = std::function<WorkPtr(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions&)>;
 
   /// Reduces `in` into `out` (same shape and dtype, both contiguous): no staging copy.
   AllreduceOut allreduce_out;
@@ -64,6 +65,9 @@ struct TransportCapabilities {
   /// Reduce-scatters contiguous `in` (n equal parts) into `out` (one part)
   /// natively, for floating-point dtypes and every reduction but PRODUCT.
   ReduceScatter reduce_scatter;
+  /// Gathers every rank's contiguous `in` into contiguous `out` (n parts in
+  /// rank order) natively: no list of n output views to build and check.
+  AllGather all_gather;
   /// Reduces float16 and bfloat16 natively, accumulating in float32 (so a
   /// float32 copy would only cost time).
   bool reduces_16bit = false;
