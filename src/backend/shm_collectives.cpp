@@ -30,10 +30,17 @@
 // stages up to n x chunk_bytes of the root's tensor per step; all-gather
 // and gather stage chunk_bytes of every rank's input in its slot;
 // scatter, reduce-scatter and all-to-all cut each slot into n pieces, one
-// per destination. Sizes may differ between ranks where the op allows it
+// per destination. All-to-all pieces of single_copy_piece_bytes and more
+// (when every rank may read every other one) skip the segment: the sender
+// publishes their addresses with its descriptor, the receiver reads each
+// with one process_vm_readv after the first barrier, and a closing barrier
+// keeps every input as it is until its readers are done. Both ends of a
+// pair know the piece's size (they must agree on it, and do so before any
+// read), so both decide alike; smaller pieces of the same call are
+// staged. Sizes may differ between ranks where the op allows it
 // (all-gather, gather, scatter, all-to-all): every rank publishes its
 // sizes with its descriptor, all ranks check them against each other, and
-// the number of steps is the largest piece over all ranks.
+// the number of steps is the largest staged piece over all ranks.
 
 #include "detail/shm_comm.h"
 
@@ -52,6 +59,48 @@ int64_t clamp_len(int64_t total, int64_t off, int64_t cap) { return std::max<int
 
 void copy(void* dst, const void* src, int64_t bytes) {
   if (bytes > 0 && dst != src) std::memmove(dst, src, static_cast<size_t>(bytes));
+}
+
+int64_t address_of(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
+
+bool overlap(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && x < y + static_cast<uintptr_t>(b_bytes) &&
+         y < x + static_cast<uintptr_t>(a_bytes);
+}
+
+// True when a piece that peers may read directly (ins[q], q != rank) overlaps an output.
+bool inputs_overlap_outputs(const void* const* ins, const int64_t* in_bytes, void* const* outs,
+                            const int64_t* out_bytes, int n, int rank) {
+  for (int q = 0; q < n; ++q) {
+    for (int p = 0; p < n && q != rank; ++p) {
+      if (overlap(ins[q], in_bytes[q], outs[p], out_bytes[p])) return true;
+    }
+  }
+  return false;
+}
+
+// Copies the n inputs into `storage` and returns where each copy is.
+std::vector<const void*> copy_inputs(const void* const* ins, const int64_t* in_bytes, int n,
+                                     std::vector<uint8_t>* storage) {
+  int64_t total = 0;
+  for (int q = 0; q < n; ++q) total += in_bytes[q];
+  storage->resize(static_cast<size_t>(total));
+  std::vector<const void*> copies(static_cast<size_t>(n));
+  int64_t at = 0;
+  for (int q = 0; q < n; at += in_bytes[q], ++q) {
+    copy(storage->data() + at, ins[q], in_bytes[q]);
+    copies[q] = storage->data() + at;
+  }
+  return copies;
+}
+
+// f(q) for every other rank q, starting after `rank`: ranks that read from
+// every peer at once start on different ones.
+template <class F>
+void for_each_peer(int rank, int n, F&& f) {
+  for (int i = 1; i < n; ++i) f((rank + i) % n);
 }
 
 }  // namespace
@@ -274,8 +323,21 @@ void Comm::reduce_scatter(const Call& call, const void* const* ins, void* out, i
 void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_bytes, void* const* outs,
                     const int64_t* out_bytes, c10::ScalarType dtype) {
   const int64_t piece = static_cast<int64_t>(segment_->layout().chunk_bytes) / size_ / 64 * 64;
+  // This rank writes its outputs while peers may read its inputs directly:
+  // in place (or overlapping), it sends from a copy.
+  bool may_read_directly = false;
+  for (int q = 0; q < size_; ++q) {
+    may_read_directly |= q != rank_ && (reads_directly(in_bytes[q]) || reads_directly(out_bytes[q]));
+  }
+  std::vector<uint8_t> storage;
+  std::vector<const void*> copies;
+  if (may_read_directly && inputs_overlap_outputs(ins, in_bytes, outs, out_bytes, size_, rank_)) {
+    copies = copy_inputs(ins, in_bytes, size_, &storage);
+    ins = copies.data();
+  }
   const OpDescriptor d = begin(call, OpKind::kAlltoall, dtype, -1, -1, 0);
   int64_t nsteps = 1;
+  bool any_direct = false;
   for (int64_t k = 0; k < nsteps; ++k) {
     const int set = next_set();
     if (k == 0) {
@@ -283,13 +345,14 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
       for (int q = 0; q < size_; ++q) {
         aux[q] = in_bytes[q];
         aux[size_ + q] = out_bytes[q];
+        aux[2 * size_ + q] = address_of(ins[q]);
       }
       publish(set, d);
     }
     const int64_t off = k * piece;
     uint8_t* mine = segment_->slot(set, rank_);
     for (int q = 0; q < size_; ++q) {
-      if (q != rank_)
+      if (q != rank_ && !reads_directly(in_bytes[q]))
         copy(mine + q * piece, static_cast<const uint8_t*>(ins[q]) + off, clamp_len(in_bytes[q], off, piece));
     }
     arrive_and_wait(call);
@@ -304,18 +367,30 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
             fail(call, c10::str("rank ", x, " sends ", sends, " bytes to rank ", q, ", which expects ", expects,
                                 " bytes from it (input and output split sizes must match across ranks)"));
           }
-          if (x != q) most = std::max(most, sends);
+          if (x == q) continue;
+          if (reads_directly(sends)) {
+            any_direct = true;
+          } else {
+            most = std::max(most, sends);
+          }
         }
       }
       nsteps = std::max<int64_t>(1, ceil_div(most, piece));
       copy(outs[rank_], ins[rank_], in_bytes[rank_]);
+      for_each_peer(rank_, size_, [&](int q) {
+        if (reads_directly(out_bytes[q])) {
+          read_peer(call, q, static_cast<uint64_t>(segment_->aux(set, q)[2 * size_ + rank_]), outs[q], out_bytes[q]);
+        }
+      });
     }
     for (int q = 0; q < size_; ++q) {
-      if (q == rank_) continue;
+      if (q == rank_ || reads_directly(out_bytes[q])) continue;
       copy(static_cast<uint8_t*>(outs[q]) + off, segment_->slot(set, q) + rank_ * piece,
            clamp_len(out_bytes[q], off, piece));
     }
   }
+  // No rank changes (or frees) an input that a peer still reads.
+  if (any_direct) arrive_and_wait(call);
 }
 
 }  // namespace commgrad::backend::detail

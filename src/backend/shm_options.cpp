@@ -54,6 +54,12 @@ ShmOptions resolve(ShmOptions o, int size) {
     const int64_t env = env_int("COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES", "bytes");
     o.single_copy_max_bytes(env >= 0 ? env : int64_t{16} << 20);
   }
+  if (o.single_copy_piece_bytes() < 0) {
+    const int64_t env = env_int("COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES", "bytes");
+    // Reading a peer costs per page (pinning it); on 2 cores with 4 ranks
+    // the cache-warm staging was faster up to 4 MiB pieces, so never there.
+    o.single_copy_piece_bytes(env >= 0 ? env : size <= usable_cpus() ? int64_t{1} << 20 : 0);
+  }
   if (o.eager_worker() < 0) {
     const int64_t env = env_int("COMMGRAD_SHM_EAGER_WORKER", "0 or 1");
     o.eager_worker(env >= 0 ? (env != 0 ? 1 : 0) : (2 * size <= usable_cpus() ? 1 : 0));

@@ -55,6 +55,7 @@ ShmProcessGroup::ShmProcessGroup(const commgrad::detail::StorePtr& store, int ra
   config.mailbox_bytes = static_cast<uint64_t>(options_.mailbox_bytes());
   config.single_copy_bytes = options_.single_copy_bytes();
   config.single_copy_max_bytes = options_.single_copy_max_bytes();
+  config.single_copy_piece_bytes = options_.single_copy_piece_bytes();
   config.timeout = options_.timeout();
   config.context = context;
   auto segment = std::make_unique<detail::Segment>(config);
@@ -64,6 +65,7 @@ ShmProcessGroup::ShmProcessGroup(const commgrad::detail::StorePtr& store, int ra
   detail::SingleCopyPolicy single_copy;
   single_copy.min_bytes = options_.single_copy_bytes();
   single_copy.max_bytes = options_.single_copy_max_bytes();
+  single_copy.piece_bytes = options_.single_copy_piece_bytes();
   single_copy.timeout = options_.timeout();
   comm_ = std::make_unique<Comm>(std::move(segment), rank, size, context, policy, single_copy);
   // The worker starts collectives at once only when it can have a core of
@@ -86,6 +88,8 @@ std::string ShmProcessGroup::segment_name() const { return comm_->segment().name
 int64_t ShmProcessGroup::segment_bytes() const { return static_cast<int64_t>(comm_->segment().layout().total_bytes); }
 std::string ShmProcessGroup::describe() const { return comm_->context(); }
 bool ShmProcessGroup::uses_single_copy(int64_t bytes) const { return comm_->single_copy(bytes); }
+
+bool ShmProcessGroup::reads_pieces_directly(int64_t bytes) const { return comm_->reads_directly(bytes); }
 
 std::chrono::milliseconds ShmProcessGroup::timeout_of(std::chrono::milliseconds requested) const {
   return requested.count() > 0 ? requested : options_.timeout();

@@ -21,7 +21,7 @@
 //
 // Layout (every offset computed the same way by every rank, see Layout::compute):
 //
-//   Header | RankBlock[n] | aux int64[3][n][2n] | slots [3][n][chunk] | mailboxes [n][n]
+//   Header | RankBlock[n] | aux int64[3][n][3n] | slots [3][n][chunk] | mailboxes [n][n]
 //
 // Futexes. The words live in MAP_SHARED memory, so waits and wakes use the
 // shared (not FUTEX_PRIVATE) operations, keyed by the page, and work
@@ -63,7 +63,7 @@ namespace commgrad::backend::detail {
 namespace {
 
 constexpr uint64_t kMagic = 0x6873646172676d63ULL;  // "cmgradsh"
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;
 
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
@@ -115,7 +115,7 @@ Layout Layout::compute(int size, uint64_t chunk_bytes, uint64_t mailbox_bytes) {
   const auto n = static_cast<uint64_t>(size);
   l.ranks_offset = align_up(sizeof(Header), kLine);
   l.aux_offset = align_up(l.ranks_offset + n * sizeof(RankBlock), kLine);
-  l.slots_offset = align_up(l.aux_offset + kSets * n * 2 * n * sizeof(int64_t), 4096);
+  l.slots_offset = align_up(l.aux_offset + kSets * n * 3 * n * sizeof(int64_t), 4096);
   l.mailbox_offset = align_up(l.slots_offset + kSets * n * chunk_bytes, 4096);
   l.mailbox_stride = size > 1 ? align_up(sizeof(MailboxHead) + l.mailbox_bytes, kLine) : 0;
   l.total_bytes = align_up(l.mailbox_offset + n * n * l.mailbox_stride, 4096);
@@ -210,6 +210,7 @@ void Segment::create(const SegmentConfig& config) {
   h->mailbox_bytes = layout_.mailbox_bytes;
   h->single_copy_bytes = config.single_copy_bytes;
   h->single_copy_max_bytes = config.single_copy_max_bytes;
+  h->single_copy_piece_bytes = config.single_copy_piece_bytes;
   h->total_bytes = layout_.total_bytes;
   for (int r = 0; r < config.size; ++r) new (&rank_block(r)) RankBlock{};
   if (config.size > 1) {
@@ -249,16 +250,18 @@ void Segment::open(const SegmentConfig& config) {
   const Header& h = header();
   if (h.magic != kMagic || h.version != kVersion || h.size != config.size || h.chunk_bytes != layout_.chunk_bytes ||
       h.mailbox_bytes != layout_.mailbox_bytes || h.single_copy_bytes != config.single_copy_bytes ||
-      h.single_copy_max_bytes != config.single_copy_max_bytes) {
-    const std::string got =
-        c10::str("size ", h.size, ", chunk_bytes ", h.chunk_bytes, ", mailbox_bytes ", h.mailbox_bytes,
-                 ", single_copy_bytes ", h.single_copy_bytes, " to ", h.single_copy_max_bytes);
+      h.single_copy_max_bytes != config.single_copy_max_bytes ||
+      h.single_copy_piece_bytes != config.single_copy_piece_bytes) {
+    const std::string got = c10::str("size ", h.size, ", chunk_bytes ", h.chunk_bytes, ", mailbox_bytes ",
+                                     h.mailbox_bytes, ", single_copy_bytes ", h.single_copy_bytes, " to ",
+                                     h.single_copy_max_bytes, ", single_copy_piece_bytes ", h.single_copy_piece_bytes);
     munmap(base_, layout_.total_bytes);
     base_ = nullptr;
     TORCH_CHECK(false, "[commgrad] shm ", config.context, ": rank 0 created segment ", name_, " with ", got,
                 "; this rank expects size ", config.size, ", chunk_bytes ", layout_.chunk_bytes, ", mailbox_bytes ",
                 layout_.mailbox_bytes, ", single_copy_bytes ", config.single_copy_bytes, " to ",
-                config.single_copy_max_bytes, " (all ranks must use the same settings)");
+                config.single_copy_max_bytes, ", single_copy_piece_bytes ", config.single_copy_piece_bytes,
+                " (all ranks must use the same settings)");
   }
 }
 

@@ -47,6 +47,9 @@ const std::vector<Variable>& variables() {
        "shm: all-reduces from this size read peers directly (default 2 MiB; 0 never)"},
       {"COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES", "bytes >= 0",
        "shm: ... up to this size (default 16 MiB; above it the pipelined staging is faster)"},
+      {"COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES", "bytes >= 0",
+       "shm: all-to-all pieces of this size and more are read from the sender directly (default 1 MiB; 0 never, "
+       "and the default when ranks outnumber CPUs)"},
       {"COMMGRAD_SHM_SPIN_US", "microseconds >= 0", "shm: how long a waiting rank spins before it sleeps"},
       {"COMMGRAD_SHM_ASYNC_BYTES", "bytes >= 0",
        "shm: collectives from this size run on the worker thread (default 1 MiB); smaller ones finish in the call"},

@@ -69,6 +69,38 @@ const char* single_copy_state(const commgrad::Group& world, int64_t bytes) {
   return shm != nullptr && shm->uses_single_copy(bytes) ? "on" : "off";
 }
 
+const char* direct_pieces_state(const commgrad::Group& world, int64_t bytes) {
+  auto* shm = dynamic_cast<commgrad::backend::ShmProcessGroup*>(&world.transport());
+  return shm != nullptr && shm->reads_pieces_directly(bytes) ? "on" : "off";
+}
+
+// Rank x sends (x + q) % 3 * 40000 + 1 floats to rank q: pieces from 4 bytes
+// (staged) to 320 KiB (read directly), each value naming sender and receiver.
+void check_alltoall_pieces(commgrad::detail::TransportBase& pg, int r, int n) {
+  auto count = [](int x, int q) { return static_cast<int64_t>((x + q) % 3) * 40000 + 1; };
+  auto piece = [&](int x, int q) { return at::arange(count(x, q), at::kFloat) + 1000 * x + q; };
+  std::vector<at::Tensor> sends, expected;
+  std::vector<int64_t> in_splits, out_splits;
+  for (int q = 0; q < n; ++q) {
+    sends.push_back(piece(r, q));
+    expected.push_back(piece(q, r));
+    in_splits.push_back(count(r, q));
+    out_splits.push_back(count(q, r));
+  }
+  at::Tensor in = at::cat(sends);
+  at::Tensor out = at::empty({at::cat(expected).numel()});
+  pg.alltoall_base(out, in, out_splits, in_splits)->wait();
+  check(at::equal(out, at::cat(expected)), "uneven alltoall_base");
+  // In place, equal splits of 200000 floats per pair.
+  at::Tensor both = at::arange(200000 * n, at::kFloat) + 1e6 * r;
+  std::vector<int64_t> none;
+  pg.alltoall_base(both, both, none, none)->wait();
+  for (int q = 0; q < n; ++q) {
+    check(at::equal(both.narrow(0, q * 200000, 200000), at::arange(200000, at::kFloat) + 200000 * r + 1e6 * q),
+          "in-place alltoall_base");
+  }
+}
+
 // This process may no longer read others regardless of their owner
 // (process_vm_readv of a process that is not dumpable needs CAP_SYS_PTRACE).
 bool drop_ptrace_capability() {
@@ -89,7 +121,8 @@ int run_single_copy(bool unreadable) {
   auto& pg = world.transport();
   const int n = world.size();
   const int r = world.rank();
-  std::cout << "rank " << r << " single copy " << single_copy_state(world, 4 << 20) << std::endl;
+  std::cout << "rank " << r << " single copy " << single_copy_state(world, 4 << 20) << ", direct pieces "
+            << direct_pieces_state(world, 1 << 20) << std::endl;
   // Small integers: every order of the sum is exact, so equal means right.
   for (int64_t numel : {(int64_t{1} << 18) + 5, int64_t{3} << 18, (int64_t{5} << 18) - 3}) {
     const at::Tensor input = at::arange(numel, at::kFloat).remainder(7) + r;
@@ -102,6 +135,7 @@ int run_single_copy(bool unreadable) {
     shm->allreduce_out(input, out)->wait();
     check(at::equal(out, expected), "out-of-place allreduce of " + std::to_string(numel));
   }
+  check_alltoall_pieces(pg, r, n);
   pg.barrier()->wait();
   std::cout << "rank " << r << " ok" << std::endl;
   commgrad::destroy_process_group();

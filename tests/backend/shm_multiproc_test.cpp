@@ -79,10 +79,10 @@ bool siblings_may_read_each_other() {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
-// All-reduces from 1 MiB on read the peers' tensors (on 3 ranks and 2 cores
-// the default would stage them).
+// All-reduces from 1 MiB and all-to-all pieces from 64 KiB on read the
+// peers' tensors (on 3 ranks and 2 cores the defaults would stage them).
 std::map<std::string, std::string> single_copy_env() {
-  return shm_env({{"COMMGRAD_SHM_SINGLE_COPY_BYTES", "1048576"}});
+  return shm_env({{"COMMGRAD_SHM_SINGLE_COPY_BYTES", "1048576"}, {"COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES", "65536"}});
 }
 
 // Where the machine lets siblings read each other, the group does, and
@@ -93,7 +93,7 @@ TEST(ShmSingleCopy, AllreducesReadThePeersAcrossProcesses) {
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   for (int q = 0; q < 3; ++q) {
     const std::string p = "[" + std::to_string(q) + "] rank " + std::to_string(q);
-    EXPECT_TRUE(contains(r.out, p + " single copy " + expected)) << r.out;
+    EXPECT_TRUE(contains(r.out, p + " single copy " + expected + ", direct pieces " + expected)) << r.out;
     EXPECT_TRUE(contains(r.out, p + " ok")) << r.out;
   }
 }
@@ -108,7 +108,7 @@ TEST(ShmSingleCopy, FallsBackToStagingWhenARankCannotBeRead) {
   EXPECT_FALSE(contains(r.err, "capset failed")) << r.err;
   for (int q = 0; q < 3; ++q) {
     const std::string p = "[" + std::to_string(q) + "] rank " + std::to_string(q);
-    EXPECT_TRUE(contains(r.out, p + " single copy off")) << r.out;
+    EXPECT_TRUE(contains(r.out, p + " single copy off, direct pieces off")) << r.out;
     EXPECT_TRUE(contains(r.out, p + " ok")) << r.out;
   }
 }
@@ -158,7 +158,10 @@ TEST(ShmFailure, KillNineOfARankMidSingleCopyAllreduceIsReported) {
   if (!siblings_may_read_each_other()) GTEST_SKIP() << "processes may not read each other here: no single copy";
   auto r = run_process({launcher_path(), "-n", "2", "--grace", "15", "--timeout", "90", job(), "kill"},
                        single_copy_env(), std::chrono::seconds(120));
-  EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;
+  // process_vm_readv fails as soon as the killed rank drops its memory,
+  // before it is a zombie: the survivor may exit (code 3) before the
+  // launcher sees the SIGKILL, and then its exit is the verdict.
+  EXPECT_TRUE(r.exit_code == 128 + 9 || r.exit_code == 3) << r.out << r.err;
   EXPECT_TRUE(contains(r.out, "[0] single copy on")) << r.out;
   const auto lines = lines_with_prefix(r.err, "[0] rank 0 failed after ");
   ASSERT_EQ(lines.size(), 1u) << r.err;

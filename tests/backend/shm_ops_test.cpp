@@ -60,6 +60,14 @@ RunOptions single_copy() {
   return o;
 }
 
+// All-to-all pieces of 40 bytes and more are read straight from the
+// sender, smaller ones staged: most calls below mix the two.
+RunOptions direct_pieces() {
+  RunOptions o = chunked(true);
+  o.shm.single_copy_piece_bytes(40);
+  return o;
+}
+
 class ShmOps : public ::testing::TestWithParam<int> {};
 
 void allreduce_every_dtype_and_op(int ranks, const RunOptions& options) {
@@ -334,8 +342,8 @@ TEST_P(ShmOps, ReduceScatterListAndFlat) {
   });
 }
 
-TEST_P(ShmOps, AlltoallEqualUnevenAndList) {
-  run_ranks(GetParam(), chunked(true), [](Rank& r) {
+void alltoall_equal_uneven_and_list(int ranks, const RunOptions& options) {
+  run_ranks(ranks, options, [](Rank& r) {
     const int n = r.size;
     uint64_t salt = 6000;
     for (int64_t rows : {0, 1, 5, 300}) {
@@ -349,6 +357,10 @@ TEST_P(ShmOps, AlltoallEqualUnevenAndList) {
       std::vector<at::Tensor> expected;
       for (int q = 0; q < n; ++q) expected.push_back(input_of(q).narrow(0, r.rank * rows, rows));
       EXPECT_TRUE(same_bits(out, at::cat(expected))) << "alltoall_base equal rows " << rows;
+      // In place: what this rank sends is overwritten by what it receives.
+      at::Tensor both = in.clone();
+      r.shm->alltoall_base(both, both, none, none)->wait();
+      EXPECT_TRUE(same_bits(both, out)) << "alltoall_base in place, rows " << rows;
       if (r.gloo && rows == 300) {
         at::Tensor g = at::empty_like(out);
         r.gloo->alltoall_base(g, in, none, none)->wait();
@@ -395,6 +407,12 @@ TEST_P(ShmOps, AlltoallEqualUnevenAndList) {
       }
     }
   });
+}
+
+TEST_P(ShmOps, AlltoallEqualUnevenAndList) { alltoall_equal_uneven_and_list(GetParam(), chunked(true)); }
+
+TEST_P(ShmOps, AlltoallReadingPiecesDirectlyEqualUnevenAndList) {
+  alltoall_equal_uneven_and_list(GetParam(), direct_pieces());
 }
 
 TEST_P(ShmOps, SendRecvRingAndLargerThanMailbox) {

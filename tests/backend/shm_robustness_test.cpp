@@ -152,8 +152,13 @@ TEST(ShmErrors, UnsupportedArgumentsAreClearErrors) {
   });
 }
 
-TEST(ShmErrors, SizeMismatchesNameBothRanks) {
-  run_ranks(3, quick(), [](Rank& r) {
+// Staged, and with every all-to-all piece read straight from its sender.
+class ShmSizeMismatch : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ShmSizeMismatch, NamesBothRanks) {
+  RunOptions options = quick();
+  if (GetParam()) options.shm.single_copy_piece_bytes(4);
+  run_ranks(3, options, [](Rank& r) {
     // Rank 1 thinks rank 0 contributes 5 elements; rank 0 sends 4.
     std::vector<at::Tensor> in{at::ones({4})};
     std::vector<std::vector<at::Tensor>> out(1);
@@ -170,6 +175,8 @@ TEST(ShmErrors, SizeMismatchesNameBothRanks) {
     expect_group_usable(r);
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(PiecesReadDirectly, ShmSizeMismatch, ::testing::Bool());
 
 TEST(ShmErrors, AStuckRankIsNamedWithinTheTimeoutAndTheGroupIsAborted) {
   ThreadBarrier sync(3);
@@ -215,9 +222,10 @@ TEST(ShmErrors, PointToPointMismatchIsAnErrorAndLaterMessagesStillArrive) {
 // others, which fail at once naming the mismatch (not after the timeout:
 // under a launcher they would be stopped before they could unlink it).
 TEST(ShmErrors, DifferentSegmentSettingsFailConstructionAtOnceNamingThemAndLeaveNothingBehind) {
-  // Rank 1 differs in chunk_bytes (the segment's size), then in the single-copy range (its header).
+  // Rank 1 differs in chunk_bytes (the segment's size), then in the single-copy settings (its header).
   const std::vector<ShmOptions> rank1 = {ShmOptions().chunk_bytes(2048),
-                                         ShmOptions().chunk_bytes(1024).single_copy_bytes(4096)};
+                                         ShmOptions().chunk_bytes(1024).single_copy_bytes(4096),
+                                         ShmOptions().chunk_bytes(1024).single_copy_piece_bytes(4096)};
   for (size_t k = 0; k < rank1.size(); ++k) {
     auto store = c10::make_intrusive<c10d::HashStore>();
     std::vector<std::string> errors(2);
@@ -239,6 +247,9 @@ TEST(ShmErrors, DifferentSegmentSettingsFailConstructionAtOnceNamingThemAndLeave
     EXPECT_NE(errors[1].find("all ranks must use the same"), std::string::npos) << errors[1];
     if (k == 1) {
       EXPECT_NE(errors[1].find("single_copy_bytes 2097152 to"), std::string::npos) << errors[1];
+    }
+    if (k == 2) {
+      EXPECT_NE(errors[1].find("single_copy_piece_bytes 4096 ("), std::string::npos) << errors[1];
     }
     const auto key = store->get("shm/1/segment");
     const std::string name(key.begin(), key.end());

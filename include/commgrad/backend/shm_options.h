@@ -57,6 +57,14 @@ struct ShmOptions {
   TORCH_ARG(int64_t, single_copy_bytes) = -1;
   /// -1: $COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES, else 16 MiB.
   TORCH_ARG(int64_t, single_copy_max_bytes) = -1;
+  /// All-to-alls: a piece that one rank sends another, of at least this
+  /// many bytes, is read by the receiver straight from the sender's tensor
+  /// (one copy instead of two through the segment, and no step barriers),
+  /// under the same condition as above (every rank may read every other).
+  /// -1: $COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES, else 1 MiB when the group's
+  /// ranks fit on this process's CPUs and 0 (never) when they outnumber
+  /// them. Every rank of a group must use the same value.
+  TORCH_ARG(int64_t, single_copy_piece_bytes) = -1;
   /// Name used in error messages ("world", "tp0", ...).
   TORCH_ARG(std::string, group_name) = "";
 };

@@ -122,6 +122,10 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
   /// rank could read every other one when the group was created (else the
   /// group stages every size through the segment).
   bool uses_single_copy(int64_t bytes) const;
+  /// True when all-to-alls read a piece of `bytes` (what one rank sends
+  /// another) straight from the sender: from
+  /// options().single_copy_piece_bytes(), under the same condition.
+  bool reads_pieces_directly(int64_t bytes) const;
 
  private:
   class Checks;  // a collective's argument checks (src/backend/detail/shm_checks.h)

@@ -66,10 +66,11 @@ struct alignas(kLine) Header {
   uint64_t magic;
   uint32_t version;
   int32_t size;
-  uint64_t chunk_bytes;           // per rank and buffer set
-  uint64_t mailbox_bytes;         // ring bytes of each point-to-point mailbox
-  int64_t single_copy_bytes;      // all-reduces of this size ... (0: never)
-  int64_t single_copy_max_bytes;  // ... to this size read peers directly
+  uint64_t chunk_bytes;             // per rank and buffer set
+  uint64_t mailbox_bytes;           // ring bytes of each point-to-point mailbox
+  int64_t single_copy_bytes;        // all-reduces of this size ... (0: never)
+  int64_t single_copy_max_bytes;    // ... to this size read peers directly
+  int64_t single_copy_piece_bytes;  // pieces of other collectives from this size are read directly (0: never)
   uint64_t total_bytes;
   Bell arrivals;                                     // the barrier: every arrival adds one
   alignas(kLine) std::atomic<uint32_t> abort_state;  // 0 running, 1 being written, 2 aborted
@@ -92,7 +93,7 @@ struct Layout {
   uint64_t chunk_bytes = 0;
   uint64_t mailbox_bytes = 0;
   uint64_t ranks_offset = 0;    // RankBlock[size]
-  uint64_t aux_offset = 0;      // int64[kSets][size][2 * size]
+  uint64_t aux_offset = 0;      // int64[kSets][size][3 * size]
   uint64_t slots_offset = 0;    // uint8[kSets][size][chunk_bytes]
   uint64_t mailbox_offset = 0;  // (MailboxHead + ring)[size][size]
   uint64_t mailbox_stride = 0;
@@ -110,6 +111,7 @@ struct SegmentConfig {
   uint64_t mailbox_bytes = 0;
   int64_t single_copy_bytes = 0;
   int64_t single_copy_max_bytes = 0;
+  int64_t single_copy_piece_bytes = 0;
   std::chrono::milliseconds timeout{0};
   std::string context;  // "rank 0/4 group 'world' (shm)" for error messages
 };
@@ -139,10 +141,10 @@ class Segment {
 
   Header& header() const { return *reinterpret_cast<Header*>(base_); }
   RankBlock& rank_block(int rank) const { return reinterpret_cast<RankBlock*>(base_ + layout_.ranks_offset)[rank]; }
-  /// 2 * size int64 values a rank publishes with a descriptor.
+  /// 3 * size int64 values a rank publishes with a descriptor (sizes, addresses).
   int64_t* aux(int set, int rank) const {
     const auto n = static_cast<uint64_t>(layout_.size);
-    return reinterpret_cast<int64_t*>(base_ + layout_.aux_offset) + (set * n + rank) * 2 * n;
+    return reinterpret_cast<int64_t*>(base_ + layout_.aux_offset) + (set * n + rank) * 3 * n;
   }
   /// The chunk_bytes a rank stages in buffer set `set`; the slots of one set are contiguous.
   uint8_t* slot(int set, int rank) const {
