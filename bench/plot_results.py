@@ -87,14 +87,18 @@ def read_floor(path, n):
 
 
 def newest_session(results):
-    """The folders of the highest runN under RESULTS/transports, sorted by name."""
+    """The folders of the highest runN under RESULTS/transports, sorted by name.
+
+    Only sessions that measured all_reduce count: the plot and the tables are
+    drawn around it, and a run of one other collective must not hide them."""
     runs = {}
     for d in glob.glob(os.path.join(results, "transports", "run*")):
         m = re.match(r"run(\d+)", os.path.basename(d))
         if m and os.path.isdir(d):
             runs.setdefault(int(m.group(1)), []).append(d)
+    runs = {k: ds for k, ds in runs.items() if any(glob.glob(results_file(d, "all_reduce", "*", "shm")) for d in ds)}
     if not runs:
-        raise SystemExit(f"plot_results: no {results}/transports/run*/ folders")
+        raise SystemExit(f"plot_results: no {results}/transports/run*/ folders with all_reduce results")
     return sorted(runs[max(runs)])
 
 
