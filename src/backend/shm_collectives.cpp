@@ -70,11 +70,12 @@ bool overlap(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
          y < x + static_cast<uintptr_t>(a_bytes);
 }
 
-// True when a piece that peers may read directly (ins[q], q != rank) overlaps an output.
+// True when an input that peers may read (ins[q], q != rank) overlaps an output.
 bool inputs_overlap_outputs(const void* const* ins, const int64_t* in_bytes, void* const* outs,
                             const int64_t* out_bytes, int n, int rank) {
   for (int q = 0; q < n; ++q) {
-    for (int p = 0; p < n && q != rank; ++p) {
+    if (q == rank) continue;
+    for (int p = 0; p < n; ++p) {
       if (overlap(ins[q], in_bytes[q], outs[p], out_bytes[p])) return true;
     }
   }

@@ -57,7 +57,7 @@ ShmOptions resolve(ShmOptions o, int size) {
   if (o.single_copy_piece_bytes() < 0) {
     const int64_t env = env_int("COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES", "bytes");
     // Reading a peer costs per page (pinning it); on 2 cores with 4 ranks
-    // the cache-warm staging was faster up to 4 MiB pieces, so never there.
+    // the cache-warm staging was faster up to 2 MiB pieces, so never there.
     o.single_copy_piece_bytes(env >= 0 ? env : size <= usable_cpus() ? int64_t{1} << 20 : 0);
   }
   if (o.eager_worker() < 0) {

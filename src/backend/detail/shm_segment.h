@@ -70,7 +70,7 @@ struct alignas(kLine) Header {
   uint64_t mailbox_bytes;           // ring bytes of each point-to-point mailbox
   int64_t single_copy_bytes;        // all-reduces of this size ... (0: never)
   int64_t single_copy_max_bytes;    // ... to this size read peers directly
-  int64_t single_copy_piece_bytes;  // pieces of other collectives from this size are read directly (0: never)
+  int64_t single_copy_piece_bytes;  // all-to-all pieces from this size are read directly (0: never)
   uint64_t total_bytes;
   Bell arrivals;                                     // the barrier: every arrival adds one
   alignas(kLine) std::atomic<uint32_t> abort_state;  // 0 running, 1 being written, 2 aborted
