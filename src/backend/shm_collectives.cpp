@@ -43,6 +43,7 @@
 // the number of steps is the largest staged piece over all ranks.
 
 #include "detail/shm_comm.h"
+#include "detail/shm_memory.h"
 
 #include <c10/util/StringUtil.h>
 
@@ -59,15 +60,6 @@ int64_t clamp_len(int64_t total, int64_t off, int64_t cap) { return std::max<int
 
 void copy(void* dst, const void* src, int64_t bytes) {
   if (bytes > 0 && dst != src) std::memmove(dst, src, static_cast<size_t>(bytes));
-}
-
-int64_t address_of(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
-
-bool overlap(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a);
-  const auto y = reinterpret_cast<uintptr_t>(b);
-  return a_bytes > 0 && b_bytes > 0 && x < y + static_cast<uintptr_t>(b_bytes) &&
-         y < x + static_cast<uintptr_t>(a_bytes);
 }
 
 // True when an input that peers may read (ins[q], q != rank) overlaps an output.

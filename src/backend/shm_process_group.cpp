@@ -21,6 +21,7 @@
 #include "detail/shm_comm.h"
 #include "detail/shm_checks.h"
 #include "detail/shm_executor.h"
+#include "detail/shm_memory.h"
 #include "detail/shm_defaults.h"
 #include "detail/shm_staged.h"
 #include "detail/shm_work.h"
@@ -35,6 +36,7 @@ namespace commgrad::backend {
 using detail::Call;
 using detail::Comm;
 using detail::OpKind;
+using detail::PerRank;
 using detail::RedOp;
 using detail::ShmWork;
 using detail::Staged;
@@ -142,10 +144,10 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_reduce_out(const Checks& 
   check.require(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(), "input ",
                 input.scalar_type(), input.sizes(), " and output ", output.scalar_type(), output.sizes(),
                 " differ in dtype or number of elements");
-  const auto* in_begin = static_cast<const uint8_t*>(input.data_ptr());
-  const auto* out_begin = static_cast<const uint8_t*>(output.data_ptr());
+  // The engine takes the same buffer (in place) or two apart, nothing between.
+  const auto bytes = static_cast<int64_t>(input.nbytes());
   check.require(
-      in_begin == out_begin || in_begin + input.nbytes() <= out_begin || out_begin + output.nbytes() <= in_begin,
+      input.data_ptr() == output.data_ptr() || !detail::overlap(input.data_ptr(), bytes, output.data_ptr(), bytes),
       "input and output overlap");
   const RedOp red = check.reduction(reduce_op, input.scalar_type());
   const auto type = root < 0 ? c10d::OpType::ALLREDUCE : c10d::OpType::REDUCE;
@@ -174,7 +176,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_coalesced(std::vector<
                                                                     const c10d::AllreduceCoalescedOptions& opts) {
   const Checks check(*this, "allreduce_coalesced", OpKind::kAllreduce);
   check.require(!tensors.empty(), "expects at least one tensor");
-  std::vector<Staged> staged;
+  PerRank<Staged> staged;
   RedOp red = RedOp::kSum;
   int64_t bytes = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -184,7 +186,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_coalesced(std::vector<
     bytes += staged.back().bytes();
   }
   return submit_collective(check.op(), c10d::OpType::ALLREDUCE_COALESCED, tensors, bytes, opts.timeout,
-                           [staged, red](Comm& c, const Call& call) {
+                           [staged = std::move(staged), red](Comm& c, const Call& call) {
                              for (const Staged& s : staged) {
                                c.allreduce(call, s.data(), s.data(), s.buffer.numel(), s.buffer.scalar_type(), red);
                                s.finish();
@@ -239,7 +241,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather(std::vector<std::vecto
                 " output tensors (one per rank), got ", outputs[0].size());
   check.tensor(inputs[0], "the input");
   const auto dtype = inputs[0].scalar_type();
-  std::vector<Staged> outs;
+  PerRank<Staged> outs;
   for (int q = 0; q < getSize(); ++q) {
     const at::Tensor& t = outputs[0][q];
     check.tensor(t, "output", q);
@@ -250,9 +252,9 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather(std::vector<std::vecto
                 outputs[0][getRank()].numel(), " elements, the input ", inputs[0].numel());
   const Staged in(inputs[0]);
   return submit_collective(check.op(), c10d::OpType::ALLGATHER, outputs[0], in.bytes() * getSize(), opts.timeout,
-                           [in, outs, dtype](Comm& c, const Call& call) {
-                             std::vector<void*> ptrs;
-                             std::vector<int64_t> sizes;
+                           [in, outs = std::move(outs), dtype](Comm& c, const Call& call) {
+                             PerRank<void*> ptrs;
+                             PerRank<int64_t> sizes;
                              for (const Staged& o : outs) {
                                ptrs.push_back(o.data());
                                sizes.push_back(o.bytes());
@@ -276,8 +278,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& outp
   const Staged out(output);
   return submit_collective(check.op(), c10d::OpType::_ALLGATHER_BASE, {output}, out.bytes(), opts.timeout,
                            [in, out](Comm& c, const Call& call) {
-                             std::vector<void*> ptrs;
-                             std::vector<int64_t> sizes(c.size(), in.bytes());
+                             PerRank<void*> ptrs;
+                             PerRank<int64_t> sizes(c.size(), in.bytes());
                              for (int q = 0; q < c.size(); ++q) ptrs.push_back(out.data() + q * in.bytes());
                              c.allgather(call, in.data(), in.bytes(), ptrs.data(), sizes.data(),
                                          in.buffer.scalar_type(), -1);
@@ -295,7 +297,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::gather(std::vector<std::vector<a
   check.tensor(inputs[0], "the input");
   const int root = static_cast<int>(opts.rootRank);
   const auto dtype = inputs[0].scalar_type();
-  std::vector<Staged> outs;
+  PerRank<Staged> outs;
   if (getRank() == root) {
     check.require(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(), "the root expects ",
                   getSize(), " output tensors (one per rank) in one list");
@@ -314,9 +316,9 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::gather(std::vector<std::vector<a
   const Staged in(inputs[0]);
   std::vector<at::Tensor> results = getRank() == root ? outputs[0] : std::vector<at::Tensor>{};
   return submit_collective(check.op(), c10d::OpType::GATHER, results, in.bytes(), opts.timeout,
-                           [in, outs, dtype, root](Comm& c, const Call& call) {
-                             std::vector<void*> ptrs;
-                             std::vector<int64_t> sizes;
+                           [in, outs = std::move(outs), dtype, root](Comm& c, const Call& call) {
+                             PerRank<void*> ptrs;
+                             PerRank<int64_t> sizes;
                              for (const Staged& o : outs) {
                                ptrs.push_back(o.data());
                                sizes.push_back(o.bytes());
@@ -337,7 +339,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>&
   check.tensor(outputs[0], "the output");
   const int root = static_cast<int>(opts.rootRank);
   const auto dtype = outputs[0].scalar_type();
-  std::vector<Staged> ins;
+  PerRank<Staged> ins;
   if (getRank() == root) {
     check.require(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(), "the root expects ", getSize(),
                   " input tensors (one per rank) in one list");
@@ -353,9 +355,9 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>&
   }
   const Staged out(outputs[0]);
   return submit_collective(check.op(), c10d::OpType::SCATTER, outputs, out.bytes(), opts.timeout,
-                           [ins, out, dtype, root](Comm& c, const Call& call) {
-                             std::vector<const void*> ptrs;
-                             std::vector<int64_t> sizes;
+                           [ins = std::move(ins), out, dtype, root](Comm& c, const Call& call) {
+                             PerRank<const void*> ptrs;
+                             PerRank<int64_t> sizes;
                              for (const Staged& i : ins) {
                                ptrs.push_back(i.data());
                                sizes.push_back(i.bytes());
@@ -376,7 +378,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_scatter(std::vector<at::T
   check.tensor(outputs[0], "the output");
   const auto dtype = outputs[0].scalar_type();
   const RedOp red = check.reduction(opts.reduceOp, dtype);
-  std::vector<Staged> ins;
+  PerRank<Staged> ins;
   for (int q = 0; q < getSize(); ++q) {
     const at::Tensor& t = inputs[0][q];
     check.tensor(t, "input", q);
@@ -387,8 +389,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_scatter(std::vector<at::T
   }
   const Staged out(outputs[0]);
   return submit_collective(check.op(), c10d::OpType::REDUCE_SCATTER, outputs, out.bytes() * getSize(), opts.timeout,
-                           [ins, out, red](Comm& c, const Call& call) {
-                             std::vector<const void*> ptrs;
+                           [ins = std::move(ins), out, red](Comm& c, const Call& call) {
+                             PerRank<const void*> ptrs;
                              for (const Staged& i : ins) ptrs.push_back(i.data());
                              c.reduce_scatter(call, ptrs.data(), out.data(), out.buffer.numel(),
                                               out.buffer.scalar_type(), red);
@@ -411,7 +413,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_reduce_scatter_base(at::Tensor&
   const Staged out(output);
   return submit_collective(check.op(), c10d::OpType::_REDUCE_SCATTER_BASE, {output}, in.bytes(), opts.timeout,
                            [in, out, red](Comm& c, const Call& call) {
-                             std::vector<const void*> ptrs;
+                             PerRank<const void*> ptrs;
                              for (int q = 0; q < c.size(); ++q) ptrs.push_back(in.data() + q * out.bytes());
                              c.reduce_scatter(call, ptrs.data(), out.data(), out.buffer.numel(),
                                               out.buffer.scalar_type(), red);
@@ -422,15 +424,15 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_reduce_scatter_base(at::Tensor&
 namespace {
 
 // Byte offset and size of each piece of an alltoall_base tensor split along dim 0.
-bool split_pieces(const at::Tensor& t, const std::vector<int64_t>& splits, int size, std::vector<int64_t>* offsets,
-                  std::vector<int64_t>* bytes, std::string* why) {
+bool split_pieces(const at::Tensor& t, const std::vector<int64_t>& splits, int size, PerRank<int64_t>* offsets,
+                  PerRank<int64_t>* bytes, std::string* why) {
   if (t.dim() == 0) {
     *why = "needs tensors with at least one dimension";
     return false;
   }
   const int64_t rows = t.size(0);
   const int64_t row_bytes = rows == 0 ? 0 : static_cast<int64_t>(t.nbytes()) / rows;
-  std::vector<int64_t> counts = splits;
+  PerRank<int64_t> counts(splits.begin(), splits.end());
   if (counts.empty()) {
     if (rows % size != 0) {
       *why = c10::str("dim 0 of ", t.sizes(), " is not divisible by the group size ", size,
@@ -446,13 +448,14 @@ bool split_pieces(const at::Tensor& t, const std::vector<int64_t>& splits, int s
   int64_t sum = 0;
   for (int64_t c : counts) {
     if (c < 0) {
-      *why = c10::str("has a negative split size in ", counts);
+      *why = c10::str("has a negative split size in ", c10::IntArrayRef(counts));
       return false;
     }
     sum += c;
   }
   if (sum != rows) {
-    *why = c10::str("split sizes ", counts, " add up to ", sum, ", but dim 0 of ", t.sizes(), " is ", rows);
+    *why = c10::str("split sizes ", c10::IntArrayRef(counts), " add up to ", sum, ", but dim 0 of ", t.sizes(), " is ",
+                    rows);
     return false;
   }
   int64_t off = 0;
@@ -475,16 +478,17 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall_base(at::Tensor& output
   check.tensor(output, "the output");
   check.require(output.scalar_type() == input.scalar_type(), "output dtype ", output.scalar_type(),
                 " differs from input dtype ", input.scalar_type());
-  std::vector<int64_t> in_off, in_bytes, out_off, out_bytes;
+  PerRank<int64_t> in_off, in_bytes, out_off, out_bytes;
   std::string why;
   check.require(split_pieces(input, input_split_sizes, getSize(), &in_off, &in_bytes, &why), "the input ", why);
   check.require(split_pieces(output, output_split_sizes, getSize(), &out_off, &out_bytes, &why), "the output ", why);
   const Staged in(input);
   const Staged out(output);
   return submit_collective(check.op(), c10d::OpType::ALLTOALL_BASE, {output}, in.bytes(), opts.timeout,
-                           [in, out, in_off, in_bytes, out_off, out_bytes](Comm& c, const Call& call) {
-                             std::vector<const void*> ins;
-                             std::vector<void*> outs;
+                           [in, out, in_off = std::move(in_off), in_bytes = std::move(in_bytes),
+                            out_off = std::move(out_off), out_bytes = std::move(out_bytes)](Comm& c, const Call& call) {
+                             PerRank<const void*> ins;
+                             PerRank<void*> outs;
                              for (int q = 0; q < c.size(); ++q) {
                                ins.push_back(in.data() + in_off[q]);
                                outs.push_back(out.data() + out_off[q]);
@@ -504,7 +508,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall(std::vector<at::Tensor>
                 outputs.size());
   check.tensor(inputs[0], "input 0");
   const auto dtype = inputs[0].scalar_type();
-  std::vector<Staged> ins, outs;
+  PerRank<Staged> ins, outs;
   int64_t bytes = 0;
   for (int q = 0; q < getSize(); ++q) {
     check.tensor(inputs[q], "input", q);
@@ -519,20 +523,21 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall(std::vector<at::Tensor>
   check.require(inputs[getRank()].numel() == outputs[getRank()].numel(), "input ", getRank(), " has ",
                 inputs[getRank()].numel(), " elements but output ", getRank(), " (this rank's own piece) has ",
                 outputs[getRank()].numel());
-  return submit_collective(
-      check.op(), c10d::OpType::ALLTOALL, outputs, bytes, opts.timeout, [ins, outs, dtype](Comm& c, const Call& call) {
-        std::vector<const void*> in_ptrs;
-        std::vector<void*> out_ptrs;
-        std::vector<int64_t> in_bytes, out_bytes;
-        for (int q = 0; q < c.size(); ++q) {
-          in_ptrs.push_back(ins[q].data());
-          in_bytes.push_back(ins[q].bytes());
-          out_ptrs.push_back(outs[q].data());
-          out_bytes.push_back(outs[q].bytes());
-        }
-        c.alltoall(call, in_ptrs.data(), in_bytes.data(), out_ptrs.data(), out_bytes.data(), dtype);
-        for (const Staged& o : outs) o.finish();
-      });
+  return submit_collective(check.op(), c10d::OpType::ALLTOALL, outputs, bytes, opts.timeout,
+                           [ins = std::move(ins), outs = std::move(outs), dtype](Comm& c, const Call& call) {
+                             PerRank<const void*> in_ptrs;
+                             PerRank<void*> out_ptrs;
+                             PerRank<int64_t> in_bytes, out_bytes;
+                             for (int q = 0; q < c.size(); ++q) {
+                               in_ptrs.push_back(ins[q].data());
+                               in_bytes.push_back(ins[q].bytes());
+                               out_ptrs.push_back(outs[q].data());
+                               out_bytes.push_back(outs[q].bytes());
+                             }
+                             c.alltoall(call, in_ptrs.data(), in_bytes.data(), out_ptrs.data(), out_bytes.data(),
+                                        dtype);
+                             for (const Staged& o : outs) o.finish();
+                           });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::barrier(const c10d::BarrierOptions& opts) {

@@ -22,6 +22,7 @@
 #include "detail/shm_single_copy.h"
 
 #include "detail/shm_comm.h"
+#include "detail/shm_memory.h"
 
 #include "commgrad/util/error.h"
 
@@ -115,8 +116,8 @@ void Comm::allreduce_single_copy(const Call& call, const uint8_t* in, uint8_t* o
   const OpDescriptor d = begin(call, OpKind::kAllreduce, dtype, static_cast<int32_t>(op), -1, count * es);
   const int set = next_set();
   int64_t* aux = segment_->aux(set, rank_);
-  aux[0] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(in));
-  aux[1] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(out));
+  aux[0] = address_of(in);
+  aux[1] = address_of(out);
   publish(set, d);
   arrive_and_wait(call);
   check_agreement(call, set, true);

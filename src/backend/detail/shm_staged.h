@@ -4,10 +4,16 @@
 // the path of every call.
 
 #include <ATen/ATen.h>
+#include <c10/util/SmallVector.h>
 
 #include <cstdint>
 
 namespace commgrad::backend::detail {
+
+/// What a call holds per rank (tensors, pointers, sizes): on the stack up to
+/// 8 ranks, since a 4 KiB collective would notice a heap allocation each.
+template <class T>
+using PerRank = c10::SmallVector<T, 8>;
 
 /// Whether the engine takes `t` at all: defined, on the CPU, strided.
 inline bool is_cpu_dense(const at::Tensor& t) {
