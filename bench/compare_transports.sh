@@ -16,9 +16,17 @@
 # (OP_nN_TRANSPORT.txt, OP without underscores) and, by
 # `bench/plot_results.py --run`, summary.md (a table per collective and rank
 # count) and one SVG plot of bus bandwidth against size per collective.
+# machine.txt records the CPU, the load and, before and after the runs, the
+# spread of the cross-core round trip (bench/core_latency.c): on a VM whose
+# host moves the vCPUs it says which placements the runs met.
 #
 #   bench/compare_transports.sh [-n "2 4"] [--op "all_reduce ..."|all] [-b 4K] [-e 256M] [-f 4]
-#                               [-i ITERS] [-w WARMUP] [-r ROUNDS] [--rt] [-o OUTDIR] [--build BUILDDIR]
+#                               [-i ITERS] [-w WARMUP] [-s SWEEPS] [-r ROUNDS] [--rt] [-o OUTDIR]
+#                               [--build BUILDDIR]
+#
+# -s: each program sweeps the sizes SWEEPS times and reports each size's
+# median over its sweeps (default 1), which spreads every size over the
+# placements a VM's host switches between within seconds.
 #
 # --op: all_reduce (the default), all_gather, reduce_scatter, broadcast,
 # all_to_all, or all of them. Sizes count as commgrad-bench's (nccl-tests'):
@@ -39,6 +47,7 @@ max=256M
 factor=4
 iters=20
 warmup=5
+sweeps=1
 rounds=3
 rt=()
 out=bench/results/transports/$(date +%Y-%m-%d)  # a run folder beside the earlier runs
@@ -52,11 +61,12 @@ while [[ $# -gt 0 ]]; do
     -f) factor=$2; shift 2 ;;
     -i) iters=$2; shift 2 ;;
     -w) warmup=$2; shift 2 ;;
+    -s) sweeps=$2; shift 2 ;;
     -r) rounds=$2; shift 2 ;;
     --rt) rt=(chrt -r 50); shift ;;
     -o) out=$2; shift 2 ;;
     --build) build=$2; shift 2 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
     *) echo "compare_transports.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -103,6 +113,9 @@ mpi_flags=(--oversubscribe --bind-to none)
 
 floor_bin=$(dirname "$mpi_bin")/copy_floor
 cc -O2 -o "$floor_bin" bench/copy_floor.c -lpthread
+latency_bin=$(dirname "$mpi_bin")/core_latency
+cc -O2 -o "$latency_bin" bench/core_latency.c
+[[ $(nproc) -ge 2 ]] && "$latency_bin" 3 >> "$out/machine.txt"
 rm -f "$out"/*_n*_*.txt
 for round in $(seq "$rounds"); do
   for n in $ranks; do
@@ -111,12 +124,13 @@ for round in $(seq "$rounds"); do
       for backend in gloo shm; do
         echo "== round $round: $op, $n ranks, $backend" >&2
         "${rt[@]}" "$run" -n "$n" --no-prefix --timeout 3600 "$bench" --backend "$backend" --op "$op" \
-          -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --raw-only | tee -a "${file}_$backend.txt"
+          -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --sweeps "$sweeps" --raw-only |
+          tee -a "${file}_$backend.txt"
       done
       if [[ $have_mpi == 1 ]]; then
         echo "== round $round: $op, $n ranks, OpenMPI" >&2
         "${rt[@]}" mpirun "${mpi_flags[@]}" -n "$n" "$mpi_bin" "$op" "$(bytes "$min")" "$(bytes "$max")" "$factor" \
-          "$iters" "$warmup" | tee -a "${file}_mpi.txt"
+          "$iters" "$warmup" "$sweeps" | tee -a "${file}_mpi.txt"
       fi
     done
     if [[ " $ops " == *" all_reduce "* ]]; then
@@ -126,6 +140,7 @@ for round in $(seq "$rounds"); do
   done
 done
 echo "# load average after the runs: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$out/machine.txt"
+[[ $(nproc) -ge 2 ]] && "$latency_bin" 3 >> "$out/machine.txt"
 
 python3 bench/plot_results.py --run "$out"
 echo "compare_transports.sh: results in $out/ (summary.md, *_busbw.svg)" >&2

@@ -1,7 +1,7 @@
 /* OpenMPI's collectives (float32; SUM where they reduce) timed the way
  * commgrad-bench times its raw transport call, for bench/compare_transports.sh:
  *
- *   mpirun -n N mpi_collectives OP MINBYTES MAXBYTES FACTOR ITERS WARMUP
+ *   mpirun -n N mpi_collectives OP MINBYTES MAXBYTES FACTOR ITERS WARMUP [SWEEPS]
  *
  * OP is all_reduce (MPI_Allreduce, in place), all_gather (MPI_Allgather),
  * reduce_scatter (MPI_Reduce_scatter_block), broadcast (MPI_Bcast, root 0)
@@ -9,7 +9,9 @@
  * nccl-tests): all_gather's output, reduce_scatter's input, all_to_all's
  * buffer per rank, the whole tensor for the others; the bus bandwidth factor
  * is nccl-tests' too. For every size: WARMUP untimed calls, then ITERS rounds
- * of (MPI_Barrier, one timed call); rank 0 prints the median in
+ * of (MPI_Barrier, one timed call), the median of which is the sweep's
+ * time; the sizes are swept SWEEPS times (default 1) and rank 0 prints the
+ * median over the sweeps (as commgrad-bench --sweeps does) in
  * commgrad-bench's column layout (size count type redop root | time algbw
  * busbw #wrong), so that one parser reads both. #wrong comes from a separate
  * checked call on commgrad-bench's inputs, x_r[i] = (i mod 5) + r + 1, whose
@@ -100,53 +102,69 @@ int main(int argc, char** argv) {
   int rank = 0, n = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &n);
-  const int op = argc == 7 ? parse_op(argv[1]) : -1;
+  const int op = argc == 7 || argc == 8 ? parse_op(argv[1]) : -1;
   if (op < 0) {
     if (rank == 0)
       fprintf(stderr,
               "usage: mpi_collectives all_reduce|all_gather|reduce_scatter|broadcast|all_to_all "
-              "MINBYTES MAXBYTES FACTOR ITERS WARMUP\n");
+              "MINBYTES MAXBYTES FACTOR ITERS WARMUP [SWEEPS]\n");
     MPI_Finalize();
     return 2;
   }
   const long min_bytes = atol(argv[2]), max_bytes = atol(argv[3]), factor = atol(argv[4]);
-  const int iters = atoi(argv[5]), warmup = atoi(argv[6]);
+  const int iters = atoi(argv[5]), warmup = atoi(argv[6]), sweeps = argc == 8 ? atoi(argv[7]) : 1;
+  int nsizes = 0;
+  for (long bytes = min_bytes; bytes >= 1 && bytes <= max_bytes && factor >= 2; bytes *= factor) ++nsizes;
   float* send = malloc((size_t)max_bytes);
   float* recv = malloc((size_t)max_bytes);
   double* times = malloc(sizeof(double) * (size_t)(iters > 0 ? iters : 1));
-  if (send == NULL || recv == NULL || times == NULL || factor < 2 || iters < 1 || min_bytes < 1) {
+  double* medians = malloc(sizeof(double) * (size_t)(nsizes > 0 ? nsizes : 1) * (size_t)(sweeps > 0 ? sweeps : 1));
+  long* wrongs = calloc((size_t)(nsizes > 0 ? nsizes : 1), sizeof(long));
+  if (send == NULL || recv == NULL || times == NULL || medians == NULL || wrongs == NULL || factor < 2 || iters < 1 ||
+      min_bytes < 1 || sweeps < 1) {
     fprintf(stderr, "mpi_collectives: bad arguments or out of memory\n");
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
   if (rank == 0) {
-    printf("# mpi_collectives %s: %d ranks, float, iters %d, warmup %d\n", kNames[op], n, iters, warmup);
+    printf("# mpi_collectives %s: %d ranks, float, iters %d, warmup %d, sweeps %d\n", kNames[op], n, iters, warmup,
+           sweeps);
     printf("#       size      count     type  redop root |     time   algbw   busbw #wrong\n");
   }
-  for (long bytes = min_bytes; bytes <= max_bytes; bytes *= factor) {
-    const long count = bytes / (long)sizeof(float);
-    if (splits(op) && count % n != 0) {
-      if (rank == 0) fprintf(stderr, "mpi_collectives: %ld floats do not split among %d ranks\n", count, n);
-      MPI_Abort(MPI_COMM_WORLD, 2);
-    }
-    long wrong = checked_call(op, send, recv, count, rank, n), total_wrong = 0;
-    MPI_Reduce(&wrong, &total_wrong, 1, MPI_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
-    for (int i = 0; i < warmup; ++i) call(op, send, recv, count, n);
-    for (int i = 0; i < iters; ++i) {
-      MPI_Barrier(MPI_COMM_WORLD);
-      const double start = MPI_Wtime();
-      call(op, send, recv, count, n);
-      times[i] = (MPI_Wtime() - start) * 1e6;
-    }
-    if (rank == 0) {
+  for (int sweep = 0; sweep < sweeps; ++sweep) {
+    long bytes = min_bytes;
+    for (int size = 0; size < nsizes; ++size, bytes *= factor) {
+      const long count = bytes / (long)sizeof(float);
+      if (splits(op) && count % n != 0) {
+        if (rank == 0) fprintf(stderr, "mpi_collectives: %ld floats do not split among %d ranks\n", count, n);
+        MPI_Abort(MPI_COMM_WORLD, 2);
+      }
+      if (sweep == 0) {
+        long wrong = checked_call(op, send, recv, count, rank, n);
+        MPI_Reduce(&wrong, &wrongs[size], 1, MPI_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
+      }
+      for (int i = 0; i < warmup; ++i) call(op, send, recv, count, n);
+      for (int i = 0; i < iters; ++i) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        const double start = MPI_Wtime();
+        call(op, send, recv, count, n);
+        times[i] = (MPI_Wtime() - start) * 1e6;
+      }
       qsort(times, (size_t)iters, sizeof(double), compare_doubles);
-      const double us = times[iters / 2];
-      const double algbw = (double)bytes / us / 1e3;
-      const int reduces = op == kAllReduce || op == kReduceScatter;
-      printf("%12ld %10ld %8s %6s %4d | %8.2f %7.3f %7.3f %6ld\n", bytes, count, "float", reduces ? "sum" : "-",
-             op == kBroadcast ? 0 : -1, us, algbw, algbw * bus_factor(op, n), total_wrong);
-      fflush(stdout);
+      medians[size * sweeps + sweep] = times[iters / 2];
     }
   }
+  long bytes = min_bytes;
+  for (int size = 0; size < nsizes && rank == 0; ++size, bytes *= factor) {
+    qsort(&medians[size * sweeps], (size_t)sweeps, sizeof(double), compare_doubles);
+    const double us = medians[size * sweeps + sweeps / 2];
+    const double algbw = (double)bytes / us / 1e3;
+    const int reduces = op == kAllReduce || op == kReduceScatter;
+    printf("%12ld %10ld %8s %6s %4d | %8.2f %7.3f %7.3f %6ld\n", bytes, bytes / (long)sizeof(float), "float",
+           reduces ? "sum" : "-", op == kBroadcast ? 0 : -1, us, algbw, algbw * bus_factor(op, n), wrongs[size]);
+  }
+  fflush(stdout);
+  free(wrongs);
+  free(medians);
   free(times);
   free(recv);
   free(send);

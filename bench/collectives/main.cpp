@@ -25,6 +25,13 @@
 // its buffer from memory instead of the cache and takes 1.5x as long. The
 // transport comparison (bench/compare_transports.sh) uses it.
 //
+// With --sweeps S it sweeps the sizes S times and prints, per size, the
+// median over the sweeps of each column. On a VM whose host moves the
+// vCPUs between cores (here: cross-core round trips of about 40, 100 and
+// 420 ns, changing within seconds, see bench/core_latency.c) one sweep
+// measures each size in whichever placement held at that moment; several
+// sweeps spread every size over the placements.
+//
 // With --link-gbps G (and --link-latency-us T) each row ends with the link
 // floor: the bytes that must cross the busiest host link for the op on the
 // group's hosts (Collective::link; formulas in docs/benchmarks.md), at G
@@ -66,6 +73,7 @@ struct Options {
   int root = 0;
   int iters = 20;
   int warmup = 5;
+  int sweeps = 1;
   bool check = true;
   bool backward = true;
   bool raw_only = false;
@@ -170,6 +178,9 @@ std::optional<int> parse(int argc, char** argv, Options& o) {
       ->check(cli::non_negative());
   app.add_option("-n,--iters", o.iters, "timed iterations per size")->type_name("I")->check(cli::positive());
   app.add_option("-w,--warmup", o.warmup, "untimed iterations first")->type_name("W")->check(cli::non_negative());
+  app.add_option("--sweeps", o.sweeps, "sweep the sizes S times; print each size's median over the sweeps")
+      ->type_name("S")
+      ->check(cli::positive());
   app.add_option("-c,--check", o.check, "check results (0 or 1)")->type_name("0|1")->check(cli::integer(0, 1));
   app.add_flag_callback(
       "--no-backward", [&o] { o.backward = false; }, "skip the forward+backward columns");
@@ -286,8 +297,8 @@ double link_floor_us(const Collective& c, const Options& o, const std::vector<in
 }
 
 void print_header(const Collective& c, const Options& o, const Group& g) {
-  std::printf("# commgrad-bench %s: %d ranks, backend %s, %s, iters %d, warmup %d\n", c.name.c_str(), g.size(),
-              g.backend_name().c_str(), dtype_name(o.dtype), o.iters, o.warmup);
+  std::printf("# commgrad-bench %s: %d ranks, backend %s, %s, iters %d, warmup %d, sweeps %d\n", c.name.c_str(),
+              g.size(), g.backend_name().c_str(), dtype_name(o.dtype), o.iters, o.warmup, o.sweeps);
   std::printf("#%38s | %-31s | %-31s | %-21s | %-14s |%s\n", "", "raw transport call", "differentiable forward",
               o.backward ? "forward+backward" : "", o.backward ? "autograd floor" : "",
               o.link_gbps > 0 ? "        | link floor" : "");
@@ -348,6 +359,27 @@ Row measure(const Collective& c, const Options& o, const Group& g, int64_t count
   return row;
 }
 
+// Per column, the median over `rows` (one size's sweeps); results checked
+// wrong in any sweep count.
+Row median_row(const std::vector<Row>& rows) {
+  auto column = [&rows](double Row::*field) {
+    std::vector<double> v;
+    for (const Row& r : rows) v.push_back(r.*field);
+    return median(v);
+  };
+  Row m = rows.front();
+  m.t_raw = column(&Row::t_raw);
+  m.t_op = column(&Row::t_op);
+  m.t_fb = column(&Row::t_fb);
+  m.t_floor = column(&Row::t_floor);
+  m.ovh = column(&Row::ovh);
+  for (const Row& r : rows) {
+    m.wrong_raw = std::max(m.wrong_raw, r.wrong_raw);
+    m.wrong_op = std::max(m.wrong_op, r.wrong_op);
+  }
+  return m;
+}
+
 void print_row(const Collective& c, const Options& o, const Row& r, double factor, const std::vector<int>& layout) {
   const char* redop = c.has_redop ? reduce_op_name(o.redop) : "none";
   const int root = c.has_root ? o.root : -1;
@@ -396,11 +428,23 @@ void run(const Collective& c, const Options& o, const Group& g) {
   int rows = 0;
   const auto layout = ranks_per_host(g);
   const double factor = c.bus_factor(n);
+  std::vector<int64_t> counts;
   for (int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.factor) {
     int64_t count = std::max<int64_t>(bytes / elsize, 1);
     if (c.per_rank_split) count = std::max<int64_t>(count / n, 1) * n;
-    const Row row = measure(c, o, g, count);
-    if (speaker) print_row(c, o, row, factor, layout);
+    counts.push_back(count);
+  }
+  std::vector<std::vector<Row>> sweeps(counts.size());
+  for (int sweep = 0; sweep < o.sweeps; ++sweep) {
+    for (size_t i = 0; i < counts.size(); ++i) {
+      sweeps[i].push_back(measure(c, o, g, counts[i]));
+      // One sweep prints as it goes; several print once every size has all of its sweeps.
+      if (speaker && o.sweeps == 1) print_row(c, o, sweeps[i].back(), factor, layout);
+    }
+  }
+  for (const auto& measured : sweeps) {
+    const Row row = median_row(measured);
+    if (speaker && o.sweeps > 1) print_row(c, o, row, factor, layout);
     sum_raw += gbps(row.size, row.t_raw) * factor;
     sum_op += gbps(row.size, row.t_op) * factor;
     ++rows;

@@ -118,13 +118,15 @@ TEST(Bench, IntegerTypesHaveNoGradientColumns) {
   EXPECT_EQ(words(groups[3]), std::vector<std::string>{"n/a"}) << rows[0];
 }
 
-// --raw-only (the transport comparison's mode): the raw call timed and
-// checked, every differentiable column n/a.
+// --raw-only with --sweeps (the transport comparison's mode): the raw call
+// timed and checked, every differentiable column n/a, one row per size
+// after all the sweeps.
 TEST(Bench, RawOnlyTimesTheTransportCallAlone) {
-  const auto r =
-      bench(2, "shm",
-            {"--op", "all_reduce", "-b", "4K", "-e", "64K", "-f", "16", "--iters", "2", "--warmup", "0", "--raw-only"});
+  const auto r = bench(2, "shm",
+                       {"--op", "all_reduce", "-b", "4K", "-e", "64K", "-f", "16", "--iters", "2", "--warmup", "0",
+                        "--raw-only", "--sweeps", "3"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("iters 2, warmup 0, sweeps 3"));
   const auto rows = rows_of(r.out, "all_reduce");
   ASSERT_EQ(rows.size(), 2u) << r.out;  // 4K, 64K
   for (const std::string& row : rows) {
@@ -215,8 +217,8 @@ TEST(Bench, BadOptionsEndEveryRankWithAMessage) {
 TEST(Bench, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/commgrad-bench");
   expect_help_lists(program, {"--op", "--backend", "-b,--minbytes", "-e,--maxbytes", "-f,--stepfactor", "-d,--dtype",
-                              "-o,--redop", "-r,--root", "-n,--iters", "-w,--warmup", "-c,--check", "--no-backward",
-                              "--link-gbps", "--link-latency-us"});
+                              "-o,--redop", "-r,--root", "-n,--iters", "-w,--warmup", "--sweeps", "-c,--check",
+                              "--no-backward", "--link-gbps", "--link-latency-us"});
   expect_bad_options(
       program,
       {
@@ -230,6 +232,7 @@ TEST(Bench, BadOptionsAreNamedBeforeAnyRankStarts) {
           {{"--iters", "0"}, "--iters: expected an integer in [1, 2147483647], got '0'"},
           {{"-n", "99999999999"}, "--iters: expected an integer in [1, 2147483647], got '99999999999'"},
           {{"--warmup", "-1"}, "--warmup: expected an integer in [0, 2147483647], got '-1'"},
+          {{"--sweeps", "0"}, "--sweeps: expected an integer in [1, 2147483647], got '0'"},
           {{"-c", "2"}, "--check: expected an integer in [0, 1], got '2'"},
           {{"--no-backward=1"}, "--no-backward takes no value"},
       });
