@@ -20,6 +20,8 @@
 //   cc -O2 -o /tmp/broadcast_paths bench/broadcast_paths.c
 //   /tmp/broadcast_paths [BYTES...]        (default: 16K 64K 256K)
 #define _GNU_SOURCE
+#include "cpu_probe.h"
+
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -36,19 +38,6 @@ enum { kStaged, kStream, kDirect, kDirectRewritten };
 static const char* const kNames[] = {"staged", "stream (16 KiB pieces)", "direct, source unchanged",
                                      "direct, source rewritten"};
 enum { kIters = 2000, kPiece = 16384 };
-
-static double now_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e9 + t.tv_nsec;
-}
-
-static void pin(int cpu) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  sched_setaffinity(0, sizeof set, &set);
-}
 
 static pid_t g_receiver;  // in the root: the receiver, whose death ends the probe
 
@@ -70,7 +59,7 @@ struct Shared {
 };
 
 static void receive(struct Shared* s, char* sets, size_t set_bytes, size_t n, int mode, pid_t root) {
-  pin(1);
+  if (pin(1) != 0) _exit(1);
   char* dst = aligned_alloc(4096, n);
   memset(dst, 0, n);
   for (uint64_t k = 1; k <= kIters; ++k) {
@@ -102,8 +91,8 @@ static void receive(struct Shared* s, char* sets, size_t set_bytes, size_t n, in
 // Microseconds per call over the second half of the calls.
 static double run(size_t n, int mode) {
   const size_t set_bytes = (n + 4095) / 4096 * 4096;
-  struct Shared* s = mmap(0, sizeof(struct Shared) + 3 * set_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                          -1, 0);
+  struct Shared* s =
+      mmap(0, sizeof(struct Shared) + 3 * set_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   char* sets = (char*)(s + 1);
   memset(s, 0, sizeof *s);
   memset(sets, 0, 3 * set_bytes);
@@ -114,7 +103,10 @@ static double run(size_t n, int mode) {
   const pid_t child = fork();
   if (child == 0) receive(s, sets, set_bytes, n, mode, root);
   g_receiver = child;
-  pin(0);
+  if (pin(0) != 0) {
+    perror("broadcast_paths: CPU 0");
+    exit(1);
+  }
   double start = 0;
   for (uint64_t k = 1; k <= kIters; ++k) {
     if (k == kIters / 2) start = now_ns();

@@ -11,6 +11,8 @@
 //   cc -O2 -o /tmp/core_latency bench/core_latency.c
 //   /tmp/core_latency [SECONDS=5] [CPU_A=0] [CPU_B=1]
 #define _GNU_SOURCE
+#include "cpu_probe.h"
+
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -22,19 +24,6 @@
 #include <unistd.h>
 
 enum { kTrips = 20000, kMaxBlocks = 100000 };
-
-static double now_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e9 + t.tv_nsec;
-}
-
-static int pin(int cpu) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  return sched_setaffinity(0, sizeof set, &set);
-}
 
 struct Line {
   _Atomic uint64_t ping __attribute__((aligned(64)));
@@ -90,14 +79,18 @@ int main(int argc, char** argv) {
   }
   int fast = 0, mid = 0, slow = 0;
   for (int i = 0; i < n; ++i) {
-    if (blocks[i] < 60) ++fast;
-    else if (blocks[i] < 250) ++mid;
-    else ++slow;
+    if (blocks[i] < 60)
+      ++fast;
+    else if (blocks[i] < 250)
+      ++mid;
+    else
+      ++slow;
   }
   qsort(blocks, (size_t)n, sizeof(double), by_value);
-  printf("# cross-core round trip, CPU %d <-> %d, %d blocks of %d over %.0f s (ns): min %.0f, p10 %.0f, median %.0f, "
-         "p90 %.0f, max %.0f; blocks under 60 ns %d, 60-250 ns %d, over 250 ns %d\n",
-         cpu_a, cpu_b, n, kTrips, seconds, blocks[0], blocks[n / 10], blocks[n / 2], blocks[n * 9 / 10], blocks[n - 1],
-         fast, mid, slow);
+  printf(
+      "# cross-core round trip, CPU %d <-> %d, %d blocks of %d over %.0f s (ns): min %.0f, p10 %.0f, median %.0f, "
+      "p90 %.0f, max %.0f; blocks under 60 ns %d, 60-250 ns %d, over 250 ns %d\n",
+      cpu_a, cpu_b, n, kTrips, seconds, blocks[0], blocks[n / 10], blocks[n / 2], blocks[n * 9 / 10], blocks[n - 1],
+      fast, mid, slow);
   return 0;
 }
