@@ -17,8 +17,11 @@
 # `bench/plot_results.py --run`, summary.md (a table per collective and rank
 # count) and one SVG plot of bus bandwidth against size per collective.
 # machine.txt records the CPU, the load and, before and after the runs, the
-# spread of the cross-core round trip (bench/core_latency.c): on a VM whose
-# host moves the vCPUs it says which placements the runs met.
+# spread of the cross-core round trip (bench/core_latency.c); every program's
+# output gets the median round trip of the moment before and after it
+# ("# placement before: ... ns"): on a VM whose host moves the vCPUs (this
+# one: about 40, 125 or 430 ns, where every transport's cross-core copies
+# run 4-5x slower) it says which placement each result met.
 #
 #   bench/compare_transports.sh [-n "2 4"] [--op "all_reduce ..."|all] [-b 4K] [-e 256M] [-f 4]
 #                               [-i ITERS] [-w WARMUP] [-s SWEEPS] [-r ROUNDS] [--rt] [-o OUTDIR]
@@ -66,7 +69,7 @@ while [[ $# -gt 0 ]]; do
     --rt) rt=(chrt -r 50); shift ;;
     -o) out=$2; shift 2 ;;
     --build) build=$2; shift 2 ;;
-    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
     *) echo "compare_transports.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -116,6 +119,12 @@ cc -O2 -o "$floor_bin" bench/copy_floor.c -lpthread
 latency_bin=$(dirname "$mpi_bin")/core_latency
 cc -O2 -o "$latency_bin" bench/core_latency.c
 [[ $(nproc) -ge 2 ]] && "$latency_bin" 3 >> "$out/machine.txt"
+# Appends the placement of the moment to $1 as a comment (the tables skip
+# comments): the median cross-core round trip over half a second.
+placement() {
+  [[ $(nproc) -ge 2 ]] || return 0
+  echo "# placement $2: cross-core round trip median $("$latency_bin" 0.5 | sed -n 's/.*median \([0-9]*\).*/\1/p') ns" >> "$1"
+}
 rm -f "$out"/*_n*_*.txt
 for round in $(seq "$rounds"); do
   for n in $ranks; do
@@ -123,14 +132,18 @@ for round in $(seq "$rounds"); do
       file=$out/${op//_/}_n$n  # allreduce_n2
       for backend in gloo shm; do
         echo "== round $round: $op, $n ranks, $backend" >&2
+        placement "${file}_$backend.txt" before
         "${rt[@]}" "$run" -n "$n" --no-prefix --timeout 3600 "$bench" --backend "$backend" --op "$op" \
           -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --sweeps "$sweeps" --raw-only |
           tee -a "${file}_$backend.txt"
+        placement "${file}_$backend.txt" after
       done
       if [[ $have_mpi == 1 ]]; then
         echo "== round $round: $op, $n ranks, OpenMPI" >&2
+        placement "${file}_mpi.txt" before
         "${rt[@]}" mpirun "${mpi_flags[@]}" -n "$n" "$mpi_bin" "$op" "$(bytes "$min")" "$(bytes "$max")" "$factor" \
           "$iters" "$warmup" "$sweeps" | tee -a "${file}_mpi.txt"
+        placement "${file}_mpi.txt" after
       fi
     done
     if [[ " $ops " == *" all_reduce "* ]]; then
