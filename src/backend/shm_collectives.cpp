@@ -62,6 +62,17 @@ void copy(void* dst, const void* src, int64_t bytes) {
   if (bytes > 0 && dst != src) std::memmove(dst, src, static_cast<size_t>(bytes));
 }
 
+// `src` into `a` and `b` (neither overlapping it), 16 KiB at a time: the
+// second copy of each block reads it from L1.
+void copy_twice(uint8_t* a, uint8_t* b, const uint8_t* src, int64_t bytes) {
+  constexpr int64_t kBlock = 16 * 1024;
+  for (int64_t at = 0; at < bytes; at += kBlock) {
+    const auto len = static_cast<size_t>(std::min(kBlock, bytes - at));
+    std::memcpy(a + at, src + at, len);
+    std::memcpy(b + at, src + at, len);
+  }
+}
+
 // True when an input that peers may read (ins[q], q != rank) overlaps an output.
 bool inputs_overlap_outputs(const void* const* ins, const int64_t* in_bytes, void* const* outs,
                             const int64_t* out_bytes, int n, int rank) {
@@ -206,6 +217,13 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
                      c10::ScalarType dtype, int root) {
   const auto* src = static_cast<const uint8_t*>(in);
   const bool receives = root < 0 || root == rank_;
+  const bool stages = size_ > 1 && rank_ != root;
+  // This rank's own part goes into its output with each step's write into
+  // the segment, block by block, so that the input is read once (the
+  // second copy reads from L1), unless the two overlap.
+  auto* own = receives ? static_cast<uint8_t*>(outs[rank_]) : nullptr;
+  const bool own_with_steps =
+      stages && own != nullptr && out_bytes[rank_] == in_bytes && !overlap(own, in_bytes, src, in_bytes);
   const OpDescriptor d = begin(call, root < 0 ? OpKind::kAllgather : OpKind::kGather, dtype, -1, root, in_bytes);
   const int64_t cap = static_cast<int64_t>(segment_->layout().chunk_bytes);
   int64_t nsteps = 1;  // known after the first barrier
@@ -217,7 +235,11 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
       publish(set, d);
     }
     const int64_t off = k * cap;
-    if (size_ > 1 && rank_ != root) copy(segment_->slot(set, rank_), src + off, clamp_len(in_bytes, off, cap));
+    if (own_with_steps) {
+      copy_twice(segment_->slot(set, rank_), own + off, src + off, clamp_len(in_bytes, off, cap));
+    } else if (stages) {
+      copy(segment_->slot(set, rank_), src + off, clamp_len(in_bytes, off, cap));
+    }
     arrive_and_wait(call);
     if (k == 0) {
       check_agreement(call, set, false);
@@ -234,7 +256,7 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
         }
       }
       nsteps = std::max<int64_t>(1, ceil_div(most, cap));
-      if (receives) copy(static_cast<uint8_t*>(outs[rank_]), src, in_bytes);
+      if (receives && !own_with_steps) copy(own, src, in_bytes);
     }
     if (!receives) continue;
     for (int q = 0; q < size_; ++q) {
