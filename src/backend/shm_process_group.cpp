@@ -274,6 +274,15 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& outp
   check.require(output.numel() == input.numel() * getSize(), "output has ", output.numel(),
                 " elements; expected world size x input = ", getSize(), " x ", input.numel(), " (input ", input.sizes(),
                 ", output ", output.sizes(), ")");
+  // In place means the input is this rank's part of the output; any other
+  // overlap would be overwritten while it is read.
+  const auto part_bytes = static_cast<int64_t>(input.nbytes());
+  const auto* own_part = static_cast<const uint8_t*>(output.data_ptr()) + part_bytes * getRank();
+  check.require(input.data_ptr() == own_part ||
+                    !detail::overlap(input.data_ptr(), part_bytes, output.data_ptr(), part_bytes * getSize()),
+                "the input overlaps the output without being this rank's part of it (in place, the input is "
+                "output[",
+                getRank(), "])");
   const Staged in(input);
   const Staged out(output);
   return submit_collective(check.op(), c10d::OpType::_ALLGATHER_BASE, {output}, out.bytes(), opts.timeout,

@@ -244,6 +244,12 @@ TEST_P(ShmOps, AllgatherListFlatAndUneven) {
         at::Tensor flat = at::empty({numel * r.size}, at::TensorOptions().dtype(dtype));
         r.shm->_allgather_base(flat, in[0])->wait();
         EXPECT_TRUE(same_bits(flat, at::cat(all))) << "_allgather_base numel " << numel;
+        // In place: the input is this rank's part of the output (FSDP's form).
+        at::Tensor inplace = at::zeros({numel * r.size}, at::TensorOptions().dtype(dtype));
+        at::Tensor mine = inplace.narrow(0, numel * r.rank, numel);
+        mine.copy_(in[0]);
+        r.shm->_allgather_base(inplace, mine)->wait();
+        EXPECT_TRUE(same_bits(inplace, at::cat(all))) << "_allgather_base in place, numel " << numel;
         // Different sizes per rank (Gloo cannot).
         std::vector<at::Tensor> uneven;
         for (int q = 0; q < r.size; ++q) uneven.push_back(make_input(numel + 3 * q, dtype, q, salt + 99));

@@ -141,6 +141,12 @@ TEST(ShmErrors, UnsupportedArgumentsAreClearErrors) {
               }).find("input and output overlap"),
               std::string::npos);
     EXPECT_NE(error_of([&] {
+                at::Tensor gathered = at::zeros({8});
+                at::Tensor shifted = gathered.narrow(0, 1, 4);  // neither apart nor this rank's part
+                r.shm->_allgather_base(gathered, shifted)->wait();
+              }).find("the input overlaps the output without being this rank's part of it"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
                 r.shm->allreduce_out(at::ones({4}), at::empty({5}))->wait();
               }).find("differ in dtype or number of elements"),
               std::string::npos);
