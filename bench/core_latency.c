@@ -3,9 +3,9 @@
 // bounce a counter through one shared line, 20000 round trips per block,
 // a block every 100 ms for SECONDS; prints the spread of the blocks'
 // average round trip. On a VM the host may move the vCPUs between physical
-// cores: the AMD EPYC VM of docs/benchmarks.md showed blocks of about 40 ns
-// (SMT siblings), 100 ns (one L3) and 420 ns (across L3s), switching within
-// seconds, so that any transport's time at a size depends on the placement
+// cores: the AMD EPYC VM of docs/benchmarks.md showed blocks of about 40,
+// 125 and 430 ns (presumably SMT siblings, one L3, two L3s), switching within
+// seconds to minutes, so that any transport's time at a size depends on the placement
 // it met (bench/compare_transports.sh records this next to its runs).
 //
 //   cc -O2 -o /tmp/core_latency bench/core_latency.c

@@ -27,8 +27,8 @@
 //
 // With --sweeps S it sweeps the sizes S times and prints, per size, the
 // median over the sweeps of each column. On a VM whose host moves the
-// vCPUs between cores (here: cross-core round trips of about 40, 100 and
-// 420 ns, changing within seconds, see bench/core_latency.c) one sweep
+// vCPUs between cores (here: cross-core round trips of about 40, 125 and
+// 430 ns, changing within seconds, see bench/core_latency.c) one sweep
 // measures each size in whichever placement held at that moment; several
 // sweeps spread every size over the placements.
 //
