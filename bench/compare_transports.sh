@@ -24,12 +24,19 @@
 # run 4-5x slower) it says which placement each result met.
 #
 #   bench/compare_transports.sh [-n "2 4"] [--op "all_reduce ..."|all] [-b 4K] [-e 256M] [-f 4]
-#                               [-i ITERS] [-w WARMUP] [-s SWEEPS] [-r ROUNDS] [--rt] [-o OUTDIR]
-#                               [--build BUILDDIR]
+#                               [-i ITERS] [-w WARMUP] [-s SWEEPS] [-r ROUNDS] [--rt] [--fresh]
+#                               [-o OUTDIR] [--build BUILDDIR]
 #
 # -s: each program sweeps the sizes SWEEPS times and reports each size's
 # median over its sweeps (default 1), which spreads every size over the
 # placements a VM's host switches between within seconds.
+#
+# --fresh: before each call, untimed, every rank writes what the call
+# reads again (commgrad-bench --fresh-input, mpi_collectives' FRESH), as a
+# training step's tensors are freshly written; without it a source
+# unchanged since the last call may still sit in the readers' caches,
+# which flatters a transport that reads it in place (OpenMPI's single
+# copy) at the sizes that fit in cache.
 #
 # --op: all_reduce (the default), all_gather, reduce_scatter, broadcast,
 # all_to_all, or all of them. Sizes count as commgrad-bench's (nccl-tests'):
@@ -53,6 +60,7 @@ warmup=5
 sweeps=1
 rounds=3
 rt=()
+fresh=0
 out=bench/results/transports/$(date +%Y-%m-%d)  # a run folder beside the earlier runs
 build=${COMMGRAD_BUILD_DIR:-build}
 while [[ $# -gt 0 ]]; do
@@ -67,9 +75,10 @@ while [[ $# -gt 0 ]]; do
     -s) sweeps=$2; shift 2 ;;
     -r) rounds=$2; shift 2 ;;
     --rt) rt=(chrt -r 50); shift ;;
+    --fresh) fresh=1; shift ;;
     -o) out=$2; shift 2 ;;
     --build) build=$2; shift 2 ;;
-    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
     *) echo "compare_transports.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -83,6 +92,9 @@ bytes() {  # 4K -> 4096
   esac
   echo $((v * mult))
 }
+
+fresh_flag=()
+[[ $fresh == 1 ]] && fresh_flag=(--fresh-input)
 
 all_ops="all_reduce all_gather reduce_scatter broadcast all_to_all"
 [[ $ops == all ]] && ops=$all_ops
@@ -134,7 +146,8 @@ for round in $(seq "$rounds"); do
         echo "== round $round: $op, $n ranks, $backend" >&2
         placement "${file}_$backend.txt" before
         "${rt[@]}" "$run" -n "$n" --no-prefix --timeout 3600 "$bench" --backend "$backend" --op "$op" \
-          -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --sweeps "$sweeps" --raw-only |
+          -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --sweeps "$sweeps" --raw-only \
+          "${fresh_flag[@]}" |
           tee -a "${file}_$backend.txt"
         placement "${file}_$backend.txt" after
       done
@@ -142,7 +155,7 @@ for round in $(seq "$rounds"); do
         echo "== round $round: $op, $n ranks, OpenMPI" >&2
         placement "${file}_mpi.txt" before
         "${rt[@]}" mpirun "${mpi_flags[@]}" -n "$n" "$mpi_bin" "$op" "$(bytes "$min")" "$(bytes "$max")" "$factor" \
-          "$iters" "$warmup" "$sweeps" | tee -a "${file}_mpi.txt"
+          "$iters" "$warmup" "$sweeps" "$fresh" | tee -a "${file}_mpi.txt"
         placement "${file}_mpi.txt" after
       fi
     done

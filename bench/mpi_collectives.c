@@ -1,7 +1,7 @@
 /* OpenMPI's collectives (float32; SUM where they reduce) timed the way
  * commgrad-bench times its raw transport call, for bench/compare_transports.sh:
  *
- *   mpirun -n N mpi_collectives OP MINBYTES MAXBYTES FACTOR ITERS WARMUP [SWEEPS]
+ *   mpirun -n N mpi_collectives OP MINBYTES MAXBYTES FACTOR ITERS WARMUP [SWEEPS [FRESH]]
  *
  * OP is all_reduce (MPI_Allreduce, in place), all_gather (MPI_Allgather),
  * reduce_scatter (MPI_Reduce_scatter_block), broadcast (MPI_Bcast, root 0)
@@ -15,7 +15,12 @@
  * commgrad-bench's column layout (size count type redop root | time algbw
  * busbw #wrong), so that one parser reads both. #wrong comes from a separate
  * checked call on commgrad-bench's inputs, x_r[i] = (i mod 5) + r + 1, whose
- * every result is exact in float. */
+ * every result is exact in float. FRESH 1 (commgrad-bench --fresh-input):
+ * before each call, untimed, every rank writes what the call reads (the
+ * buffer, the input; a broadcast's root only) again with the input's
+ * values, as a training step's tensors are freshly written; unchanged, a
+ * source may still sit in the readers' caches from the last call, which
+ * flatters reading it in place. */
 
 #include <mpi.h>
 #include <stdio.h>
@@ -65,11 +70,22 @@ static void call(int op, float* send, float* recv, long count, int n) {
   }
 }
 
+/* Writes this rank's input: the elements the call reads. */
+static void fill_input(int op, float* send, long count, int rank, int n) {
+  const long in = op == kAllGather ? count / n : count;
+  for (long i = 0; i < in; ++i) send[i] = input_value(i, rank);
+}
+
+/* Writes what this rank's call reads again (FRESH), so that its lines sit
+ * written in this core's cache, as a computed tensor's do. */
+static void refresh(int op, float* send, long count, int rank, int n) {
+  if (op != kBroadcast || rank == 0) fill_input(op, send, count, rank, n);
+}
+
 /* Fills the inputs, runs OP once and counts this rank's wrong elements. */
 static long checked_call(int op, float* send, float* recv, long count, int rank, int n) {
   const long part = count / n;
-  const long in = op == kAllGather ? part : count;
-  for (long i = 0; i < in; ++i) send[i] = input_value(i, rank);
+  fill_input(op, send, count, rank, n);
   call(op, send, recv, count, n);
   long wrong = 0;
   switch (op) {
@@ -102,17 +118,18 @@ int main(int argc, char** argv) {
   int rank = 0, n = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &n);
-  const int op = argc == 7 || argc == 8 ? parse_op(argv[1]) : -1;
+  const int op = argc >= 7 && argc <= 9 ? parse_op(argv[1]) : -1;
   if (op < 0) {
     if (rank == 0)
       fprintf(stderr,
               "usage: mpi_collectives all_reduce|all_gather|reduce_scatter|broadcast|all_to_all "
-              "MINBYTES MAXBYTES FACTOR ITERS WARMUP [SWEEPS]\n");
+              "MINBYTES MAXBYTES FACTOR ITERS WARMUP [SWEEPS [FRESH]]\n");
     MPI_Finalize();
     return 2;
   }
   const long min_bytes = atol(argv[2]), max_bytes = atol(argv[3]), factor = atol(argv[4]);
-  const int iters = atoi(argv[5]), warmup = atoi(argv[6]), sweeps = argc == 8 ? atoi(argv[7]) : 1;
+  const int iters = atoi(argv[5]), warmup = atoi(argv[6]), sweeps = argc >= 8 ? atoi(argv[7]) : 1;
+  const int fresh = argc == 9 ? atoi(argv[8]) : 0;
   int nsizes = 0;
   for (long bytes = min_bytes; bytes >= 1 && bytes <= max_bytes && factor >= 2; bytes *= factor) ++nsizes;
   float* send = malloc((size_t)max_bytes);
@@ -121,13 +138,13 @@ int main(int argc, char** argv) {
   double* medians = malloc(sizeof(double) * (size_t)(nsizes > 0 ? nsizes : 1) * (size_t)(sweeps > 0 ? sweeps : 1));
   long* wrongs = calloc((size_t)(nsizes > 0 ? nsizes : 1), sizeof(long));
   if (send == NULL || recv == NULL || times == NULL || medians == NULL || wrongs == NULL || factor < 2 || iters < 1 ||
-      min_bytes < 1 || sweeps < 1) {
+      min_bytes < 1 || sweeps < 1 || fresh < 0 || fresh > 1) {
     fprintf(stderr, "mpi_collectives: bad arguments or out of memory\n");
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
   if (rank == 0) {
-    printf("# mpi_collectives %s: %d ranks, float, iters %d, warmup %d, sweeps %d\n", kNames[op], n, iters, warmup,
-           sweeps);
+    printf("# mpi_collectives %s: %d ranks, float, iters %d, warmup %d, sweeps %d%s\n", kNames[op], n, iters, warmup,
+           sweeps, fresh ? ", fresh input" : "");
     printf("#       size      count     type  redop root |     time   algbw   busbw #wrong\n");
   }
   for (int sweep = 0; sweep < sweeps; ++sweep) {
@@ -142,8 +159,12 @@ int main(int argc, char** argv) {
         long wrong = checked_call(op, send, recv, count, rank, n);
         MPI_Reduce(&wrong, &wrongs[size], 1, MPI_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
       }
-      for (int i = 0; i < warmup; ++i) call(op, send, recv, count, n);
+      for (int i = 0; i < warmup; ++i) {
+        if (fresh) refresh(op, send, count, rank, n);
+        call(op, send, recv, count, n);
+      }
       for (int i = 0; i < iters; ++i) {
+        if (fresh) refresh(op, send, count, rank, n);
         MPI_Barrier(MPI_COMM_WORLD);
         const double start = MPI_Wtime();
         call(op, send, recv, count, n);

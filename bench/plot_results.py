@@ -22,7 +22,10 @@ With --tables, prints the markdown tables of docs/benchmarks.md's collectives
 section computed from the same files. With --run DIR, summarises one
 compare_transports.sh run (what the script calls when it ends): for every
 collective in DIR, a table per rank count (each transport's median time and
-bus bandwidth, shm's ratios) into DIR/summary.md, and DIR/OP_busbw.svg.
+bus bandwidth, shm's ratios) into DIR/summary.md, and DIR/OP_busbw.svg; where
+the outputs carry their placement (compare_transports.sh's "# placement
+before/after" lines), also shm against OpenMPI within each placement: only
+the programs whose round trip before and after fell in the same class.
 """
 
 import argparse
@@ -66,6 +69,36 @@ def read_bench(path):
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
     return {size: tuple(median(field) for field in zip(*rounds)) for size, rounds in seen.items()}
+
+
+# The cross-core round trips a VM's host switches between (bench/core_latency.c):
+# below 80 ns, 80-250 ns and above, named by their typical value here.
+PLACEMENTS = ((80, "~40 ns"), (250, "~125 ns"), (float("inf"), "~430 ns"))
+
+
+def placement_class(ns):
+    return next(name for limit, name in PLACEMENTS if ns < limit)
+
+
+def read_placed(path):
+    """placement class -> [one program's {size: raw time us}] for the programs of a file whose round trip before
+    and after them fell in the same class (compare_transports.sh writes '# placement before/after: ... N ns'
+    around each program's output); programs that met two classes, or carry no placement, are left out."""
+    placed, rows, before = {}, {}, None
+    if not os.path.exists(path):
+        return placed
+    for line in open(path):
+        m = re.match(r"# placement (before|after):.* (\d+) ns", line)
+        if m and m.group(1) == "before":
+            rows, before = {}, placement_class(int(m.group(2)))
+        elif m and before is not None:
+            if placement_class(int(m.group(2))) == before and rows:
+                placed.setdefault(before, []).append(rows)
+            before = None
+        elif not line.startswith("#") and "|" in line and before is not None:
+            parts = line.split("|")
+            rows[int(parts[0].split()[0])] = float(parts[1].split()[0])
+    return placed
 
 
 def read_floor(path, n):
@@ -427,6 +460,33 @@ def run_table(run_dir, op, n):
     return md + [""]
 
 
+def placement_table(run_dir, op, n):
+    """shm against OpenMPI within each placement class both met (read_placed): per class, each transport's median
+    over its programs of their per-size medians, and the ratio; empty when the outputs carry no placement."""
+    shm = read_placed(results_file(run_dir, op, n, "shm"))
+    mpi = read_placed(results_file(run_dir, op, n, "mpi"))
+    classes = [name for _, name in PLACEMENTS if name in shm and name in mpi]
+    if not classes:
+        return []
+    md = [f"{op} float32, {n} ranks, within one placement (cross-core round trip before and after the program in "
+          "the same class): time per call (us; the median over the programs), programs counted in the header", "",
+          "| size | " + " | ".join(f"{c}: shm ({len(shm[c])}) | OpenMPI ({len(mpi[c])}) | shm vs OpenMPI"
+                                    for c in classes) + " |",
+          "|" + "---|" * (1 + 3 * len(classes))]
+    for s in sorted(set().union(*(r for c in classes for r in shm[c]))):
+        cells = [size_name(s)]
+        for c in classes:
+            a = [r[s] for r in shm[c] if s in r]
+            b = [r[s] for r in mpi[c] if s in r]
+            if not a or not b:
+                cells += ["", "", ""]
+                continue
+            ta, tb = statistics.median(a), statistics.median(b)
+            cells += [f"{ta:.1f}", f"{tb:.1f}", speedup(tb / ta) if ta > 0 else ""]
+        md.append("| " + " | ".join(cells) + " |")
+    return md + [""]
+
+
 def run_summary(run_dir):
     """DIR/summary.md (every collective and rank count of one run) and DIR/OP_busbw.svg; prints the summary."""
     md = [machine(run_dir)]
@@ -439,6 +499,7 @@ def run_summary(run_dir):
             continue
         for n in ranks:
             md += run_table(run_dir, op, n)
+            md += placement_table(run_dir, op, n)
         name = f"{op.replace('_', '')}_busbw.svg"
         busbw_plot([run_dir], os.path.join(run_dir, name), op)
         md += [f"![{op} bus bandwidth]({name})", ""]

@@ -41,6 +41,9 @@ struct Instance {
   std::function<void()> forward_backward;
   /// The op's input on this rank.
   at::Tensor input;
+  /// What the raw call reads on this rank (undefined where it reads nothing,
+  /// a broadcast's non-root): --fresh-input writes it again before every call.
+  at::Tensor raw_source;
 };
 
 /// What one call must move across the busiest host link, for the link

@@ -110,6 +110,7 @@ Instance all_reduce(const Setup& s) {
     std::vector<at::Tensor> t{buffer};
     wait(group.transport().allreduce(t, opts));
   };
+  in.raw_source = buffer;
   const bool avg = s.op == ReduceOp::kAvg;
   const int n = s.size;
   in.check_raw = [=]() {
@@ -150,6 +151,7 @@ Instance all_gather(const Setup& s) {
     wait(group.transport().allgather(o, i));
   };
   in.raw = run;
+  in.raw_source = x;
   in.check_raw = [=]() {
     out.zero_();
     run();
@@ -175,6 +177,7 @@ Instance reduce_scatter(const Setup& s) {
   auto group = s.group;
   auto x = in.input;
   const bool avg = s.op == ReduceOp::kAvg;
+  in.raw_source = x;
   const auto& native = group.capabilities().reduce_scatter;
   if (native && at::isFloatingType(s.dtype) && s.op != ReduceOp::kProduct) {
     // The transport's own reduce_scatter (shm, hierarchical), as the op uses it.
@@ -225,6 +228,7 @@ Instance broadcast(const Setup& s) {
     std::vector<at::Tensor> t{buffer};
     wait(group.transport().broadcast(t, opts));
   };
+  if (s.rank == s.root) in.raw_source = buffer;
   in.check_raw = [=]() {
     buffer.copy_(in.input);
     in.raw();
@@ -252,6 +256,7 @@ Instance reduce(const Setup& s) {
     std::vector<at::Tensor> t{buffer};
     wait(group.transport().reduce(t, opts));
   };
+  in.raw_source = buffer;
   in.check_raw = [=]() {
     buffer.copy_(in.input);
     in.raw();
@@ -284,6 +289,7 @@ Instance scatter(const Setup& s) {
     if (root) i.push_back(x.split(part));
     wait(group.transport().scatter(o, i, opts));
   };
+  if (root) in.raw_source = x;
   in.check_raw = [=]() {
     out.zero_();
     in.raw();
@@ -319,6 +325,7 @@ Instance gather(const Setup& s) {
     std::vector<at::Tensor> i{x};
     wait(group.transport().gather(o, i, opts));
   };
+  in.raw_source = x;
   in.check_raw = [=]() {
     out.zero_();
     in.raw();
@@ -349,6 +356,7 @@ Instance all_to_all(const Setup& s) {
     at::Tensor o = out, i = x;
     wait(group.transport().alltoall_base(o, i, none, none));
   };
+  in.raw_source = x;
   in.check_raw = [=]() {
     out.zero_();
     in.raw();
@@ -381,6 +389,7 @@ Instance send_recv(const Setup& s) {
       wait(group.transport().recv(t, rank - 1, 0));
     }
   };
+  if (sender) in.raw_source = x;
   in.check_raw = [=]() {
     buffer.zero_();
     in.raw();

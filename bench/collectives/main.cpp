@@ -32,6 +32,14 @@
 // measures each size in whichever placement held at that moment; several
 // sweeps spread every size over the placements.
 //
+// With --fresh-input every rank writes what the raw call reads (its source:
+// the buffer, the input, a root's tensor) again before each call, outside
+// the timing, with the input's values, as a training step's tensors are
+// freshly written: back to
+// back, a source unchanged since the last call may still sit in the
+// readers' caches, which flatters a transport that reads it in place
+// (bench/mpi_collectives.c has the same option).
+//
 // With --link-gbps G (and --link-latency-us T) each row ends with the link
 // floor: the bytes that must cross the busiest host link for the op on the
 // group's hosts (Collective::link; formulas in docs/benchmarks.md), at G
@@ -77,6 +85,7 @@ struct Options {
   bool check = true;
   bool backward = true;
   bool raw_only = false;
+  bool fresh_input = false;
   double link_gbps = 0;  // 0: no link floor columns
   double link_latency_us = 0;
 };
@@ -192,6 +201,9 @@ std::optional<int> parse(int argc, char** argv, Options& o) {
       },
       "time the raw transport call alone (no differentiable columns;\n"
       "what a transport comparison needs)");
+  app.add_flag("--fresh-input", o.fresh_input,
+               "write the raw call's source again before each call, untimed\n"
+               "(as a training step's tensors are freshly written)");
   app.add_option("--link-gbps", o.link_gbps, "add the link floor (us) at G Gbit/s per host link, and xfloor")
       ->type_name("G")
       ->check(cli::number(0, /*inclusive=*/false));
@@ -213,15 +225,20 @@ void barrier(const Group& g) {
 // Times in microseconds of each of `fs` over `iters` rounds (t[k][round]),
 // after `warmup` untimed rounds. Each round runs every f once, in turn, after
 // a barrier, so that load from outside the benchmark (a shared machine) falls
-// on all of them alike.
+// on all of them alike. `prepare` (if any) runs before fs[0], untimed.
 std::vector<std::vector<double>> time_us(const Group& g, int warmup, int iters,
-                                         const std::vector<std::function<void()>>& fs) {
+                                         const std::vector<std::function<void()>>& fs,
+                                         const std::function<void()>& prepare) {
   for (int i = 0; i < warmup; ++i) {
-    for (const auto& f : fs) f();
+    for (size_t k = 0; k < fs.size(); ++k) {
+      if (k == 0 && prepare) prepare();
+      fs[k]();
+    }
   }
   std::vector<std::vector<double>> t(fs.size());
   for (int i = 0; i < iters; ++i) {
     for (size_t k = 0; k < fs.size(); ++k) {
+      if (k == 0 && prepare) prepare();
       barrier(g);
       const auto start = std::chrono::steady_clock::now();
       fs[k]();
@@ -297,8 +314,9 @@ double link_floor_us(const Collective& c, const Options& o, const std::vector<in
 }
 
 void print_header(const Collective& c, const Options& o, const Group& g) {
-  std::printf("# commgrad-bench %s: %d ranks, backend %s, %s, iters %d, warmup %d, sweeps %d\n", c.name.c_str(),
-              g.size(), g.backend_name().c_str(), dtype_name(o.dtype), o.iters, o.warmup, o.sweeps);
+  std::printf("# commgrad-bench %s: %d ranks, backend %s, %s, iters %d, warmup %d, sweeps %d%s\n", c.name.c_str(),
+              g.size(), g.backend_name().c_str(), dtype_name(o.dtype), o.iters, o.warmup, o.sweeps,
+              o.fresh_input ? ", fresh input" : "");
   std::printf("#%38s | %-31s | %-31s | %-21s | %-14s |%s\n", "", "raw transport call", "differentiable forward",
               o.backward ? "forward+backward" : "", o.backward ? "autograd floor" : "",
               o.link_gbps > 0 ? "        | link floor" : "");
@@ -345,7 +363,12 @@ Row measure(const Collective& c, const Options& o, const Group& g, int64_t count
     fs.push_back(in.forward_backward);
     fs.push_back(autograd_floor(in.input));
   }
-  const auto t = time_us(g, o.warmup, o.iters, fs);
+  std::function<void()> refresh;
+  if (o.fresh_input && in.raw_source.defined()) {
+    // The input's values, so that results stay checkable (and in-place sums finite).
+    refresh = [source = in.raw_source, values = in.raw_source.clone()]() mutable { source.copy_(values); };
+  }
+  const auto t = time_us(g, o.warmup, o.iters, fs, refresh);
   row.t_raw = median(t[0]);
   row.t_op = row.op ? median(t[1]) : 0;
   row.t_fb = row.fb ? median(t[2]) : 0;

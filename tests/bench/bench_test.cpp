@@ -140,6 +140,22 @@ TEST(Bench, RawOnlyTimesTheTransportCallAlone) {
   EXPECT_THAT(r.out, Not(HasSubstr("GB/s, differentiable forward")));
 }
 
+// --fresh-input: every collective's source written again before each call
+// (with the input's values, so that every result still checks out).
+TEST(Bench, FreshInputKeepsEveryResultRight) {
+  const auto r = bench(2, "shm",
+                       {"--op", "all", "-b", "4K", "-e", "64K", "-f", "16", "--iters", "2", "--warmup", "1",
+                        "--raw-only", "--fresh-input"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("iters 2, warmup 1, sweeps 1, fresh input"));
+  for (const std::string op : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "scatter", "gather",
+                               "all_to_all", "send_recv"}) {
+    const auto rows = rows_of(r.out, op);
+    ASSERT_EQ(rows.size(), 2u) << op << "\n" << r.out;
+    for (const std::string& row : rows) EXPECT_EQ(words(split(row, '|')[1])[3], "0") << op << ": " << row;
+  }
+}
+
 // The link floor: bytes across the busiest host link / bandwidth + latency x
 // steps among hosts (docs/benchmarks.md), on 1 + 2 ranks over two hosts (the
 // lone rank's link is the busiest), and xfloor = raw time / floor.
@@ -218,7 +234,7 @@ TEST(Bench, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/commgrad-bench");
   expect_help_lists(program, {"--op", "--backend", "-b,--minbytes", "-e,--maxbytes", "-f,--stepfactor", "-d,--dtype",
                               "-o,--redop", "-r,--root", "-n,--iters", "-w,--warmup", "--sweeps", "-c,--check",
-                              "--no-backward", "--link-gbps", "--link-latency-us"});
+                              "--no-backward", "--raw-only", "--fresh-input", "--link-gbps", "--link-latency-us"});
   expect_bad_options(
       program,
       {
