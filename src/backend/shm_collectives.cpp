@@ -37,9 +37,7 @@
 // keeps every input as it is until its readers are done. Both ends of a
 // pair know the piece's size (they must agree on it, and do so before any
 // read), so both decide alike; smaller pieces of the same call are
-// staged. All-gather and gather parts (one rank's input) of that size
-// are read the same way, from the input's address published with the
-// descriptor. Sizes may differ between ranks where the op allows it
+// staged. Sizes may differ between ranks where the op allows it
 // (all-gather, gather, scatter, all-to-all): every rank publishes its
 // sizes with its descriptor, all ranks check them against each other, and
 // the number of steps is the largest staged piece over all ranks.
@@ -219,10 +217,7 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
                      c10::ScalarType dtype, int root) {
   const auto* src = static_cast<const uint8_t*>(in);
   const bool receives = root < 0 || root == rank_;
-  // An input of single_copy_piece_bytes and more is read by its receivers
-  // straight from this rank's memory; smaller ones go through the segment.
-  const bool read_in_place = size_ > 1 && rank_ != root && reads_directly(in_bytes);
-  const bool stages = size_ > 1 && rank_ != root && !read_in_place;
+  const bool stages = size_ > 1 && rank_ != root;
   // This rank's own part goes into its output with each step's write into
   // the segment, block by block, so that the input is read once (the
   // second copy reads from L1), unless the two overlap.
@@ -232,13 +227,11 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
   const OpDescriptor d = begin(call, root < 0 ? OpKind::kAllgather : OpKind::kGather, dtype, -1, root, in_bytes);
   const int64_t cap = static_cast<int64_t>(segment_->layout().chunk_bytes);
   int64_t nsteps = 1;  // known after the first barrier
-  bool any_direct = false;
   for (int64_t k = 0; k < nsteps; ++k) {
     const int set = next_set();
     if (k == 0) {
       int64_t* aux = segment_->aux(set, rank_);
       for (int q = 0; q < size_; ++q) aux[q] = receives ? out_bytes[q] : -1;
-      aux[size_] = address_of(in);
       publish(set, d);
     }
     const int64_t off = k * cap;
@@ -253,9 +246,7 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
       int64_t most = 0;
       for (int q = 0; q < size_; ++q) {
         const int64_t sends = segment_->rank_block(q).desc[set].bytes;
-        const bool direct = q != root && reads_directly(sends);
-        any_direct |= direct;
-        if (q != root && !direct) most = std::max(most, sends);
+        most = std::max(most, sends);
         for (int x = 0; x < size_; ++x) {
           const int64_t expects = segment_->aux(set, x)[q];
           if (expects >= 0 && expects != sends) {
@@ -266,22 +257,13 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
       }
       nsteps = std::max<int64_t>(1, ceil_div(most, cap));
       if (receives && !own_with_steps) copy(own, src, in_bytes);
-      if (receives) {
-        for_each_peer(rank_, size_, [&](int q) {
-          if (reads_directly(out_bytes[q])) {
-            read_peer(call, q, static_cast<uint64_t>(segment_->aux(set, q)[size_]), outs[q], out_bytes[q]);
-          }
-        });
-      }
     }
     if (!receives) continue;
     for (int q = 0; q < size_; ++q) {
-      if (q == rank_ || reads_directly(out_bytes[q])) continue;
+      if (q == rank_) continue;
       copy(static_cast<uint8_t*>(outs[q]) + off, segment_->slot(set, q), clamp_len(out_bytes[q], off, cap));
     }
   }
-  // No rank changes (or frees) an input that a peer still reads.
-  if (any_direct) arrive_and_wait(call);
 }
 
 void Comm::scatter(const Call& call, const void* const* ins, const int64_t* in_bytes, void* out, int64_t out_bytes,

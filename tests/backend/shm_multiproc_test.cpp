@@ -79,9 +79,8 @@ bool siblings_may_read_each_other() {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
-// All-reduces from 1 MiB, and all-to-all pieces and all-gather parts from
-// 64 KiB, read the peers' tensors (on 3 ranks and 2 cores the defaults
-// would stage them).
+// All-reduces from 1 MiB and all-to-all pieces from 64 KiB on read the
+// peers' tensors (on 3 ranks and 2 cores the defaults would stage them).
 std::map<std::string, std::string> single_copy_env() {
   return shm_env({{"COMMGRAD_SHM_SINGLE_COPY_BYTES", "1048576"}, {"COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES", "65536"}});
 }

@@ -60,9 +60,8 @@ RunOptions single_copy() {
   return o;
 }
 
-// All-to-all pieces (and all-gather and gather parts) of 40 bytes and more
-// are read straight from the sender, smaller ones staged: most calls below
-// mix the two.
+// All-to-all pieces of 40 bytes and more are read straight from the
+// sender, smaller ones staged: most calls below mix the two.
 RunOptions direct_pieces() {
   RunOptions o = chunked(true);
   o.shm.single_copy_piece_bytes(40);
@@ -228,8 +227,8 @@ TEST_P(ShmOps, BroadcastFromEveryRoot) {
   });
 }
 
-void allgather_list_flat_and_uneven(int ranks, const RunOptions& options) {
-  run_ranks(ranks, options, [](Rank& r) {
+TEST_P(ShmOps, AllgatherListFlatAndUneven) {
+  run_ranks(GetParam(), chunked(true), [](Rank& r) {
     uint64_t salt = 3000;
     for (auto dtype : {at::kFloat, at::kBFloat16, at::kByte}) {
       for (int64_t numel : kSizes) {
@@ -271,16 +270,8 @@ void allgather_list_flat_and_uneven(int ranks, const RunOptions& options) {
   });
 }
 
-TEST_P(ShmOps, AllgatherListFlatAndUneven) { allgather_list_flat_and_uneven(GetParam(), chunked(true)); }
-
-// Parts of 40 bytes and more read from their rank's input in place, smaller
-// ones staged; the uneven sizes mix the two in one call.
-TEST_P(ShmOps, AllgatherReadingPartsDirectlyListFlatAndUneven) {
-  allgather_list_flat_and_uneven(GetParam(), direct_pieces());
-}
-
-void gather_and_scatter_every_root(int ranks, const RunOptions& options) {
-  run_ranks(ranks, options, [](Rank& r) {
+TEST_P(ShmOps, GatherAndScatterEveryRoot) {
+  run_ranks(GetParam(), chunked(true), [](Rank& r) {
     uint64_t salt = 4000;
     for (int root = 0; root < r.size; ++root) {
       for (int64_t numel : kSizes) {
@@ -326,10 +317,6 @@ void gather_and_scatter_every_root(int ranks, const RunOptions& options) {
     }
   });
 }
-
-TEST_P(ShmOps, GatherAndScatterEveryRoot) { gather_and_scatter_every_root(GetParam(), chunked(true)); }
-
-TEST_P(ShmOps, GatherReadingPartsDirectlyEveryRoot) { gather_and_scatter_every_root(GetParam(), direct_pieces()); }
 
 TEST_P(ShmOps, ReduceScatterListAndFlat) {
   run_ranks(GetParam(), chunked(false), [](Rank& r) {

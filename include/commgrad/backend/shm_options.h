@@ -57,8 +57,7 @@ struct ShmOptions {
   TORCH_ARG(int64_t, single_copy_bytes) = -1;
   /// -1: $COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES, else 16 MiB.
   TORCH_ARG(int64_t, single_copy_max_bytes) = -1;
-  /// All-to-alls, all-gathers and gathers: a piece that one rank sends
-  /// another (an all-gather's part: one rank's input), of at least this
+  /// All-to-alls: a piece that one rank sends another, of at least this
   /// many bytes, is read by the receiver straight from the sender's tensor
   /// (one copy instead of two through the segment, and no step barriers),
   /// under the same condition as above (every rank may read every other).

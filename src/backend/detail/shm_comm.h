@@ -92,9 +92,8 @@ struct SingleCopyPolicy {
   /// All-reduces of min_bytes to max_bytes (0: never); every rank of a group has the same.
   int64_t min_bytes = 0;
   int64_t max_bytes = 0;
-  /// Pieces of all-to-alls, and parts of all-gathers and gathers, of at
-  /// least this many bytes (what one rank sends another; 0: never) are read
-  /// from the sender directly.
+  /// Pieces of all-to-alls of at least this many bytes (what one rank sends
+  /// another; 0: never) are read from the sender directly.
   int64_t piece_bytes = 0;
   /// How long creating the group may wait for the peers' probes.
   std::chrono::milliseconds timeout{0};
@@ -122,9 +121,8 @@ class Comm {
     return single_copy_.min_bytes > 0 && bytes >= single_copy_.min_bytes && bytes <= single_copy_.max_bytes;
   }
   /// True when a piece of `bytes` that one rank sends another in an
-  /// all-to-all (or its part of an all-gather or gather) is read from the
-  /// sender directly. Both ends know the piece's size (they must agree on
-  /// it), so both decide alike.
+  /// all-to-all is read from the sender directly. Both ends know the
+  /// piece's size (they must agree on it), so both decide alike.
   bool reads_directly(int64_t bytes) const { return single_copy_.piece_bytes > 0 && bytes >= single_copy_.piece_bytes; }
 
   // Collectives. Sizes are in elements of `dtype` unless named *_bytes.
