@@ -62,17 +62,6 @@ void copy(void* dst, const void* src, int64_t bytes) {
   if (bytes > 0 && dst != src) std::memmove(dst, src, static_cast<size_t>(bytes));
 }
 
-// `src` into `a` and `b` (neither overlapping it), 16 KiB at a time: the
-// second copy of each block reads it from L1.
-void copy_twice(uint8_t* a, uint8_t* b, const uint8_t* src, int64_t bytes) {
-  constexpr int64_t kBlock = 16 * 1024;
-  for (int64_t at = 0; at < bytes; at += kBlock) {
-    const auto len = static_cast<size_t>(std::min(kBlock, bytes - at));
-    std::memcpy(a + at, src + at, len);
-    std::memcpy(b + at, src + at, len);
-  }
-}
-
 // True when an input that peers may read (ins[q], q != rank) overlaps an output.
 bool inputs_overlap_outputs(const void* const* ins, const int64_t* in_bytes, void* const* outs,
                             const int64_t* out_bytes, int n, int rank) {
@@ -134,7 +123,7 @@ void Comm::allreduce_small(const Call& call, const uint8_t* in, uint8_t* out, in
       begin(call, root < 0 ? OpKind::kAllreduce : OpKind::kReduce, dtype, static_cast<int32_t>(op), root, bytes);
   const int set = next_set();
   publish(set, d);
-  if (size_ > 1 && rank_ != root) copy(segment_->slot(set, rank_), in, bytes);
+  if (size_ > 1 && rank_ != root) stores_.copy(segment_->slot(set, rank_), in, bytes);
   arrive_and_wait(call);
   check_agreement(call, set, true);
   if (root >= 0 && rank_ != root) return;
@@ -166,8 +155,8 @@ void Comm::allreduce_pipelined(const Call& call, const uint8_t* in, uint8_t* out
       const int64_t b = begin_of(c, rank_);
       const int64_t e = begin_of(c, rank_ + 1);
       uint8_t* s = segment_->slot(set, rank_);
-      copy(s, in + off * es, b * es);
-      copy(s + e * es, in + (off + e) * es, (c - e) * es);
+      stores_.copy(s, in + off * es, b * es);
+      stores_.copy(s + e * es, in + (off + e) * es, (c - e) * es);
     }
     if (j > 0) {
       const int64_t b = begin_of(prev_c, rank_);
@@ -206,7 +195,7 @@ void Comm::broadcast(const Call& call, void* data, int64_t bytes, c10::ScalarTyp
     const int set = next_set();
     if (k == 0) publish(set, d);
     const int64_t len = clamp_len(bytes, k * cap, cap);
-    if (rank_ == root && size_ > 1) copy(segment_->slot(set, 0), p + k * cap, len);
+    if (rank_ == root && size_ > 1) stores_.copy(segment_->slot(set, 0), p + k * cap, len);
     arrive_and_wait(call);
     if (k == 0) check_agreement(call, set, true);
     if (rank_ != root) copy(p + k * cap, segment_->slot(set, 0), len);
@@ -236,9 +225,9 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
     }
     const int64_t off = k * cap;
     if (own_with_steps) {
-      copy_twice(segment_->slot(set, rank_), own + off, src + off, clamp_len(in_bytes, off, cap));
+      stores_.copy_twice(segment_->slot(set, rank_), own + off, src + off, clamp_len(in_bytes, off, cap));
     } else if (stages) {
-      copy(segment_->slot(set, rank_), src + off, clamp_len(in_bytes, off, cap));
+      stores_.copy(segment_->slot(set, rank_), src + off, clamp_len(in_bytes, off, cap));
     }
     arrive_and_wait(call);
     if (k == 0) {
@@ -283,7 +272,8 @@ void Comm::scatter(const Call& call, const void* const* ins, const int64_t* in_b
     if (rank_ == root) {
       for (int q = 0; q < size_; ++q) {
         if (q == rank_) continue;
-        copy(segment_->slot(set, q), static_cast<const uint8_t*>(ins[q]) + off, clamp_len(in_bytes[q], off, cap));
+        stores_.copy(segment_->slot(set, q), static_cast<const uint8_t*>(ins[q]) + off,
+                     clamp_len(in_bytes[q], off, cap));
       }
     }
     arrive_and_wait(call);
@@ -322,7 +312,7 @@ void Comm::reduce_scatter(const Call& call, const void* const* ins, void* out, i
     const int64_t c = clamp_len(count, off, per);
     uint8_t* mine = segment_->slot(set, rank_);
     for (int q = 0; q < size_; ++q) {
-      if (q != rank_) copy(mine + q * piece, static_cast<const uint8_t*>(ins[q]) + off * es, c * es);
+      if (q != rank_) stores_.copy(mine + q * piece, static_cast<const uint8_t*>(ins[q]) + off * es, c * es);
     }
     arrive_and_wait(call);
     if (k == 0) check_agreement(call, set, true);
@@ -368,7 +358,7 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
     uint8_t* mine = segment_->slot(set, rank_);
     for (int q = 0; q < size_; ++q) {
       if (q != rank_ && !reads_directly(in_bytes[q]))
-        copy(mine + q * piece, static_cast<const uint8_t*>(ins[q]) + off, clamp_len(in_bytes[q], off, piece));
+        stores_.copy(mine + q * piece, static_cast<const uint8_t*>(ins[q]) + off, clamp_len(in_bytes[q], off, piece));
     }
     arrive_and_wait(call);
     if (k == 0) {

@@ -75,7 +75,7 @@ std::string seconds(std::chrono::milliseconds ms) { return c10::str(ms.count() /
 }  // namespace
 
 Comm::Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string context, WaitPolicy policy,
-           SingleCopyPolicy single_copy)
+           SingleCopyPolicy single_copy, StoreMode stores)
     : segment_(std::move(segment)),
       rank_(rank),
       size_(size),
@@ -83,6 +83,7 @@ Comm::Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string con
       policy_(policy),
       spin_ns_(policy.max_spin_ns),
       yield_ns_(policy.max_yield_ns),
+      stores_(stores),
       srcs_(static_cast<size_t>(size)),
       readers_(new std::mutex[static_cast<size_t>(size)]) {
   if (size > 1 && (single_copy.min_bytes > 0 || single_copy.piece_bytes > 0)) agree_on_single_copy(single_copy);

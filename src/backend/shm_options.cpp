@@ -5,6 +5,8 @@
 
 #include "commgrad/util/env.h"
 
+#include <c10/util/Exception.h>
+
 #include <sched.h>
 
 #include <algorithm>
@@ -45,10 +47,11 @@ ShmOptions resolve(ShmOptions o, int size) {
     o.async_bytes(env >= 0 ? env : int64_t{1} << 20);
   }
   if (o.single_copy_bytes() < 0) {
+    // Off: with streaming stores where ordinary ones run slow, the staged
+    // all-reduce of freshly written tensors is faster at every size
+    // measured (2 ranks, 4 MiB: 271-277 us against 408-419; docs/shm.md).
     const int64_t env = env_int("COMMGRAD_SHM_SINGLE_COPY_BYTES", "bytes");
-    // When ranks outnumber cores, a step's barrier waits for a rank that is
-    // not running, and the staging's smaller steps keep the cores busier.
-    o.single_copy_bytes(env >= 0 ? env : size <= usable_cpus() ? int64_t{2} << 20 : 0);
+    o.single_copy_bytes(env >= 0 ? env : 0);
   }
   if (o.single_copy_max_bytes() < 0) {
     const int64_t env = env_int("COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES", "bytes");
@@ -65,6 +68,16 @@ ShmOptions resolve(ShmOptions o, int size) {
     o.eager_worker(env >= 0 ? (env != 0 ? 1 : 0) : (2 * size <= usable_cpus() ? 1 : 0));
   }
   if (o.group_name().empty()) o.group_name("shm");
+  const char* const expected =
+      "; expected 0 (ordinary stores), 1 (streaming) or 2 (streaming while ordinary ones run slow)";
+  if (o.streaming_stores() < 0) {
+    const int64_t env = env_int("COMMGRAD_SHM_STREAMING_STORES", "0, 1 or 2");
+    TORCH_CHECK(env <= 2, "[commgrad] shm group '", o.group_name(), "': $COMMGRAD_SHM_STREAMING_STORES is ", env,
+                expected);
+    o.streaming_stores(env >= 0 ? static_cast<int>(env) : 2);
+  }
+  TORCH_CHECK(o.streaming_stores() <= 2, "[commgrad] shm group '", o.group_name(), "': streaming_stores is ",
+              o.streaming_stores(), expected);
   return o;
 }
 

@@ -69,7 +69,8 @@ ShmProcessGroup::ShmProcessGroup(const commgrad::detail::StorePtr& store, int ra
   single_copy.max_bytes = options_.single_copy_max_bytes();
   single_copy.piece_bytes = options_.single_copy_piece_bytes();
   single_copy.timeout = options_.timeout();
-  comm_ = std::make_unique<Comm>(std::move(segment), rank, size, context, policy, single_copy);
+  comm_ = std::make_unique<Comm>(std::move(segment), rank, size, context, policy, single_copy,
+                                 static_cast<detail::StoreMode>(options_.streaming_stores()));
   // The worker starts collectives at once only when it can have a core of
   // its own (see Executor: eager or lazy).
   collectives_ = std::make_unique<detail::Executor>(options_.eager_worker() != 0);

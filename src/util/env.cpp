@@ -54,6 +54,9 @@ const std::vector<Variable>& variables() {
       {"COMMGRAD_SHM_ASYNC_BYTES", "bytes >= 0",
        "shm: collectives from this size run on the worker thread (default 1 MiB); smaller ones finish in the call"},
       {"COMMGRAD_SHM_EAGER_WORKER", "0 or 1", "shm: start async collectives at once (default: when cores are spare)"},
+      {"COMMGRAD_SHM_STREAMING_STORES", "0, 1 or 2",
+       "shm: large writes into the segment with 0 ordinary stores, 1 streaming (non-temporal) ones, 2 streaming "
+       "while ordinary ones run slow (default)"},
       {"COMMGRAD_HOST", "any text",
        "this process's host identity for locality decisions (default: host name and boot id)"},
       {"COMMGRAD_LINE_BUFFERED", "1",

@@ -6,6 +6,7 @@
 // (8 threads on a 2-core machine: oversubscribed).
 
 #include "backend/shm_harness.h"
+#include "detail/shm_stores.h"
 
 #include <numeric>
 #include <thread>
@@ -522,6 +523,110 @@ TEST_P(ShmOps, BarrierWaitsForTheSlowestRank) {
       EXPECT_GE(waited, std::chrono::milliseconds(80)) << "barrier did not wait";
     }
   });
+}
+
+// Every staged collective with streaming stores for every large write into
+// the segment (the default 256 KiB chunks: writes of 64 KiB and more),
+// on odd sizes at odd addresses (one float past an aligned start), so that
+// the streaming copy's unaligned head and short tail carry data too.
+TEST_P(ShmOps, StreamingStoresOddSizesAtOddAddresses) {
+  RunOptions o;
+  o.shm.streaming_stores(1).single_copy_bytes(0).single_copy_piece_bytes(0);
+  run_ranks(GetParam(), o, [](Rank& r) {
+    const int n = r.size;
+    uint64_t salt = 9000;
+    auto at_odd_address = [](const at::Tensor& t) {
+      at::Tensor backing = at::empty({t.numel() + 1}, t.options());
+      at::Tensor view = backing.narrow(0, 1, t.numel());
+      view.copy_(t);
+      return view;
+    };
+    for (int64_t numel : {int64_t{65536 / 4 + 3}, int64_t{300007}}) {
+      ++salt;
+      std::vector<at::Tensor> all;
+      for (int q = 0; q < n; ++q) all.push_back(make_input(numel, at::kFloat, q, salt));
+      at::Tensor mine = at_odd_address(all[r.rank]);
+      std::vector<at::Tensor> t{mine.clone()};
+      r.shm->allreduce(t)->wait();
+      EXPECT_TRUE(same_bits(t[0], reference_reduce(all, RedOpType::SUM))) << "allreduce numel " << numel;
+      std::vector<at::Tensor> b{r.rank == n - 1 ? at_odd_address(all[n - 1]) : at_odd_address(at::zeros({numel}))};
+      c10d::BroadcastOptions bo;
+      bo.rootRank = n - 1;
+      r.shm->broadcast(b, bo)->wait();
+      EXPECT_TRUE(same_bits(b[0], all[n - 1])) << "broadcast numel " << numel;
+      at::Tensor gathered = at_odd_address(at::zeros({numel * n}));
+      r.shm->_allgather_base(gathered, mine)->wait();
+      EXPECT_TRUE(same_bits(gathered, at::cat(all))) << "_allgather_base numel " << numel;
+      at::Tensor pieces = at_odd_address(mine.repeat({n}));
+      at::Tensor reduced = at::empty({numel});
+      r.shm->_reduce_scatter_base(reduced, pieces)->wait();
+      EXPECT_TRUE(same_bits(reduced, reference_reduce(all, RedOpType::SUM))) << "_reduce_scatter_base numel " << numel;
+      at::Tensor exchanged = at::empty({numel * n});
+      std::vector<int64_t> none;
+      r.shm->alltoall_base(exchanged, pieces, none, none)->wait();
+      EXPECT_TRUE(same_bits(exchanged, at::cat(all))) << "alltoall_base numel " << numel;
+    }
+  });
+}
+
+// The streaming copy at every destination alignment and a range of lengths
+// (head up to 16 bytes, whole lines, tail), leaving the bytes around alone.
+TEST(ShmStoreChoice, StreamingCopyIsExactAtEveryAlignment) {
+  std::vector<uint8_t> src(512), dst(512 + 64);
+  std::iota(src.begin(), src.end(), uint8_t{1});
+  for (int64_t offset = 0; offset < 20; ++offset) {
+    for (int64_t len : {0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 200, 333}) {
+      std::fill(dst.begin(), dst.end(), uint8_t{0xee});
+      commgrad::backend::detail::copy_streaming(dst.data() + offset, src.data() + 3, len);
+      for (int64_t i = 0; i < static_cast<int64_t>(dst.size()); ++i) {
+        const bool inside = i >= offset && i < offset + len;
+        ASSERT_EQ(dst[i], inside ? src[i - offset + 3] : uint8_t{0xee})
+            << "offset " << offset << " length " << len << " byte " << i;
+      }
+    }
+  }
+}
+
+// kAdaptive's state machine, fed with made-up durations: two slow ordinary
+// writes in a row start a streamed run, after which one slow write starts
+// the next; a fast one ends it; small writes never stream nor count.
+TEST(ShmStoreChoice, StreamsWhileOrdinaryWritesRunSlow) {
+  using commgrad::backend::detail::StoreChoice;
+  using commgrad::backend::detail::StoreMode;
+  constexpr int64_t kBig = StoreChoice::kLargeBytes;
+  const int64_t fast_ns = 1000;                                                        // 65.5 GB/s
+  const auto slow_ns = static_cast<int64_t>(kBig / StoreChoice::kSlowBytesPerNs) + 1;  // just below 6 GB/s
+  StoreChoice c(StoreMode::kAdaptive);
+  EXPECT_FALSE(c.stream(kBig - 1));
+  EXPECT_FALSE(c.times(kBig - 1));
+  EXPECT_TRUE(c.times(kBig));
+  EXPECT_FALSE(c.stream(kBig));
+  c.observe(kBig, slow_ns);
+  EXPECT_FALSE(c.stream(kBig)) << "one slow write is not enough";
+  c.observe(kBig, fast_ns);
+  c.observe(kBig, slow_ns);
+  EXPECT_FALSE(c.stream(kBig)) << "a fast write in between starts the count again";
+  c.observe(kBig, slow_ns);
+  for (int i = 0; i < StoreChoice::kStreamedWrites; ++i) {
+    EXPECT_FALSE(c.stream(kBig - 1)) << "small writes stay ordinary";
+    EXPECT_TRUE(c.stream(kBig)) << "streamed write " << i;
+  }
+  EXPECT_FALSE(c.stream(kBig)) << "the run is over: an ordinary write is timed";
+  c.observe(kBig, slow_ns);
+  EXPECT_TRUE(c.stream(kBig)) << "right after a run, one slow write starts the next";
+  for (int i = 1; i < StoreChoice::kStreamedWrites; ++i) c.stream(kBig);
+  c.observe(kBig, fast_ns);
+  EXPECT_FALSE(c.stream(kBig));
+  c.observe(kBig, slow_ns);
+  EXPECT_FALSE(c.stream(kBig)) << "after a fast write, two slow ones are needed again";
+
+  StoreChoice ordinary(StoreMode::kCached), streaming(StoreMode::kStreaming);
+  for (int i = 0; i < 3; ++i) ordinary.observe(kBig, slow_ns);
+  EXPECT_FALSE(ordinary.stream(kBig));
+  EXPECT_FALSE(ordinary.times(kBig));
+  EXPECT_TRUE(streaming.stream(kBig));
+  EXPECT_FALSE(streaming.stream(kBig - 1));
+  EXPECT_FALSE(streaming.times(kBig));
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ShmOps, ::testing::Values(1, 2, 3, 4, 8),

@@ -252,7 +252,7 @@ TEST(ShmErrors, DifferentSegmentSettingsFailConstructionAtOnceNamingThemAndLeave
     EXPECT_EQ(errors[0].find("within"), std::string::npos) << errors[0];
     EXPECT_NE(errors[1].find("all ranks must use the same"), std::string::npos) << errors[1];
     if (k == 1) {
-      EXPECT_NE(errors[1].find("single_copy_bytes 2097152 to"), std::string::npos) << errors[1];
+      EXPECT_NE(errors[1].find("single_copy_bytes 0 to"), std::string::npos) << errors[1];
     }
     if (k == 2) {
       EXPECT_NE(errors[1].find("single_copy_piece_bytes 4096 ("), std::string::npos) << errors[1];
@@ -261,6 +261,18 @@ TEST(ShmErrors, DifferentSegmentSettingsFailConstructionAtOnceNamingThemAndLeave
     const std::string name(key.begin(), key.end());
     EXPECT_NE(access(("/dev/shm" + name).c_str(), F_OK), 0) << name << " was left in /dev/shm";
   }
+}
+
+// streaming_stores outside 0..2, set or from the environment, is named at construction.
+TEST(ShmErrors, AStreamingStoresValueOutsideItsRangeIsNamed) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const std::string set = error_of([&] { ShmProcessGroup pg(store, 0, 1, ShmOptions().streaming_stores(3)); });
+  EXPECT_NE(set.find("shm group 'shm': streaming_stores is 3"), std::string::npos) << set;
+  EXPECT_NE(set.find("expected 0 (ordinary stores), 1 (streaming) or 2"), std::string::npos) << set;
+  ::setenv("COMMGRAD_SHM_STREAMING_STORES", "7", 1);
+  const std::string env = error_of([&] { ShmProcessGroup pg(store, 0, 1, ShmOptions()); });
+  ::unsetenv("COMMGRAD_SHM_STREAMING_STORES");
+  EXPECT_NE(env.find("shm group 'shm': $COMMGRAD_SHM_STREAMING_STORES is 7; expected 0"), std::string::npos) << env;
 }
 
 // Rank 1 announced itself (pid and pid namespace, as every rank does first)

@@ -49,11 +49,11 @@ struct ShmOptions {
   /// peers' tensors directly (process_vm_readv, as OpenMPI's "cma"): one
   /// copy per byte instead of two through the segment. Used only when every
   /// rank may read every other one (same user, ptrace allowed; probed when
-  /// the group is created), else the segment carries everything. Above the
-  /// range the pipelined staging, whose steps stay in cache, is faster. -1:
-  /// $COMMGRAD_SHM_SINGLE_COPY_BYTES, else 2 MiB when the group's ranks fit
-  /// on this process's CPUs and 0 (never) when they outnumber them. Every
-  /// rank of a group must use the same values.
+  /// the group is created), else the segment carries everything. -1:
+  /// $COMMGRAD_SHM_SINGLE_COPY_BYTES, else 0 (never): on freshly written
+  /// tensors the staged all-reduce, with streaming_stores at its default,
+  /// was faster at every size measured. Every rank of a group must use the
+  /// same values.
   TORCH_ARG(int64_t, single_copy_bytes) = -1;
   /// -1: $COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES, else 16 MiB.
   TORCH_ARG(int64_t, single_copy_max_bytes) = -1;
@@ -65,6 +65,16 @@ struct ShmOptions {
   /// ranks fit on this process's CPUs and 0 (never) when they outnumber
   /// them. Every rank of a group must use the same value.
   TORCH_ARG(int64_t, single_copy_piece_bytes) = -1;
+  /// How a rank writes its large pieces (64 KiB and more) into the shared
+  /// segment: 0 ordinary stores; 1 streaming (non-temporal) stores, which
+  /// skip fetching a line the reading peer's cache still holds (fast when
+  /// the ranks' cores share no cache, slower when they do: the reader then
+  /// fetches from memory); 2 ordinary stores, timed, and streaming ones
+  /// while they run slow (below 6 GB/s twice in a row; an ordinary write is
+  /// timed again after 64 streamed ones). Each rank decides for itself; the
+  /// results are the same bits either way. -1: $COMMGRAD_SHM_STREAMING_STORES,
+  /// else 2.
+  TORCH_ARG(int, streaming_stores) = -1;
   /// Name used in error messages ("world", "tp0", ...).
   TORCH_ARG(std::string, group_name) = "";
 };

@@ -5,6 +5,7 @@
 // threads. Internal to commgrad_backend.
 
 #include "detail/shm_segment.h"
+#include "detail/shm_stores.h"
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/FunctionRef.h>
@@ -107,7 +108,7 @@ class Comm {
   /// Probes whether this rank may read its peers (see SingleCopyPolicy) and,
   /// when single copies are on, waits for every rank's probe.
   Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string context, WaitPolicy policy,
-       SingleCopyPolicy single_copy = {});
+       SingleCopyPolicy single_copy = {}, StoreMode stores = StoreMode::kCached);
   ~Comm();
 
   int rank() const { return rank_; }
@@ -218,6 +219,7 @@ class Comm {
   uint64_t seq_ = 0;               // collectives issued
   uint64_t step_ = 0;              // pipeline steps (buffer sets) used
   uint64_t generation_ = 1;        // barriers arrived at (the segment's own is the first)
+  SegmentStores stores_;           // this rank's writes into the segment
   std::vector<const void*> srcs_;  // scratch: one source per rank
   std::vector<uint8_t> scratch_;   // peers' pieces read by a single-copy reduction
   SingleCopyPolicy single_copy_;   // all 0: this group never reads peers directly
