@@ -44,7 +44,7 @@ const std::vector<Variable>& variables() {
        "freed collective buffers the pool keeps for reuse (default 512; 0 keeps none)"},
       {"COMMGRAD_SHM_CHUNK_BYTES", "bytes >= 0", "shm: pipeline chunk of large collectives (default 256 KiB)"},
       {"COMMGRAD_SHM_SINGLE_COPY_BYTES", "bytes >= 0",
-       "shm: all-reduces from this size read peers directly (default 2 MiB; 0 never)"},
+       "shm: all-reduces from this size read peers directly (default 0: never)"},
       {"COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES", "bytes >= 0",
        "shm: ... up to this size (default 16 MiB; above it the pipelined staging is faster)"},
       {"COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES", "bytes >= 0",
