@@ -65,8 +65,8 @@ void SegmentStores::write(int64_t bytes, Write&& write) {
   if (!choice_.times(bytes)) return write(false);
   const auto start = std::chrono::steady_clock::now();
   write(false);
-  choice_.observe(bytes, std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-                             .count());
+  choice_.observe(
+      bytes, std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
 }
 
 void SegmentStores::copy(void* dst, const void* src, int64_t bytes) {
