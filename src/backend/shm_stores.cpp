@@ -54,7 +54,7 @@ void StoreChoice::observe(int64_t bytes, int64_t ns) {
   if (static_cast<double>(bytes) >= kSlowBytesPerNs * static_cast<double>(ns)) {
     slow_ = 0;
   } else if (++slow_ >= kSlowToStream) {
-    slow_ = kSlowToStream - 1;  // after the streamed run, one slow write is enough to go back
+    slow_ = 0;
     stream_left_ = kStreamedWrites;
   }
 }

@@ -587,38 +587,42 @@ TEST(ShmStoreChoice, StreamingCopyIsExactAtEveryAlignment) {
   }
 }
 
-// kAdaptive's state machine, fed with made-up durations: two slow ordinary
-// writes in a row start a streamed run, after which one slow write starts
-// the next; a fast one ends it; small writes never stream nor count.
+// kAdaptive's state machine, fed with made-up durations: kSlowToStream
+// slow ordinary writes in a row start a streamed run of kStreamedWrites,
+// after which ordinary writes are timed again; a fast one in between starts
+// the count again; small writes never stream nor count.
 TEST(ShmStoreChoice, StreamsWhileOrdinaryWritesRunSlow) {
   using commgrad::backend::detail::StoreChoice;
   using commgrad::backend::detail::StoreMode;
   constexpr int64_t kBig = StoreChoice::kLargeBytes;
   const int64_t fast_ns = 1000;                                                        // 65.5 GB/s
-  const auto slow_ns = static_cast<int64_t>(kBig / StoreChoice::kSlowBytesPerNs) + 1;  // just below 6 GB/s
+  const auto slow_ns = static_cast<int64_t>(kBig / StoreChoice::kSlowBytesPerNs) + 1;  // just below the line
   StoreChoice c(StoreMode::kAdaptive);
   EXPECT_FALSE(c.stream(kBig - 1));
   EXPECT_FALSE(c.times(kBig - 1));
   EXPECT_TRUE(c.times(kBig));
-  EXPECT_FALSE(c.stream(kBig));
-  c.observe(kBig, slow_ns);
-  EXPECT_FALSE(c.stream(kBig)) << "one slow write is not enough";
+  auto slow_writes = [&](int k) {
+    for (int i = 0; i < k; ++i) {
+      EXPECT_FALSE(c.stream(kBig)) << "ordinary write " << i << " of " << k;
+      c.observe(kBig, slow_ns);
+    }
+  };
+  slow_writes(StoreChoice::kSlowToStream - 1);
   c.observe(kBig, fast_ns);
-  c.observe(kBig, slow_ns);
+  slow_writes(StoreChoice::kSlowToStream - 1);
   EXPECT_FALSE(c.stream(kBig)) << "a fast write in between starts the count again";
   c.observe(kBig, slow_ns);
-  for (int i = 0; i < StoreChoice::kStreamedWrites; ++i) {
-    EXPECT_FALSE(c.stream(kBig - 1)) << "small writes stay ordinary";
-    EXPECT_TRUE(c.stream(kBig)) << "streamed write " << i;
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 0; i < StoreChoice::kStreamedWrites; ++i) {
+      EXPECT_FALSE(c.stream(kBig - 1)) << "small writes stay ordinary";
+      EXPECT_TRUE(c.stream(kBig)) << "streamed write " << i << " of run " << round;
+    }
+    slow_writes(StoreChoice::kSlowToStream);  // the run is over: ordinary writes are timed again
   }
-  EXPECT_FALSE(c.stream(kBig)) << "the run is over: an ordinary write is timed";
-  c.observe(kBig, slow_ns);
-  EXPECT_TRUE(c.stream(kBig)) << "right after a run, one slow write starts the next";
-  for (int i = 1; i < StoreChoice::kStreamedWrites; ++i) c.stream(kBig);
-  c.observe(kBig, fast_ns);
+  for (int i = 0; i < StoreChoice::kStreamedWrites; ++i) c.stream(kBig);
   EXPECT_FALSE(c.stream(kBig));
-  c.observe(kBig, slow_ns);
-  EXPECT_FALSE(c.stream(kBig)) << "after a fast write, two slow ones are needed again";
+  c.observe(kBig, fast_ns);
+  EXPECT_FALSE(c.stream(kBig)) << "fast ordinary writes stay ordinary";
 
   StoreChoice ordinary(StoreMode::kCached), streaming(StoreMode::kStreaming);
   for (int i = 0; i < 3; ++i) ordinary.observe(kBig, slow_ns);

@@ -70,8 +70,8 @@ struct ShmOptions {
   /// skip fetching a line the reading peer's cache still holds (fast when
   /// the ranks' cores share no cache, slower when they do: the reader then
   /// fetches from memory); 2 ordinary stores, timed, and streaming ones
-  /// while they run slow (below 6 GB/s twice in a row; an ordinary write is
-  /// timed again after 64 streamed ones). Each rank decides for itself; the
+  /// while they run slow (below 4 GB/s three times in a row; ordinary
+  /// writes are timed again after 64 streamed ones). Each rank decides for itself; the
   /// results are the same bits either way. -1: $COMMGRAD_SHM_STREAMING_STORES,
   /// else 2.
   TORCH_ARG(int, streaming_stores) = -1;

@@ -48,12 +48,15 @@ class StoreChoice {
   /// Writes from this size on are large: streamed (kStreaming, or kAdaptive
   /// while slow) or timed (kAdaptive otherwise).
   static constexpr int64_t kLargeBytes = 64 * 1024;
-  /// Ordinary writes slower than this (bytes per ns = GB/s) count as slow.
-  static constexpr double kSlowBytesPerNs = 6.0;
-  /// Consecutive slow writes that switch to streaming, and the large writes
-  /// that then stream before an ordinary one is timed again (after which
-  /// one slow write is enough to switch back).
-  static constexpr int kSlowToStream = 2;
+  /// Ordinary writes slower than this (bytes per ns = GB/s) count as slow:
+  /// below what a copy from memory runs at (14-15 GB/s alone here, about
+  /// half with both ranks copying), above what stores that fetch every line
+  /// from the other cache reach (2.2-3.2 GB/s).
+  static constexpr double kSlowBytesPerNs = 4.0;
+  /// Consecutive slow writes that switch to streaming (a single copy is
+  /// sometimes slow for other reasons: an interrupt, a page's first touch),
+  /// and the large writes that then stream before ordinary ones are timed again.
+  static constexpr int kSlowToStream = 3;
   static constexpr int kStreamedWrites = 64;
 
  private:
