@@ -35,10 +35,9 @@
 // With --fresh-input every rank writes what the raw call reads (its source:
 // the buffer, the input, a root's tensor) again before each call, outside
 // the timing, with the input's values, as a training step's tensors are
-// freshly written: back to
-// back, a source unchanged since the last call may still sit in the
-// readers' caches, which flatters a transport that reads it in place
-// (bench/mpi_collectives.c has the same option).
+// freshly written: back to back, a source unchanged since the last call
+// may still sit in the readers' caches, which flatters a transport that
+// reads it in place (bench/mpi_collectives.c has the same option).
 //
 // With --link-gbps G (and --link-latency-us T) each row ends with the link
 // floor: the bytes that must cross the busiest host link for the op on the
