@@ -43,6 +43,7 @@
 // the number of steps is the largest staged piece over all ranks.
 
 #include "detail/shm_comm.h"
+#include "detail/shm_copy.h"
 #include "detail/shm_memory.h"
 
 #include <c10/util/StringUtil.h>
@@ -58,8 +59,14 @@ constexpr int64_t kSmallBytes = 32 * 1024;
 
 int64_t clamp_len(int64_t total, int64_t off, int64_t cap) { return std::max<int64_t>(0, std::min(cap, total - off)); }
 
+// memmove where the two may overlap (a caller's in-place buffers), else copy_bytes.
 void copy(void* dst, const void* src, int64_t bytes) {
-  if (bytes > 0 && dst != src) std::memmove(dst, src, static_cast<size_t>(bytes));
+  if (bytes <= 0 || dst == src) return;
+  if (overlap(dst, bytes, src, bytes)) {
+    std::memmove(dst, src, static_cast<size_t>(bytes));
+  } else {
+    copy_bytes(dst, src, bytes);
+  }
 }
 
 // True when an input that peers may read (ins[q], q != rank) overlaps an output.

@@ -24,6 +24,7 @@
 // in pieces as space allows, with futex bells for data and space.
 
 #include "detail/shm_comm.h"
+#include "detail/shm_copy.h"
 
 #include "commgrad/detail/torch_compat.h"
 #include "commgrad/util/error.h"
@@ -375,8 +376,8 @@ void Comm::stream_write(const Call& call, int dst, const uint8_t* data, int64_t 
     const uint64_t n = std::min<uint64_t>(cap - used, static_cast<uint64_t>(bytes - done));
     const uint64_t pos = head % cap;
     const uint64_t first = std::min(n, cap - pos);
-    std::memcpy(ring_data + pos, data + done, first);
-    if (n > first) std::memcpy(ring_data, data + done + first, n - first);
+    copy_bytes(ring_data + pos, data + done, static_cast<int64_t>(first));
+    if (n > first) copy_bytes(ring_data, data + done + first, static_cast<int64_t>(n - first));
     head += n;
     done += static_cast<int64_t>(n);
     mb.head.store(head, std::memory_order_release);
@@ -400,8 +401,8 @@ void Comm::stream_read(const Call& call, int src, uint8_t* data, int64_t bytes) 
     const uint64_t pos = tail % cap;
     const uint64_t first = std::min(n, cap - pos);
     if (data != nullptr) {
-      std::memcpy(data + done, ring_data + pos, first);
-      if (n > first) std::memcpy(data + done + first, ring_data, n - first);
+      copy_bytes(data + done, ring_data + pos, static_cast<int64_t>(first));
+      if (n > first) copy_bytes(data + done + first, ring_data, static_cast<int64_t>(n - first));
     }
     tail += n;
     done += static_cast<int64_t>(n);

@@ -5,42 +5,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 namespace commgrad::backend::detail {
-
-void copy_streaming(void* dst, const void* src, int64_t bytes) {
-  if (bytes <= 0) return;
-  auto* d = static_cast<uint8_t*>(dst);
-  const auto* s = static_cast<const uint8_t*>(src);
-#if defined(__SSE2__)
-  // Ordinary stores up to the first 16-byte boundary of dst, whole lines of
-  // streaming stores, ordinary stores for the tail.
-  const auto misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(d) & 15);
-  int64_t i = std::min<int64_t>(bytes, misalign == 0 ? 0 : 16 - misalign);
-  std::memcpy(d, s, static_cast<size_t>(i));
-  for (; i + 64 <= bytes; i += 64) {
-    const auto* from = reinterpret_cast<const __m128i*>(s + i);
-    auto* to = reinterpret_cast<__m128i*>(d + i);
-    const __m128i a = _mm_loadu_si128(from);
-    const __m128i b = _mm_loadu_si128(from + 1);
-    const __m128i c = _mm_loadu_si128(from + 2);
-    const __m128i e = _mm_loadu_si128(from + 3);
-    _mm_stream_si128(to, a);
-    _mm_stream_si128(to + 1, b);
-    _mm_stream_si128(to + 2, c);
-    _mm_stream_si128(to + 3, e);
-  }
-  std::memcpy(d + i, s + i, static_cast<size_t>(bytes - i));
-  _mm_sfence();  // streaming stores are weakly ordered: done before the barrier
-#else
-  std::memcpy(d, s, static_cast<size_t>(bytes));
-#endif
-}
 
 bool StoreChoice::stream(int64_t bytes) {
   if (bytes < kLargeBytes || mode_ == StoreMode::kCached) return false;
@@ -75,7 +41,7 @@ void SegmentStores::copy(void* dst, const void* src, int64_t bytes) {
     if (stream) {
       copy_streaming(dst, src, bytes);
     } else {
-      std::memcpy(dst, src, static_cast<size_t>(bytes));
+      copy_bytes(dst, src, bytes);
     }
   });
 }
@@ -88,9 +54,9 @@ void SegmentStores::copy_twice(uint8_t* dst, uint8_t* own, const uint8_t* src, i
       if (stream) {
         copy_streaming(dst + at, src + at, len);
       } else {
-        std::memcpy(dst + at, src + at, static_cast<size_t>(len));
+        copy_bytes(dst + at, src + at, len);
       }
-      std::memcpy(own + at, src + at, static_cast<size_t>(len));
+      copy_bytes(own + at, src + at, len);
     }
   });
 }

@@ -6,8 +6,12 @@
 // (8 threads on a 2-core machine: oversubscribed).
 
 #include "backend/shm_harness.h"
+#include "detail/shm_copy.h"
 #include "detail/shm_stores.h"
 
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <numeric>
 #include <thread>
 
@@ -585,6 +589,57 @@ TEST(ShmStoreChoice, StreamingCopyIsExactAtEveryAlignment) {
       }
     }
   }
+}
+
+// copy_bytes at every distance of destination from source that takes its
+// own loop (1-63 bytes past, modulo 4096) and around it, at lengths about
+// the loop's 2 KiB start and 128-byte step, leaving the bytes around alone.
+TEST(ShmCopy, CopyBytesIsExactAtEveryDistance) {
+  constexpr int64_t kPage = 4096;
+  constexpr int64_t kMost = 70001;
+  auto page_aligned = [](int64_t bytes) {
+    return std::unique_ptr<uint8_t, decltype(&std::free)>(
+        static_cast<uint8_t*>(std::aligned_alloc(kPage, static_cast<size_t>(bytes))), &std::free);
+  };
+  auto src = page_aligned(kMost + kPage);
+  auto dst = page_aligned(kMost + 3 * kPage);
+  for (int64_t i = 0; i < kMost; ++i) src.get()[i + 5] = static_cast<uint8_t>(i * 7 + 1);
+  std::vector<int64_t> distances;
+  for (int64_t d = 0; d <= 130; ++d) distances.push_back(d);
+  for (int64_t d = kPage - 70; d < kPage; ++d) distances.push_back(d);
+  for (int64_t d : distances) {
+    for (int64_t len : std::vector<int64_t>{0, 1, 127, 2047, 2048, 2049, 2048 + 128 + 5, 4096 + 131, 65536, kMost}) {
+      uint8_t* to = dst.get() + kPage + 5 + d;  // 5: neither pointer aligned
+      std::memset(dst.get(), 0xee, static_cast<size_t>(kMost + 3 * kPage));
+      commgrad::backend::detail::copy_bytes(to, src.get() + 5, len);
+      ASSERT_EQ(std::memcmp(to, src.get() + 5, static_cast<size_t>(len)), 0) << "distance " << d << " length " << len;
+      for (uint8_t* p = to - 64; p < to; ++p) ASSERT_EQ(*p, 0xee) << "distance " << d << " length " << len;
+      for (uint8_t* p = to + len; p < to + len + 64; ++p) ASSERT_EQ(*p, 0xee) << "distance " << d << " length " << len;
+    }
+  }
+}
+
+// The collectives' copies between a caller's tensor and the segment at
+// every float offset within a page, so that some distances fall where
+// copy_bytes takes its own loop, whichever page offset the slots have.
+TEST(ShmCopy, CollectivesRightAtEveryOffsetInAPage) {
+  run_ranks(2, RunOptions{}, [](Rank& r) {
+    const int64_t numel = 1000;  // 4000 bytes: rep movsb's range in memcpy
+    std::vector<at::Tensor> all;
+    for (int q = 0; q < r.size; ++q) all.push_back(make_input(numel, at::kFloat, q, 77));
+    at::Tensor backing = at::zeros({numel * r.size + 1024});
+    for (int64_t at_float = 0; at_float < 1024; ++at_float) {
+      at::Tensor b = backing.narrow(0, at_float, numel);
+      b.copy_(r.rank == 0 ? all[0] : at::zeros({numel}));
+      std::vector<at::Tensor> t{b};
+      r.shm->broadcast(t)->wait();
+      ASSERT_TRUE(same_bits(b, all[0])) << "broadcast at float " << at_float;
+      at::Tensor gathered = backing.narrow(0, at_float, numel * r.size);
+      at::Tensor mine = all[r.rank].clone();
+      r.shm->_allgather_base(gathered, mine)->wait();
+      ASSERT_TRUE(same_bits(gathered, at::cat(all))) << "_allgather_base at float " << at_float;
+    }
+  });
 }
 
 // kAdaptive's state machine, fed with made-up durations: kSlowToStream

@@ -16,6 +16,8 @@
 // (150 -> 290 us where the cache is shared). So by default a rank times its
 // large ordinary writes and streams while they run slow.
 
+#include "detail/shm_copy.h"
+
 #include <cstdint>
 
 namespace commgrad::backend::detail {
@@ -26,11 +28,6 @@ enum class StoreMode : int {
   kStreaming = 1,  // non-temporal stores for every large write
   kAdaptive = 2,   // non-temporal while timed ordinary writes run slow
 };
-
-/// Copies `bytes` from `src` to `dst` with non-temporal stores where the CPU
-/// has them (x86), then fences, so that the data is visible to whoever sees a
-/// later store (the barrier). Falls back to memcpy elsewhere.
-void copy_streaming(void* dst, const void* src, int64_t bytes);
 
 /// Whether a rank streams a write into the segment: kAdaptive's state
 /// machine, fed with the durations of its ordinary large writes.
