@@ -25,6 +25,9 @@ struct Setup {
   int64_t count = 0;  // elements, as nccl-tests counts them (see each descriptor)
   ReduceOp op = ReduceOp::kSum;
   int root = 0;
+  /// --offset: every buffer the raw call reads or writes starts this many
+  /// bytes past a 64-byte boundary (a multiple of the element size).
+  int64_t offset_bytes = 0;
 };
 
 /// One size of one collective, ready to run repeatedly.

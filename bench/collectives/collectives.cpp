@@ -30,6 +30,18 @@ at::Tensor pattern(int64_t count, int rank, at::ScalarType dtype) {
   return at::arange(count, at::kLong).remainder(5).add(rank + 1).to(dtype);
 }
 
+// A new tensor with `t`'s values that starts s.offset_bytes past a 64-byte
+// boundary (--offset): a view into a larger buffer, as a slice of a flat
+// buffer (a bucket, a shard) is. The raw calls' buffers are made with it.
+// With an offset the storage has 4 KiB to spare whatever the offset, so
+// that offsets 1 to 4095 place the view at every byte of one page.
+at::Tensor placed(const Setup& s, const at::Tensor& t) {
+  const auto elsize = static_cast<int64_t>(t.element_size());
+  const int64_t skip = s.offset_bytes / elsize;
+  auto storage = at::empty({t.numel() + (skip > 0 ? 4096 / elsize : 0)}, t.options());
+  return storage.narrow(0, skip, t.numel()).view(t.sizes()).copy_(t);
+}
+
 void wait(const WorkPtr& w) { w->wait(); }
 
 // Forward+backward through `op` with a gradient of ones.
@@ -75,7 +87,7 @@ LinkCost parts_link(const std::vector<int>& ranks_per_host) {
 
 Instance all_reduce(const Setup& s) {
   Instance in;
-  in.input = pattern(s.count, s.rank, s.dtype);
+  in.input = placed(s, pattern(s.count, s.rank, s.dtype));
   // Expected: a reduction over r of base + r + 1.
   auto base = at::arange(s.count, at::kLong).remainder(5).to(at::kDouble);
   at::Tensor want = base.add(1);
@@ -99,7 +111,7 @@ Instance all_reduce(const Setup& s) {
   }
   if (s.op == ReduceOp::kAvg) want = want / s.size;
   want = want.to(s.dtype);
-  auto buffer = in.input.clone();
+  auto buffer = placed(s, in.input);
   auto group = s.group;
   c10d::AllreduceOptions opts;
   opts.reduceOp = s.op == ReduceOp::kMax       ? c10d::ReduceOp::MAX
@@ -132,11 +144,11 @@ Instance all_gather(const Setup& s) {
   Instance in;
   const int n = s.size;
   const int64_t part = s.count / n;
-  in.input = pattern(part, s.rank, s.dtype);
+  in.input = placed(s, pattern(part, s.rank, s.dtype));
   std::vector<at::Tensor> parts;
   for (int r = 0; r < n; ++r) parts.push_back(pattern(part, r, s.dtype));
   auto want = at::cat(parts);
-  auto out = at::empty({n, part}, in.input.options());
+  auto out = placed(s, at::empty({n, part}, in.input.options()));
   auto group = s.group;
   auto x = in.input;
   auto run = [out, x, group, n, native = group.capabilities().all_gather]() {
@@ -169,7 +181,7 @@ Instance reduce_scatter(const Setup& s) {
   Instance in;
   const int n = s.size;
   const int64_t part = s.count / n;
-  in.input = pattern(s.count, s.rank, s.dtype);
+  in.input = placed(s, pattern(s.count, s.rank, s.dtype));
   auto total = at::zeros({s.count}, at::kDouble);
   for (int r = 0; r < n; ++r) total += pattern(s.count, r, at::kDouble);
   if (s.op == ReduceOp::kAvg) total /= n;
@@ -181,7 +193,7 @@ Instance reduce_scatter(const Setup& s) {
   const auto& native = group.capabilities().reduce_scatter;
   if (native && at::isFloatingType(s.dtype) && s.op != ReduceOp::kProduct) {
     // The transport's own reduce_scatter (shm, hierarchical), as the op uses it.
-    auto out = at::empty({part}, in.input.options());
+    auto out = placed(s, at::empty({part}, in.input.options()));
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = s.op == ReduceOp::kMax   ? c10d::ReduceOp::MAX
                     : s.op == ReduceOp::kMin ? c10d::ReduceOp::MIN
@@ -195,7 +207,7 @@ Instance reduce_scatter(const Setup& s) {
       return count_wrong(avg ? out / n : out, want);
     };
   } else {
-    auto received = at::empty({n, part}, in.input.options());
+    auto received = placed(s, at::empty({n, part}, in.input.options()));
     in.raw = [received, x, group]() {
       std::vector<int64_t> none;
       at::Tensor out = received.view({-1}), input = x;
@@ -218,9 +230,9 @@ Instance reduce_scatter(const Setup& s) {
 
 Instance broadcast(const Setup& s) {
   Instance in;
-  in.input = pattern(s.count, s.rank, s.dtype);
+  in.input = placed(s, pattern(s.count, s.rank, s.dtype));
   auto want = pattern(s.count, s.root, s.dtype);
-  auto buffer = in.input.clone();
+  auto buffer = placed(s, in.input);
   auto group = s.group;
   c10d::BroadcastOptions opts;
   opts.rootRank = s.root;
@@ -243,12 +255,12 @@ Instance broadcast(const Setup& s) {
 
 Instance reduce(const Setup& s) {
   Instance in;
-  in.input = pattern(s.count, s.rank, s.dtype);
+  in.input = placed(s, pattern(s.count, s.rank, s.dtype));
   auto total = at::zeros({s.count}, at::kDouble);
   for (int r = 0; r < s.size; ++r) total += pattern(s.count, r, at::kDouble);
   const bool root = s.rank == s.root;
   auto want = root ? total.to(s.dtype) : at::zeros({s.count}, s.dtype);
-  auto buffer = in.input.clone();
+  auto buffer = placed(s, in.input);
   auto group = s.group;
   c10d::ReduceOptions opts;
   opts.rootRank = s.root;
@@ -276,9 +288,9 @@ Instance scatter(const Setup& s) {
   const int n = s.size;
   const int64_t part = s.count / n;
   const bool root = s.rank == s.root;
-  in.input = pattern(s.count, s.rank, s.dtype);
+  in.input = placed(s, pattern(s.count, s.rank, s.dtype));
   auto want = pattern(s.count, s.root, s.dtype).narrow(0, s.rank * part, part);
-  auto out = at::empty({part}, in.input.options());
+  auto out = placed(s, at::empty({part}, in.input.options()));
   auto group = s.group;
   auto x = in.input;
   c10d::ScatterOptions opts;
@@ -307,11 +319,11 @@ Instance gather(const Setup& s) {
   const int n = s.size;
   const int64_t part = s.count / n;
   const bool root = s.rank == s.root;
-  in.input = pattern(part, s.rank, s.dtype);
+  in.input = placed(s, pattern(part, s.rank, s.dtype));
   std::vector<at::Tensor> parts;
   for (int r = 0; r < n; ++r) parts.push_back(pattern(part, r, s.dtype));
   auto want = root ? at::cat(parts) : at::zeros({part * n}, s.dtype);
-  auto out = at::empty({n, part}, in.input.options());
+  auto out = placed(s, at::empty({n, part}, in.input.options()));
   auto group = s.group;
   auto x = in.input;
   c10d::GatherOptions opts;
@@ -344,11 +356,11 @@ Instance all_to_all(const Setup& s) {
   Instance in;
   const int n = s.size;
   const int64_t part = s.count / n;
-  in.input = pattern(s.count, s.rank, s.dtype);
+  in.input = placed(s, pattern(s.count, s.rank, s.dtype));
   std::vector<at::Tensor> parts;
   for (int r = 0; r < n; ++r) parts.push_back(pattern(s.count, r, s.dtype).narrow(0, s.rank * part, part));
   auto want = at::cat(parts);
-  auto out = at::empty({s.count}, in.input.options());
+  auto out = placed(s, at::empty({s.count}, in.input.options()));
   auto group = s.group;
   auto x = in.input;
   in.raw = [out, x, group]() {
@@ -374,9 +386,9 @@ Instance send_recv(const Setup& s) {
   Instance in;
   const bool sender = s.rank % 2 == 0 && s.rank + 1 < s.size;
   const bool receiver = s.rank % 2 == 1;
-  in.input = pattern(s.count, s.rank, s.dtype);
+  in.input = placed(s, pattern(s.count, s.rank, s.dtype));
   auto want = pattern(s.count, s.rank - 1, s.dtype);
-  auto buffer = at::empty({s.count}, in.input.options());
+  auto buffer = placed(s, at::empty({s.count}, in.input.options()));
   auto group = s.group;
   auto x = in.input;
   const int rank = s.rank;

@@ -85,6 +85,7 @@ struct Options {
   bool backward = true;
   bool raw_only = false;
   bool fresh_input = false;
+  int64_t offset_bytes = 0;
   double link_gbps = 0;  // 0: no link floor columns
   double link_latency_us = 0;
 };
@@ -203,6 +204,11 @@ std::optional<int> parse(int argc, char** argv, Options& o) {
   app.add_flag("--fresh-input", o.fresh_input,
                "write the raw call's source again before each call, untimed\n"
                "(as a training step's tensors are freshly written)");
+  app.add_option("--offset", o.offset_bytes,
+                 "start the raw call's buffers B bytes past a 64-byte boundary,\n"
+                 "as slices of a flat buffer do (0-4095, a multiple of the element size)")
+      ->type_name("B")
+      ->check(cli::integer<int64_t>(0, 4095));
   app.add_option("--link-gbps", o.link_gbps, "add the link floor (us) at G Gbit/s per host link, and xfloor")
       ->type_name("G")
       ->check(cli::number(0, /*inclusive=*/false));
@@ -214,6 +220,11 @@ std::optional<int> parse(int argc, char** argv, Options& o) {
     for (const auto& c : collectives()) known = known || o.op == c.name;
     if (!known) throw cli::usage_error("unknown --op '" + o.op + "' (" + op_names + ")");
     if (o.link_latency_us != 0 && o.link_gbps <= 0) throw cli::usage_error("--link-latency-us needs --link-gbps");
+    const auto elsize = static_cast<int64_t>(c10::elementSize(o.dtype));
+    if (o.offset_bytes % elsize != 0) {
+      throw cli::usage_error("--offset " + std::to_string(o.offset_bytes) + " is not a multiple of " + dtype_name(o.dtype) +
+                             "'s " + std::to_string(elsize) + " bytes");
+    }
   });
 }
 
@@ -313,9 +324,10 @@ double link_floor_us(const Collective& c, const Options& o, const std::vector<in
 }
 
 void print_header(const Collective& c, const Options& o, const Group& g) {
-  std::printf("# commgrad-bench %s: %d ranks, backend %s, %s, iters %d, warmup %d, sweeps %d%s\n", c.name.c_str(),
+  const std::string offset = o.offset_bytes > 0 ? ", offset " + std::to_string(o.offset_bytes) + " B" : "";
+  std::printf("# commgrad-bench %s: %d ranks, backend %s, %s, iters %d, warmup %d, sweeps %d%s%s\n", c.name.c_str(),
               g.size(), g.backend_name().c_str(), dtype_name(o.dtype), o.iters, o.warmup, o.sweeps,
-              o.fresh_input ? ", fresh input" : "");
+              o.fresh_input ? ", fresh input" : "", offset.c_str());
   std::printf("#%38s | %-31s | %-31s | %-21s | %-14s |%s\n", "", "raw transport call", "differentiable forward",
               o.backward ? "forward+backward" : "", o.backward ? "autograd floor" : "",
               o.link_gbps > 0 ? "        | link floor" : "");
@@ -348,6 +360,7 @@ Row measure(const Collective& c, const Options& o, const Group& g, int64_t count
   s.count = count;
   s.op = o.redop;
   s.root = o.root;
+  s.offset_bytes = o.offset_bytes;
   Instance in = c.make(s);
   Row row;
   row.count = count;

@@ -141,13 +141,14 @@ TEST(Bench, RawOnlyTimesTheTransportCallAlone) {
 }
 
 // --fresh-input: every collective's source written again before each call
-// (with the input's values, so that every result still checks out).
-TEST(Bench, FreshInputKeepsEveryResultRight) {
+// (with the input's values, so that every result still checks out); and
+// --offset: every buffer of the raw calls 52 bytes past an aligned start.
+TEST(Bench, FreshInputAtAnOffsetKeepsEveryResultRight) {
   const auto r = bench(2, "shm",
                        {"--op", "all", "-b", "4K", "-e", "64K", "-f", "16", "--iters", "2", "--warmup", "1",
-                        "--raw-only", "--fresh-input"});
+                        "--raw-only", "--fresh-input", "--offset", "52"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-  EXPECT_THAT(r.out, HasSubstr("iters 2, warmup 1, sweeps 1, fresh input"));
+  EXPECT_THAT(r.out, HasSubstr("iters 2, warmup 1, sweeps 1, fresh input, offset 52 B"));
   for (const std::string op : {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "scatter", "gather",
                                "all_to_all", "send_recv"}) {
     const auto rows = rows_of(r.out, op);
@@ -234,7 +235,8 @@ TEST(Bench, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/commgrad-bench");
   expect_help_lists(program, {"--op", "--backend", "-b,--minbytes", "-e,--maxbytes", "-f,--stepfactor", "-d,--dtype",
                               "-o,--redop", "-r,--root", "-n,--iters", "-w,--warmup", "--sweeps", "-c,--check",
-                              "--no-backward", "--raw-only", "--fresh-input", "--link-gbps", "--link-latency-us"});
+                              "--no-backward", "--raw-only", "--fresh-input", "--offset", "--link-gbps",
+                              "--link-latency-us"});
   expect_bad_options(
       program,
       {
@@ -251,6 +253,9 @@ TEST(Bench, BadOptionsAreNamedBeforeAnyRankStarts) {
           {{"--sweeps", "0"}, "--sweeps: expected an integer in [1, 2147483647], got '0'"},
           {{"-c", "2"}, "--check: expected an integer in [0, 1], got '2'"},
           {{"--no-backward=1"}, "--no-backward takes no value"},
+          {{"--offset", "4096"}, "--offset: expected an integer in [0, 4095], got '4096'"},
+          {{"--offset", "2"}, "--offset 2 is not a multiple of float32's 4 bytes"},
+          {{"-d", "float64", "--offset", "4"}, "--offset 4 is not a multiple of float64's 8 bytes"},
       });
 }
 
