@@ -39,8 +39,11 @@ ShmOptions resolve(ShmOptions o, int size) {
   }
   o.mailbox_bytes(round_up(std::max<int64_t>(mailbox, 64), 64));
   if (o.spin_us() < 0) {
+    // Longer than a futex wake-up takes on a VM (p50 18-62 us measured):
+    // with a spin below it, a rank woken late makes its peer sleep in turn,
+    // and the spin never grows back (docs/shm.md, "Waiting").
     const int64_t env = env_int("COMMGRAD_SHM_SPIN_US", "microseconds");
-    o.spin_us(env >= 0 ? static_cast<int>(env) : (size <= usable_cpus() ? 50 : 0));
+    o.spin_us(env >= 0 ? static_cast<int>(env) : (size <= usable_cpus() ? 200 : 0));
   }
   if (o.async_bytes() < 0) {
     const int64_t env = env_int("COMMGRAD_SHM_ASYNC_BYTES", "bytes");

@@ -42,8 +42,9 @@ struct ShmOptions {
   TORCH_ARG(int, eager_worker) = -1;
   /// Longest spin, in microseconds, before a waiting rank sleeps on a futex
   /// (the spin adapts below it: it shrinks while peers keep arriving late).
-  /// -1: $COMMGRAD_SHM_SPIN_US, else 50 when the group's ranks fit on this
-  /// process's CPUs, else 0 (ranks outnumber cores: never spin).
+  /// -1: $COMMGRAD_SHM_SPIN_US, else 200 when the group's ranks fit on this
+  /// process's CPUs, else 0 (ranks outnumber cores: never spin). It must
+  /// exceed the time a rank takes to wake from the futex (docs/shm.md).
   TORCH_ARG(int, spin_us) = -1;
   /// All-reduces from single_copy_bytes to single_copy_max_bytes read the
   /// peers' tensors directly (process_vm_readv, as OpenMPI's "cma"): one
