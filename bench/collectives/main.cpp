@@ -222,8 +222,8 @@ std::optional<int> parse(int argc, char** argv, Options& o) {
     if (o.link_latency_us != 0 && o.link_gbps <= 0) throw cli::usage_error("--link-latency-us needs --link-gbps");
     const auto elsize = static_cast<int64_t>(c10::elementSize(o.dtype));
     if (o.offset_bytes % elsize != 0) {
-      throw cli::usage_error("--offset " + std::to_string(o.offset_bytes) + " is not a multiple of " + dtype_name(o.dtype) +
-                             "'s " + std::to_string(elsize) + " bytes");
+      throw cli::usage_error("--offset " + std::to_string(o.offset_bytes) + " is not a multiple of " +
+                             dtype_name(o.dtype) + "'s " + std::to_string(elsize) + " bytes");
     }
   });
 }

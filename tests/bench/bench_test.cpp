@@ -233,10 +233,10 @@ TEST(Bench, BadOptionsEndEveryRankWithAMessage) {
 // Every option in --help; each bad one named, exit code 2, before any rank starts.
 TEST(Bench, BadOptionsAreNamedBeforeAnyRankStarts) {
   const std::string program = build_path("bin/commgrad-bench");
-  expect_help_lists(program, {"--op", "--backend", "-b,--minbytes", "-e,--maxbytes", "-f,--stepfactor", "-d,--dtype",
-                              "-o,--redop", "-r,--root", "-n,--iters", "-w,--warmup", "--sweeps", "-c,--check",
-                              "--no-backward", "--raw-only", "--fresh-input", "--offset", "--link-gbps",
-                              "--link-latency-us"});
+  expect_help_lists(
+      program, {"--op", "--backend", "-b,--minbytes", "-e,--maxbytes", "-f,--stepfactor", "-d,--dtype", "-o,--redop",
+                "-r,--root", "-n,--iters", "-w,--warmup", "--sweeps", "-c,--check", "--no-backward", "--raw-only",
+                "--fresh-input", "--offset", "--link-gbps", "--link-latency-us"});
   expect_bad_options(
       program,
       {
