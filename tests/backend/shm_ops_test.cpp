@@ -593,7 +593,7 @@ TEST(ShmStoreChoice, StreamingCopyIsExactAtEveryAlignment) {
 
 // copy_bytes at every distance of destination from source that takes its
 // own loop (1-63 bytes past, modulo 4096) and around it, at lengths about
-// the loop's 2 KiB start and 128-byte step, leaving the bytes around alone.
+// the loop's 2 KiB start and 64-byte step, leaving the bytes around alone.
 TEST(ShmCopy, CopyBytesIsExactAtEveryDistance) {
   constexpr int64_t kPage = 4096;
   constexpr int64_t kMost = 70001;
@@ -608,7 +608,7 @@ TEST(ShmCopy, CopyBytesIsExactAtEveryDistance) {
   for (int64_t d = 0; d <= 130; ++d) distances.push_back(d);
   for (int64_t d = kPage - 70; d < kPage; ++d) distances.push_back(d);
   for (int64_t d : distances) {
-    for (int64_t len : std::vector<int64_t>{0, 1, 127, 2047, 2048, 2049, 2048 + 128 + 5, 4096 + 131, 65536, kMost}) {
+    for (int64_t len : std::vector<int64_t>{0, 1, 127, 2047, 2048, 2049, 2048 + 64 + 5, 4096 + 131, 65536, kMost}) {
       uint8_t* to = dst.get() + kPage + 5 + d;  // 5: neither pointer aligned
       std::memset(dst.get(), 0xee, static_cast<size_t>(kMost + 3 * kPage));
       commgrad::backend::detail::copy_bytes(to, src.get() + 5, len);
