@@ -597,9 +597,10 @@ TEST(ShmStoreChoice, StreamingCopyIsExactAtEveryAlignment) {
 TEST(ShmCopy, CopyBytesIsExactAtEveryDistance) {
   constexpr int64_t kPage = 4096;
   constexpr int64_t kMost = 70001;
-  auto page_aligned = [](int64_t bytes) {
-    return std::unique_ptr<uint8_t, decltype(&std::free)>(
-        static_cast<uint8_t*>(std::aligned_alloc(kPage, static_cast<size_t>(bytes))), &std::free);
+  auto page_aligned = [](int64_t bytes) {  // aligned_alloc wants a multiple of the alignment
+    const auto rounded = static_cast<size_t>((bytes + kPage - 1) / kPage * kPage);
+    return std::unique_ptr<uint8_t, decltype(&std::free)>(static_cast<uint8_t*>(std::aligned_alloc(kPage, rounded)),
+                                                          &std::free);
   };
   auto src = page_aligned(kMost + kPage);
   auto dst = page_aligned(kMost + 3 * kPage);
