@@ -1,6 +1,7 @@
 // Copies to and from the shared segment (see detail/shm_copy.h).
 
 #include "detail/shm_copy.h"
+#include "detail/shm_cpu.h"
 
 #include <algorithm>
 #include <cstring>
@@ -8,8 +9,7 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define COMMGRAD_SHM_X86_LOOP 1
+#if COMMGRAD_SHM_AVX2_DISPATCH
 #include <immintrin.h>
 #endif
 
@@ -23,7 +23,7 @@ bool lies_just_past(const void* dst, const void* src) {
   return distance >= 1 && distance < 64;
 }
 
-#if COMMGRAD_SHM_X86_LOOP
+#if COMMGRAD_SHM_AVX2_DISPATCH
 __attribute__((target("avx2"))) void copy_avx2(uint8_t* d, const uint8_t* s, int64_t bytes) {
   int64_t i = 0;
   for (; i + 64 <= bytes; i += 64) {  // a line at a time (the loop measured)
@@ -34,20 +34,15 @@ __attribute__((target("avx2"))) void copy_avx2(uint8_t* d, const uint8_t* s, int
   }
   std::memcpy(d + i, s + i, static_cast<size_t>(bytes - i));  // under 64 bytes: no rep movsb
 }
-
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
 #endif
 
 }  // namespace
 
 void copy_bytes(void* dst, const void* src, int64_t bytes) {
   if (bytes <= 0) return;
-#if COMMGRAD_SHM_X86_LOOP
+#if COMMGRAD_SHM_AVX2_DISPATCH
   // Below 2 KiB memcpy uses vector moves, not rep movsb.
-  if (bytes >= 2048 && lies_just_past(dst, src) && has_avx2()) {
+  if (bytes >= 2048 && lies_just_past(dst, src) && cpu_has_avx2()) {
     return copy_avx2(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes);
   }
 #endif

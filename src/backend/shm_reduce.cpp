@@ -12,6 +12,7 @@
 // are AND.
 
 #include "detail/shm_comm.h"
+#include "detail/shm_cpu.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -154,23 +155,18 @@ COMMGRAD_INLINE void reduce_blocks_inline(void* dst, void* dst2, const void* con
 // The same loops compiled for AVX2 where the CPU has it: twice the
 // elements per instruction of the baseline x86-64 build, which is what
 // keeps a reduction of data another core just wrote from trailing the copies.
-#if defined(__x86_64__) && defined(__GNUC__)
+#if COMMGRAD_SHM_AVX2_DISPATCH
 template <typename T, typename A, typename Combine, typename Finish>
 __attribute__((target("avx2"))) void reduce_blocks_avx2(void* dst, void* dst2, const void* const* srcs, int nsrcs,
                                                         int64_t count, Combine combine, Finish finish) {
   reduce_blocks_inline<T, A>(dst, dst2, srcs, nsrcs, count, combine, finish);
-}
-
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
 }
 #endif
 
 template <typename T, typename A, typename Combine, typename Finish>
 void reduce_blocks(void* dst, void* dst2, const void* const* srcs, int nsrcs, int64_t count, Combine combine,
                    Finish finish) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if COMMGRAD_SHM_AVX2_DISPATCH
   if (cpu_has_avx2()) return reduce_blocks_avx2<T, A>(dst, dst2, srcs, nsrcs, count, combine, finish);
 #endif
   reduce_blocks_inline<T, A>(dst, dst2, srcs, nsrcs, count, combine, finish);
