@@ -96,13 +96,6 @@ std::vector<const void*> copy_inputs(const void* const* ins, const int64_t* in_b
   return copies;
 }
 
-// f(q) for every other rank q, starting after `rank`: ranks that read from
-// every peer at once start on different ones.
-template <class F>
-void for_each_peer(int rank, int n, F&& f) {
-  for (int i = 1; i < n; ++i) f((rank + i) % n);
-}
-
 }  // namespace
 
 void Comm::allreduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op) {
@@ -131,7 +124,7 @@ void Comm::allreduce_small(const Call& call, const uint8_t* in, uint8_t* out, in
   const int set = next_set();
   publish(set, d);
   if (size_ > 1 && rank_ != root) stores_.copy(segment_->slot(set, rank_), in, bytes);
-  arrive_and_wait(call);
+  arrive_and_wait(call, set);
   check_agreement(call, set, true);
   if (root >= 0 && rank_ != root) return;
   for (int q = 0; q < size_; ++q) srcs_[q] = q == rank_ ? in : segment_->slot(set, q);
@@ -177,7 +170,7 @@ void Comm::allreduce_pipelined(const Call& call, const uint8_t* in, uint8_t* out
         reduce_into(to_shm, to_out, srcs_.data(), size_, e - b, dtype, op, size_);
       }
     }
-    arrive_and_wait(call);
+    arrive_and_wait(call, set);
     if (j == 0) check_agreement(call, set, true);
     if (j > 0 && gets_result) {
       for (int q = 0; q < size_; ++q) {
@@ -203,7 +196,7 @@ void Comm::broadcast(const Call& call, void* data, int64_t bytes, c10::ScalarTyp
     if (k == 0) publish(set, d);
     const int64_t len = clamp_len(bytes, k * cap, cap);
     if (rank_ == root && size_ > 1) stores_.copy(segment_->slot(set, 0), p + k * cap, len);
-    arrive_and_wait(call);
+    arrive_and_wait(call, set);
     if (k == 0) check_agreement(call, set, true);
     if (rank_ != root) copy(p + k * cap, segment_->slot(set, 0), len);
   }
@@ -236,12 +229,12 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
     } else if (stages) {
       stores_.copy(segment_->slot(set, rank_), src + off, clamp_len(in_bytes, off, cap));
     }
-    arrive_and_wait(call);
+    arrive_and_wait(call, set);
     if (k == 0) {
       check_agreement(call, set, false);
       int64_t most = 0;
       for (int q = 0; q < size_; ++q) {
-        const int64_t sends = segment_->rank_block(q).desc[set].bytes;
+        const int64_t sends = segment_->desc(set, q).bytes;
         most = std::max(most, sends);
         for (int x = 0; x < size_; ++x) {
           const int64_t expects = segment_->aux(set, x)[q];
@@ -283,12 +276,12 @@ void Comm::scatter(const Call& call, const void* const* ins, const int64_t* in_b
                      clamp_len(in_bytes[q], off, cap));
       }
     }
-    arrive_and_wait(call);
+    arrive_and_wait(call, set);
     if (k == 0) {
       check_agreement(call, set, false);
       int64_t most = 0;
       for (int q = 0; q < size_; ++q) {
-        const int64_t expects = segment_->rank_block(q).desc[set].bytes;
+        const int64_t expects = segment_->desc(set, q).bytes;
         const int64_t sends = segment_->aux(set, root)[q];
         most = std::max(most, sends);
         if (expects != sends) {
@@ -321,7 +314,7 @@ void Comm::reduce_scatter(const Call& call, const void* const* ins, void* out, i
     for (int q = 0; q < size_; ++q) {
       if (q != rank_) stores_.copy(mine + q * piece, static_cast<const uint8_t*>(ins[q]) + off * es, c * es);
     }
-    arrive_and_wait(call);
+    arrive_and_wait(call, set);
     if (k == 0) check_agreement(call, set, true);
     if (c == 0) continue;
     for (int x = 0; x < size_; ++x) {
@@ -367,7 +360,7 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
       if (q != rank_ && !reads_directly(in_bytes[q]))
         stores_.copy(mine + q * piece, static_cast<const uint8_t*>(ins[q]) + off, clamp_len(in_bytes[q], off, piece));
     }
-    arrive_and_wait(call);
+    arrive_and_wait(call, set);
     if (k == 0) {
       check_agreement(call, set, true);
       int64_t most = 0;
@@ -402,7 +395,7 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
     }
   }
   // No rank changes (or frees) an input that a peer still reads.
-  if (any_direct) arrive_and_wait(call);
+  if (any_direct) arrive_and_wait(call, barrier_set_);  // in the last step's set
 }
 
 }  // namespace commgrad::backend::detail

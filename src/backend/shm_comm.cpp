@@ -1,12 +1,19 @@
 // The shm engine's machinery: waiting, agreement, aborting, and point to point.
 //
-// The barrier is one futex word in the header that every arrival
-// increments; the arrival that completes generation g (value g * n) wakes
-// the sleepers, if any. Waiting spins briefly (when ranks outnumber cores
-// it yields instead; both adapt, see WaitPolicy), then sleeps on the futex
-// in slices, checking on the way whether the group was aborted, whether a
-// rank it waits for has died (its pid is in its control block) and whether
-// the deadline passed.
+// The barrier. Each rank counts the barriers it arrives at (generations)
+// and stores the count in its own word of the step's buffer set
+// (SetBlock); it then waits until every peer's word of that set shows the
+// same generation. No rank writes another's line on the way, so an arrival
+// costs each waiting peer one line, and that line also holds the
+// descriptor and sizes the peer checks next (a counter that every rank
+// increments moves between the cores once per arrival, and a descriptor
+// in a line of its own is one more fetch). Waiting spins briefly (when
+// ranks outnumber cores it yields instead; both adapt, see WaitPolicy),
+// then sleeps on the group's barrier bell in slices, checking on the way
+// whether the group was aborted, whether a rank it waits for has died (its
+// pid is in its control block) and whether the deadline passed. An arrival
+// that finds sleepers and every peer arrived rings the bell: one wake-up
+// per barrier, by the last to arrive, and none when nobody sleeps.
 //
 // Agreement. With the data of its first step each rank publishes a
 // descriptor (op, dtype, reduction, root, sizes, collective number) and,
@@ -107,18 +114,13 @@ OpDescriptor Comm::begin(const Call& call, OpKind kind, c10::ScalarType dtype, i
   d.root = root;
   d.seq = seq_++;
   d.bytes = bytes;
-  d.message[0] = '\0';
   RankBlock& me = segment_->rank_block(rank_);
   me.seq.store(d.seq, std::memory_order_relaxed);
   me.kind.store(d.kind, std::memory_order_relaxed);
   return d;
 }
 
-void Comm::publish(int set, const OpDescriptor& desc) {
-  OpDescriptor& slot = segment_->rank_block(rank_).desc[set];
-  const bool invalid = desc.kind == static_cast<uint32_t>(OpKind::kInvalid);
-  std::memcpy(&slot, &desc, invalid ? sizeof(OpDescriptor) : offsetof(OpDescriptor, message));
-}
+void Comm::publish(int set, const OpDescriptor& desc) { segment_->desc(set, rank_) = desc; }
 
 namespace {
 
@@ -138,18 +140,18 @@ std::string describe(const OpDescriptor& d) {
 void Comm::check_agreement(const Call& call, int set, bool same_bytes) {
   if (size_ == 1) return;
   for (int q = 0; q < size_; ++q) {
-    const OpDescriptor& d = segment_->rank_block(q).desc[set];
+    const OpDescriptor& d = segment_->desc(set, q);
     if (d.kind == static_cast<uint32_t>(OpKind::kInvalid)) {
       char message[kMessageBytes];
-      std::memcpy(message, d.message, kMessageBytes);
+      std::memcpy(message, segment_->rank_block(q).message[set], kMessageBytes);
       message[kMessageBytes - 1] = '\0';
       fail(call, c10::str("rank ", q, " rejected its arguments to collective #", d.seq, ": ", message));
     }
   }
-  const OpDescriptor& ref = segment_->rank_block(0).desc[set];
+  const OpDescriptor& ref = segment_->desc(set, 0);
   std::vector<int> differ;
   for (int q = 1; q < size_; ++q) {
-    const OpDescriptor& d = segment_->rank_block(q).desc[set];
+    const OpDescriptor& d = segment_->desc(set, q);
     if (d.kind != ref.kind || d.seq != ref.seq || d.dtype != ref.dtype || d.reduce != ref.reduce ||
         d.root != ref.root || (same_bytes && d.bytes != ref.bytes)) {
       differ.push_back(q);
@@ -157,7 +159,7 @@ void Comm::check_agreement(const Call& call, int set, bool same_bytes) {
   }
   if (differ.empty()) return;
   std::string detail = c10::str("rank 0: ", describe(ref));
-  for (int q : differ) detail += c10::str("; rank ", q, ": ", describe(segment_->rank_block(q).desc[set]));
+  for (int q : differ) detail += c10::str("; rank ", q, ": ", describe(segment_->desc(set, q)));
   fail(call, c10::str("the ranks called different collectives: ", detail));
 }
 
@@ -210,20 +212,29 @@ int64_t Comm::last_arrival_ns() const {
   return last;
 }
 
-void Comm::arrive_and_wait(const Call& call) {
-  Bell& bell = segment_->header().arrivals;
+void Comm::arrive_and_wait(const Call& call, int set) {
   ++generation_;
-  const auto target = static_cast<uint32_t>(generation_ * static_cast<uint64_t>(size_));
-  RankBlock& mine = segment_->rank_block(rank_);
-  if (spin_ns_.load(std::memory_order_relaxed) > 0) mine.arrived_ns.store(now_ns(), std::memory_order_relaxed);
-  mine.generation.store(static_cast<uint32_t>(generation_), std::memory_order_relaxed);
-  const uint32_t arrived = bell.value.fetch_add(1, std::memory_order_seq_cst) + 1;
-  if (arrived == target) {
-    if (bell.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&bell.value);
+  barrier_set_ = set;
+  const auto target = static_cast<uint32_t>(generation_);
+  if (spin_ns_.load(std::memory_order_relaxed) > 0) {
+    segment_->rank_block(rank_).arrived_ns.store(now_ns(), std::memory_order_relaxed);
+  }
+  const auto all_arrived = [&] {
+    for (int q = 0; q < size_; ++q) {
+      const uint32_t g = segment_->set_block(set, q).generation.load(std::memory_order_acquire);
+      if (static_cast<int32_t>(g - target) < 0) return false;
+    }
+    return true;
+  };
+  // seq_cst store, then loads: a rank that counted itself a sleeper before
+  // it looked at this word again is seen here, or it sees the word.
+  segment_->set_block(set, rank_).generation.store(target, std::memory_order_seq_cst);
+  Bell& bell = segment_->header().barrier;
+  if (bell.sleepers.load(std::memory_order_seq_cst) != 0 && all_arrived()) {
+    ring(bell);
     return;
   }
-  wait([&] { return static_cast<int32_t>(bell.value.load(std::memory_order_acquire) - target) >= 0; }, bell, call,
-       WaitOn::kBarrier, -1);
+  wait(all_arrived, bell, call, WaitOn::kBarrier, -1);
 }
 
 void Comm::wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& call, WaitOn on, int peer) {
@@ -272,7 +283,7 @@ std::vector<int> Comm::pending_ranks(WaitOn on, int peer) const {
   std::vector<int> out;
   const auto mine = static_cast<uint32_t>(generation_);
   for (int q = 0; q < size_; ++q) {
-    const uint32_t g = segment_->rank_block(q).generation.load(std::memory_order_relaxed);
+    const uint32_t g = segment_->set_block(barrier_set_, q).generation.load(std::memory_order_relaxed);
     if (static_cast<int32_t>(g - mine) < 0) out.push_back(q);
   }
   return out;
@@ -302,7 +313,7 @@ void Comm::abort(const std::string& reason) {
     h.abort_reason[sizeof(h.abort_reason) - 1] = '\0';
     h.abort_state.store(2, std::memory_order_release);
   }
-  futex_wake_all(&h.arrivals.value);
+  futex_wake_all(&h.barrier.value);
   if (size_ > 1) {
     for (int s = 0; s < size_; ++s) {
       for (int d = 0; d < size_; ++d) {
@@ -332,18 +343,19 @@ void Comm::barrier(const Call& call) {
   const OpDescriptor d = begin(call, OpKind::kBarrier, c10::ScalarType::Undefined, -1, -1, 0);
   const int set = next_set();
   publish(set, d);
-  arrive_and_wait(call);
+  arrive_and_wait(call, set);
   check_agreement(call, set, true);
 }
 
 void Comm::reject(const Call& call, OpKind kind, const std::string& message) {
-  OpDescriptor d = begin(call, OpKind::kInvalid, c10::ScalarType::Undefined, -1, -1, 0);
+  const OpDescriptor d = begin(call, OpKind::kInvalid, c10::ScalarType::Undefined, -1, -1, 0);
   const std::string text = c10::str(op_kind_name(kind), ": ", message);
-  std::strncpy(d.message, text.c_str(), kMessageBytes - 1);
-  d.message[kMessageBytes - 1] = '\0';
   const int set = next_set();
+  char* slot = segment_->rank_block(rank_).message[set];
+  std::strncpy(slot, text.c_str(), kMessageBytes - 1);
+  slot[kMessageBytes - 1] = '\0';
   publish(set, d);
-  arrive_and_wait(call);
+  arrive_and_wait(call, set);
 }
 
 // ~~~ point to point ~~~

@@ -63,7 +63,7 @@ namespace commgrad::backend::detail {
 namespace {
 
 constexpr uint64_t kMagic = 0x6873646172676d63ULL;  // "cmgradsh"
-constexpr uint32_t kVersion = 4;
+constexpr uint32_t kVersion = 5;
 
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
@@ -114,8 +114,9 @@ Layout Layout::compute(int size, uint64_t chunk_bytes, uint64_t mailbox_bytes) {
   l.mailbox_bytes = size > 1 ? mailbox_bytes : 0;
   const auto n = static_cast<uint64_t>(size);
   l.ranks_offset = align_up(sizeof(Header), kLine);
-  l.aux_offset = align_up(l.ranks_offset + n * sizeof(RankBlock), kLine);
-  l.slots_offset = align_up(l.aux_offset + kSets * n * 3 * n * sizeof(int64_t), 4096);
+  l.sets_offset = align_up(l.ranks_offset + n * sizeof(RankBlock), kLine);
+  l.set_stride = align_up(sizeof(SetBlock) + 3 * n * sizeof(int64_t), kLine);
+  l.slots_offset = align_up(l.sets_offset + kSets * n * l.set_stride, 4096);
   l.mailbox_offset = align_up(l.slots_offset + kSets * n * chunk_bytes, 4096);
   l.mailbox_stride = size > 1 ? align_up(sizeof(MailboxHead) + l.mailbox_bytes, kLine) : 0;
   l.total_bytes = align_up(l.mailbox_offset + n * n * l.mailbox_stride, 4096);
@@ -266,7 +267,7 @@ void Segment::open(const SegmentConfig& config) {
 }
 
 void Segment::wait_until_mapped(const SegmentConfig& config) {
-  Bell& bell = header().arrivals;
+  Bell& bell = header().mapped;
   const auto n = static_cast<uint32_t>(config.size);
   const uint32_t arrived = bell.value.fetch_add(1, std::memory_order_seq_cst) + 1;
   if (arrived == n) {

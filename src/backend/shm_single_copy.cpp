@@ -91,7 +91,7 @@ void Comm::agree_on_single_copy(const SingleCopyPolicy& policy) {
   call.op = "init";
   call.timeout = policy.timeout;
   call.deadline = std::chrono::steady_clock::now() + policy.timeout;
-  arrive_and_wait(call);
+  arrive_and_wait(call, /*set=*/0);  // before any collective: set 0 is free
   for (int q = 0; q < size_; ++q) {
     if (segment_->rank_block(q).can_read_peers.load(std::memory_order_acquire) == 0) return;
   }
@@ -119,7 +119,7 @@ void Comm::allreduce_single_copy(const Call& call, const uint8_t* in, uint8_t* o
   aux[0] = address_of(in);
   aux[1] = address_of(out);
   publish(set, d);
-  arrive_and_wait(call);
+  arrive_and_wait(call, set);
   check_agreement(call, set, true);
   std::vector<uint64_t> inputs(static_cast<size_t>(size_));
   std::vector<uint64_t> outputs(static_cast<size_t>(size_));
@@ -162,7 +162,7 @@ void Comm::allreduce_single_copy(const Call& call, const uint8_t* in, uint8_t* o
       }
     }
     // No rank overwrites an input a peer still reads, or leaves while a peer reads its output.
-    arrive_and_wait(call);
+    arrive_and_wait(call, set);
   }
 }
 

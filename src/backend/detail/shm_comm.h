@@ -61,6 +61,13 @@ inline int64_t slice_begin(int64_t count, int q, int n, int64_t align) {
   return std::min<int64_t>(count, ceil_div(ceil_div(count, n), align) * align * q);
 }
 
+/// f(q) for every other rank q, starting after `rank`: ranks that read from
+/// (or wait for) every peer at once start on different ones.
+template <class F>
+void for_each_peer(int rank, int n, F&& f) {
+  for (int i = 1; i < n; ++i) f((rank + i) % n);
+}
+
 /// Per-call context: names and deadline for error messages.
 struct Call {
   const char* op = "";  // the c10d name: "allreduce", "_allgather_base", ...
@@ -174,7 +181,8 @@ class Comm {
   int next_set() { return static_cast<int>(step_++ % kSets); }
   OpDescriptor begin(const Call& call, OpKind kind, c10::ScalarType dtype, int32_t reduce, int root, int64_t bytes);
   void publish(int set, const OpDescriptor& desc);
-  void arrive_and_wait(const Call& call);
+  /// The barrier of a step that uses buffer set `set` (see shm_comm.cpp).
+  void arrive_and_wait(const Call& call, int set);
   /// Compares every rank's descriptor in `set`; throws the same error on every rank on a mismatch.
   void check_agreement(const Call& call, int set, bool same_bytes);
   [[noreturn]] void fail(const Call& call, const std::string& message) const;
@@ -218,7 +226,8 @@ class Comm {
   std::atomic<int64_t> yield_ns_;  // the adaptive yield phase (see WaitPolicy)
   uint64_t seq_ = 0;               // collectives issued
   uint64_t step_ = 0;              // pipeline steps (buffer sets) used
-  uint64_t generation_ = 1;        // barriers arrived at (the segment's own is the first)
+  uint64_t generation_ = 0;        // barriers arrived at
+  int barrier_set_ = 0;            // the buffer set of the barrier this rank is at (or was at last)
   SegmentStores stores_;           // this rank's writes into the segment
   std::vector<const void*> srcs_;  // scratch: one source per rank
   std::vector<uint8_t> scratch_;   // peers' pieces read by a single-copy reduction

@@ -30,35 +30,48 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t
               "the shm backend needs address-free atomics");
 
 /// A 32-bit futex word that counts events, and the number of threads
-/// asleep on it (so that whoever rings it skips the syscall when nobody sleeps).
-struct alignas(kLine) Bell {
+/// asleep on it (so that whoever rings it skips the syscall when nobody
+/// sleeps). Those who place one give it a line of its own.
+struct Bell {
   std::atomic<uint32_t> value;
   std::atomic<uint32_t> sleepers;
 };
 
 /// What a rank is about to do. Written before the first barrier of a
-/// collective and compared by every rank after it.
+/// collective and compared by every rank after it (with the sizes that
+/// follow it in the same cache lines, see Segment::aux).
 struct OpDescriptor {
-  uint32_t kind;                // OpKind
-  int32_t dtype;                // c10::ScalarType
-  int32_t reduce;               // RedOp, or -1
-  int32_t root;                 // root rank, or -1
-  uint64_t seq;                 // collective number on this group
-  int64_t bytes;                // op-specific size (see shm_collectives.cpp)
-  char message[kMessageBytes];  // why a rank rejected its arguments (kind == kInvalid)
+  uint32_t kind;   // OpKind
+  int32_t dtype;   // c10::ScalarType
+  int32_t reduce;  // RedOp, or -1
+  int32_t root;    // root rank, or -1
+  uint64_t seq;    // collective number on this group
+  int64_t bytes;   // op-specific size (see shm_collectives.cpp)
 };
+static_assert(sizeof(OpDescriptor) == 32, "a descriptor is 32 bytes");
+
+/// What a rank publishes in one buffer set, starting a line of its own: its
+/// arrivals at the barriers of the steps that use the set, the descriptor
+/// of a collective whose first step uses the set, and then 3 * size int64
+/// values (aux: sizes, addresses). A peer that sees the arrival has in the
+/// same line what it checks next.
+struct SetBlock {
+  std::atomic<uint32_t> generation;  // of the rank's last barrier in this set
+  uint32_t unused;
+  OpDescriptor desc;
+};
+static_assert(sizeof(SetBlock) == 40 && alignof(SetBlock) == 8, "aux follows the descriptor directly");
 
 /// One rank's control block.
 struct alignas(kLine) RankBlock {
   std::atomic<int32_t> pid;              // 0 until the rank has mapped the segment
   uint64_t pid_namespace;                // inode of its /proc/self/ns/pid: pids compare only within one
-  std::atomic<uint32_t> generation;      // barriers this rank has arrived at (low 32 bits)
   std::atomic<int64_t> arrived_ns;       // when it arrived at the last one (steady clock, shared by the host)
   std::atomic<uint64_t> seq;             // collective it is running or ran last
   std::atomic<uint32_t> kind;            // ... and its kind
   uint64_t probe_address;                // where peers test that they may read it (shm_single_copy.h)
   std::atomic<uint32_t> can_read_peers;  // 1 when it may read every peer (set once, at creation)
-  OpDescriptor desc[kSets];
+  char message[kSets][kMessageBytes];    // why it rejected its arguments (descriptor kind kInvalid), per set
 };
 
 /// The start of the segment.
@@ -72,7 +85,8 @@ struct alignas(kLine) Header {
   int64_t single_copy_max_bytes;    // ... to this size read peers directly
   int64_t single_copy_piece_bytes;  // all-to-all pieces from this size are read directly (0: never)
   uint64_t total_bytes;
-  Bell arrivals;                                     // the barrier: every arrival adds one
+  alignas(kLine) Bell mapped;                        // every rank adds one once it has mapped the segment
+  alignas(kLine) Bell barrier;                       // what ranks sleep on at a barrier (see shm_comm.cpp)
   alignas(kLine) std::atomic<uint32_t> abort_state;  // 0 running, 1 being written, 2 aborted
   int32_t abort_rank;
   char abort_reason[1024];
@@ -82,9 +96,9 @@ struct alignas(kLine) Header {
 /// with monotonic positions.
 struct alignas(kLine) MailboxHead {
   alignas(kLine) std::atomic<uint64_t> head;  // bytes written by the sender
-  Bell data;                                  // rung after head moves
+  alignas(kLine) Bell data;                   // rung after head moves
   alignas(kLine) std::atomic<uint64_t> tail;  // bytes consumed by the receiver
-  Bell space;                                 // rung after tail moves
+  alignas(kLine) Bell space;                  // rung after tail moves
 };
 
 /// Where things are, computed identically by every rank from (size, chunk, mailbox).
@@ -93,7 +107,8 @@ struct Layout {
   uint64_t chunk_bytes = 0;
   uint64_t mailbox_bytes = 0;
   uint64_t ranks_offset = 0;    // RankBlock[size]
-  uint64_t aux_offset = 0;      // int64[kSets][size][3 * size]
+  uint64_t sets_offset = 0;     // [kSets][size] of SetBlock + int64[3 * size] (aux) ...
+  uint64_t set_stride = 0;      // ... each padded to whole lines
   uint64_t slots_offset = 0;    // uint8[kSets][size][chunk_bytes]
   uint64_t mailbox_offset = 0;  // (MailboxHead + ring)[size][size]
   uint64_t mailbox_stride = 0;
@@ -141,10 +156,15 @@ class Segment {
 
   Header& header() const { return *reinterpret_cast<Header*>(base_); }
   RankBlock& rank_block(int rank) const { return reinterpret_cast<RankBlock*>(base_ + layout_.ranks_offset)[rank]; }
-  /// 3 * size int64 values a rank publishes with a descriptor (sizes, addresses).
+  /// What `rank` publishes in buffer set `set` (see SetBlock).
+  SetBlock& set_block(int set, int rank) const {
+    return *reinterpret_cast<SetBlock*>(base_ + layout_.sets_offset +
+                                        (static_cast<uint64_t>(set) * layout_.size + rank) * layout_.set_stride);
+  }
+  OpDescriptor& desc(int set, int rank) const { return set_block(set, rank).desc; }
+  /// 3 * size int64 values a rank publishes with its descriptor (sizes, addresses).
   int64_t* aux(int set, int rank) const {
-    const auto n = static_cast<uint64_t>(layout_.size);
-    return reinterpret_cast<int64_t*>(base_ + layout_.aux_offset) + (set * n + rank) * 3 * n;
+    return reinterpret_cast<int64_t*>(reinterpret_cast<uint8_t*>(&set_block(set, rank)) + sizeof(SetBlock));
   }
   /// The chunk_bytes a rank stages in buffer set `set`; the slots of one set are contiguous.
   uint8_t* slot(int set, int rank) const {
