@@ -69,13 +69,18 @@ void copy(void* dst, const void* src, int64_t bytes) {
   }
 }
 
-// True when an input that peers may read (ins[q], q != rank) overlaps an output.
-bool inputs_overlap_outputs(const void* const* ins, const int64_t* in_bytes, void* const* outs,
-                            const int64_t* out_bytes, int n, int rank) {
+// True when writing this rank's outputs may change an input before it is
+// sent: an output overlaps an input other than its twin (outs[q] == ins[q]
+// with the same size, in place: step k writes the part that step k has
+// already staged), or, when peers may read the inputs directly
+// (`direct`), any input but this rank's own overlaps an output.
+bool outputs_overlap_inputs(const void* const* ins, const int64_t* in_bytes, void* const* outs,
+                            const int64_t* out_bytes, int n, int rank, bool direct) {
   for (int q = 0; q < n; ++q) {
-    if (q == rank) continue;
     for (int p = 0; p < n; ++p) {
-      if (overlap(ins[q], in_bytes[q], outs[p], out_bytes[p])) return true;
+      if (!overlap(ins[q], in_bytes[q], outs[p], out_bytes[p])) continue;
+      const bool twin = p == q && ins[q] == outs[p] && in_bytes[q] == out_bytes[p];
+      if (!twin || (direct && q != rank)) return true;
     }
   }
   return false;
@@ -328,15 +333,16 @@ void Comm::reduce_scatter(const Call& call, const void* const* ins, void* out, i
 void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_bytes, void* const* outs,
                     const int64_t* out_bytes, c10::ScalarType dtype) {
   const int64_t piece = static_cast<int64_t>(segment_->layout().chunk_bytes) / size_ / 64 * 64;
-  // This rank writes its outputs while peers may read its inputs directly:
-  // in place (or overlapping), it sends from a copy.
+  // An output that overlaps an input it does not replace piece for piece
+  // (uneven splits in place), or any overlap while peers may read the
+  // inputs directly: this rank sends from a copy of its inputs.
   bool may_read_directly = false;
   for (int q = 0; q < size_; ++q) {
     may_read_directly |= q != rank_ && (reads_directly(in_bytes[q]) || reads_directly(out_bytes[q]));
   }
   std::vector<uint8_t> storage;
   std::vector<const void*> copies;
-  if (may_read_directly && inputs_overlap_outputs(ins, in_bytes, outs, out_bytes, size_, rank_)) {
+  if (outputs_overlap_inputs(ins, in_bytes, outs, out_bytes, size_, rank_, may_read_directly)) {
     copies = copy_inputs(ins, in_bytes, size_, &storage);
     ins = copies.data();
   }

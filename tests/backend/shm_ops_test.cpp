@@ -405,6 +405,30 @@ void alltoall_equal_uneven_and_list(int ranks, const RunOptions& options) {
         r.gloo->alltoall_base(g, uin, out_splits, in_splits)->wait();
         EXPECT_TRUE(at::equal(g, uout));
       }
+      // In place with uneven splits that do not line up: rank x sends
+      // (q - x) mod n * rows rows to rank q, so each rank receives in the
+      // order opposite to the one it sends in (3 ranks: rank 0 sends 0, 2, 1
+      // pieces and receives 0, 1, 2), and what it receives from one rank
+      // lands where it has yet to send to another.
+      auto shifted = [&](int x, int q) { return (q - x + n) % n * rows; };
+      std::vector<int64_t> sin, sout;
+      std::vector<at::Tensor> sexp;
+      for (int q = 0; q < n; ++q) {
+        sin.push_back(shifted(r.rank, q));
+        sout.push_back(shifted(q, r.rank));
+      }
+      auto shifted_input = [&](int x) {
+        const int64_t total = n * (n - 1) / 2 * rows;
+        return make_input(total * 3, at::kFloat, x, salt + 2).reshape({total, 3});
+      };
+      for (int q = 0; q < n; ++q) {
+        int64_t start = 0;
+        for (int p = 0; p < r.rank; ++p) start += shifted(q, p);
+        sexp.push_back(shifted_input(q).narrow(0, start, shifted(q, r.rank)));
+      }
+      at::Tensor sboth = shifted_input(r.rank);
+      r.shm->alltoall_base(sboth, sboth, sout, sin)->wait();
+      EXPECT_TRUE(same_bits(sboth, at::cat(sexp))) << "alltoall_base in place, uneven, rows " << rows;
       // List form with a different size for every pair.
       std::vector<at::Tensor> lin, lout;
       for (int q = 0; q < n; ++q) {
