@@ -102,10 +102,10 @@ std::chrono::milliseconds ShmProcessGroup::timeout_of(std::chrono::milliseconds 
 // ShmOptions::async_bytes).
 template <class Run>
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_collective(const char* op, c10d::OpType type,
-                                                                  std::vector<at::Tensor> outputs, int64_t bytes,
+                                                                  c10::ArrayRef<at::Tensor> outputs, int64_t bytes,
                                                                   std::chrono::milliseconds timeout, Run&& run) {
   return detail::run_or_queue(*collectives_, bytes < options_.async_bytes(), *comm_, op, timeout_of(timeout), getRank(),
-                              type, std::move(outputs), std::forward<Run>(run));
+                              type, outputs, std::forward<Run>(run));
 }
 
 void ShmProcessGroup::reject(const char* op, int kind, const std::string& message) {

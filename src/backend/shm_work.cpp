@@ -66,7 +66,7 @@ void ShmWork::settle(c10::ivalue::Future& future) {
   if (error_) {
     future.setError(error_);
   } else {
-    future.markCompleted(c10::IValue(outputs_));
+    future.markCompleted(c10::IValue(result()));
   }
 }
 

@@ -131,7 +131,7 @@ class ShmProcessGroup : public commgrad::detail::TransportBase {
   class Checks;  // a collective's argument checks (src/backend/detail/shm_checks.h)
   // Runs `run(Comm&, const Call&)` as this group's next collective (shm_process_group.cpp).
   template <class Run>
-  c10::intrusive_ptr<c10d::Work> submit_collective(const char* op, c10d::OpType type, std::vector<at::Tensor> outputs,
+  c10::intrusive_ptr<c10d::Work> submit_collective(const char* op, c10d::OpType type, c10::ArrayRef<at::Tensor> outputs,
                                                    int64_t bytes, std::chrono::milliseconds timeout, Run&& run);
   [[noreturn]] void reject(const char* op, int kind, const std::string& message);
   // allreduce_out (root -1) and reduce_out: checks, then one Comm::reduce.

@@ -8,6 +8,8 @@
 #include "detail/shm_executor.h"
 
 #include <ATen/core/ivalue.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 
 #include <atomic>
 #include <chrono>
@@ -27,11 +29,11 @@ class Executor;
 /// a Future costs more than a small all-reduce.
 class ShmWork : public c10d::Work {
  public:
-  ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type), outputs_(std::move(outputs)) {}
+  ShmWork(int rank, c10d::OpType type, c10::ArrayRef<at::Tensor> outputs)
+      : c10d::Work(rank, type), outputs_(outputs.begin(), outputs.end()) {}
   /// A Work born completed with `error` (or the outputs when null).
-  ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::exception_ptr error)
-      : c10d::Work(rank, type), outputs_(std::move(outputs)), error_(error), done_(true) {
+  ShmWork(int rank, c10d::OpType type, c10::ArrayRef<at::Tensor> outputs, std::exception_ptr error)
+      : c10d::Work(rank, type), outputs_(outputs.begin(), outputs.end()), error_(error), done_(true) {
     completed_ = true;
     exception_ = std::move(error);
   }
@@ -39,7 +41,7 @@ class ShmWork : public c10d::Work {
   /// Marks the Work (and its Future, if one was asked for) done with `error`, or with the outputs when null.
   void complete(const std::exception_ptr& error);
 
-  std::vector<at::Tensor> result() override { return outputs_; }
+  std::vector<at::Tensor> result() override { return {outputs_.begin(), outputs_.end()}; }
 
   /// The rank a recv received from (set by the job before it completes).
   void set_source_rank(int rank) { source_rank_.store(rank); }
@@ -58,7 +60,9 @@ class ShmWork : public c10d::Work {
  private:
   void settle(c10::ivalue::Future& future);
 
-  std::vector<at::Tensor> outputs_;
+  // Most calls have one output: held without a heap allocation, which a
+  // 4 KiB collective would notice.
+  c10::SmallVector<at::Tensor, 1> outputs_;
   Executor* executor_ = nullptr;
   uint64_t ticket_ = 0;
   std::exception_ptr error_;  // guarded by mutex_ until done_
@@ -104,14 +108,14 @@ std::function<void()> completing(c10::intrusive_ptr<ShmWork> work, Comm* comm, c
 template <class Run>
 c10::intrusive_ptr<ShmWork> run_or_queue(Executor& executor, bool inline_ok, Comm& comm, const char* op,
                                          std::chrono::milliseconds limit, int rank, c10d::OpType type,
-                                         std::vector<at::Tensor> outputs, Run&& run) {
+                                         c10::ArrayRef<at::Tensor> outputs, Run&& run) {
   if (inline_ok) {
     std::exception_ptr error;
     if (executor.run_if_idle([&] { error = run_call(comm, op, limit, run); })) {
-      return c10::make_intrusive<ShmWork>(rank, type, std::move(outputs), std::move(error));
+      return c10::make_intrusive<ShmWork>(rank, type, outputs, std::move(error));
     }
   }
-  auto work = c10::make_intrusive<ShmWork>(rank, type, std::move(outputs));
+  auto work = c10::make_intrusive<ShmWork>(rank, type, outputs);
   const uint64_t ticket = executor.submit(
       completing(work, &comm, op, limit, std::function<void(Comm&, const Call&)>(std::forward<Run>(run))));
   work->queued_in(&executor, ticket);
