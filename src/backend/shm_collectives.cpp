@@ -101,6 +101,13 @@ std::vector<const void*> copy_inputs(const void* const* ins, const int64_t* in_b
   return copies;
 }
 
+// f(q) for every other rank q, starting after `rank`: ranks that read from
+// every peer at once start on different ones.
+template <class F>
+void for_each_peer(int rank, int n, F&& f) {
+  for (int i = 1; i < n; ++i) f((rank + i) % n);
+}
+
 }  // namespace
 
 void Comm::allreduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op) {
@@ -349,8 +356,9 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
   const OpDescriptor d = begin(call, OpKind::kAlltoall, dtype, -1, -1, 0);
   int64_t nsteps = 1;
   bool any_direct = false;
+  int set = 0;
   for (int64_t k = 0; k < nsteps; ++k) {
-    const int set = next_set();
+    set = next_set();
     if (k == 0) {
       int64_t* aux = segment_->aux(set, rank_);
       for (int q = 0; q < size_; ++q) {
@@ -401,7 +409,7 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
     }
   }
   // No rank changes (or frees) an input that a peer still reads.
-  if (any_direct) arrive_and_wait(call, barrier_set_);  // in the last step's set
+  if (any_direct) arrive_and_wait(call, set);  // in the last step's set
 }
 
 }  // namespace commgrad::backend::detail

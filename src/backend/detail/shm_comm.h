@@ -61,13 +61,6 @@ inline int64_t slice_begin(int64_t count, int q, int n, int64_t align) {
   return std::min<int64_t>(count, ceil_div(ceil_div(count, n), align) * align * q);
 }
 
-/// f(q) for every other rank q, starting after `rank`: ranks that read from
-/// (or wait for) every peer at once start on different ones.
-template <class F>
-void for_each_peer(int rank, int n, F&& f) {
-  for (int i = 1; i < n; ++i) f((rank + i) % n);
-}
-
 /// Per-call context: names and deadline for error messages.
 struct Call {
   const char* op = "";  // the c10d name: "allreduce", "_allgather_base", ...
