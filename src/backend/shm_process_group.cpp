@@ -251,9 +251,10 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather(std::vector<std::vecto
   }
   check.require(outputs[0][getRank()].numel() == inputs[0].numel(), "output ", getRank(), " (this rank's) has ",
                 outputs[0][getRank()].numel(), " elements, the input ", inputs[0].numel());
-  const Staged in(inputs[0]);
-  return submit_collective(check.op(), c10d::OpType::ALLGATHER, outputs[0], in.bytes() * getSize(), opts.timeout,
-                           [in, outs = std::move(outs), dtype](Comm& c, const Call& call) {
+  Staged in(inputs[0]);
+  const int64_t bytes = in.bytes() * getSize();  // before `in` moves into the job
+  return submit_collective(check.op(), c10d::OpType::ALLGATHER, outputs[0], bytes, opts.timeout,
+                           [in = std::move(in), outs = std::move(outs), dtype](Comm& c, const Call& call) {
                              PerRank<void*> ptrs;
                              PerRank<int64_t> sizes;
                              for (const Staged& o : outs) {
@@ -284,10 +285,11 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& outp
                 "the input overlaps the output without being this rank's part of it (in place, the input is "
                 "output[",
                 getRank(), "])");
-  const Staged in(input);
-  const Staged out(output);
-  return submit_collective(check.op(), c10d::OpType::_ALLGATHER_BASE, {output}, out.bytes(), opts.timeout,
-                           [in, out](Comm& c, const Call& call) {
+  Staged in(input);
+  Staged out(output);
+  const int64_t bytes = out.bytes();  // before `out` moves into the job
+  return submit_collective(check.op(), c10d::OpType::_ALLGATHER_BASE, {output}, bytes, opts.timeout,
+                           [in = std::move(in), out = std::move(out)](Comm& c, const Call& call) {
                              PerRank<void*> ptrs;
                              PerRank<int64_t> sizes(c.size(), in.bytes());
                              for (int q = 0; q < c.size(); ++q) ptrs.push_back(out.data() + q * in.bytes());
@@ -323,10 +325,11 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::gather(std::vector<std::vector<a
     check.require(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
                   "a non-root rank takes no output tensors (root is ", root, ")");
   }
-  const Staged in(inputs[0]);
+  Staged in(inputs[0]);
+  const int64_t bytes = in.bytes();  // before `in` moves into the job
   std::vector<at::Tensor> results = getRank() == root ? outputs[0] : std::vector<at::Tensor>{};
-  return submit_collective(check.op(), c10d::OpType::GATHER, results, in.bytes(), opts.timeout,
-                           [in, outs = std::move(outs), dtype, root](Comm& c, const Call& call) {
+  return submit_collective(check.op(), c10d::OpType::GATHER, results, bytes, opts.timeout,
+                           [in = std::move(in), outs = std::move(outs), dtype, root](Comm& c, const Call& call) {
                              PerRank<void*> ptrs;
                              PerRank<int64_t> sizes;
                              for (const Staged& o : outs) {
@@ -363,9 +366,10 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>&
     check.require(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
                   "a non-root rank takes no input tensors (root is ", root, ")");
   }
-  const Staged out(outputs[0]);
-  return submit_collective(check.op(), c10d::OpType::SCATTER, outputs, out.bytes(), opts.timeout,
-                           [ins = std::move(ins), out, dtype, root](Comm& c, const Call& call) {
+  Staged out(outputs[0]);
+  const int64_t bytes = out.bytes();  // before `out` moves into the job
+  return submit_collective(check.op(), c10d::OpType::SCATTER, outputs, bytes, opts.timeout,
+                           [ins = std::move(ins), out = std::move(out), dtype, root](Comm& c, const Call& call) {
                              PerRank<const void*> ptrs;
                              PerRank<int64_t> sizes;
                              for (const Staged& i : ins) {
@@ -397,9 +401,10 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_scatter(std::vector<at::T
                   outputs[0].numel(), " (all must be equal)");
     ins.emplace_back(t);
   }
-  const Staged out(outputs[0]);
-  return submit_collective(check.op(), c10d::OpType::REDUCE_SCATTER, outputs, out.bytes() * getSize(), opts.timeout,
-                           [ins = std::move(ins), out, red](Comm& c, const Call& call) {
+  Staged out(outputs[0]);
+  const int64_t bytes = out.bytes() * getSize();  // before `out` moves into the job
+  return submit_collective(check.op(), c10d::OpType::REDUCE_SCATTER, outputs, bytes, opts.timeout,
+                           [ins = std::move(ins), out = std::move(out), red](Comm& c, const Call& call) {
                              PerRank<const void*> ptrs;
                              for (const Staged& i : ins) ptrs.push_back(i.data());
                              c.reduce_scatter(call, ptrs.data(), out.data(), out.buffer.numel(),
@@ -419,10 +424,11 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_reduce_scatter_base(at::Tensor&
                 " elements; expected world size x output = ", getSize(), " x ", output.numel(), " (input ",
                 input.sizes(), ", output ", output.sizes(), ")");
   const RedOp red = check.reduction(opts.reduceOp, input.scalar_type());
-  const Staged in(input);
-  const Staged out(output);
-  return submit_collective(check.op(), c10d::OpType::_REDUCE_SCATTER_BASE, {output}, in.bytes(), opts.timeout,
-                           [in, out, red](Comm& c, const Call& call) {
+  Staged in(input);
+  Staged out(output);
+  const int64_t bytes = in.bytes();  // before `in` moves into the job
+  return submit_collective(check.op(), c10d::OpType::_REDUCE_SCATTER_BASE, {output}, bytes, opts.timeout,
+                           [in = std::move(in), out = std::move(out), red](Comm& c, const Call& call) {
                              PerRank<const void*> ptrs;
                              for (int q = 0; q < c.size(); ++q) ptrs.push_back(in.data() + q * out.bytes());
                              c.reduce_scatter(call, ptrs.data(), out.data(), out.buffer.numel(),
@@ -492,21 +498,22 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall_base(at::Tensor& output
   std::string why;
   check.require(split_pieces(input, input_split_sizes, getSize(), &in_off, &in_bytes, &why), "the input ", why);
   check.require(split_pieces(output, output_split_sizes, getSize(), &out_off, &out_bytes, &why), "the output ", why);
-  const Staged in(input);
-  const Staged out(output);
-  return submit_collective(check.op(), c10d::OpType::ALLTOALL_BASE, {output}, in.bytes(), opts.timeout,
-                           [in, out, in_off = std::move(in_off), in_bytes = std::move(in_bytes),
-                            out_off = std::move(out_off), out_bytes = std::move(out_bytes)](Comm& c, const Call& call) {
-                             PerRank<const void*> ins;
-                             PerRank<void*> outs;
-                             for (int q = 0; q < c.size(); ++q) {
-                               ins.push_back(in.data() + in_off[q]);
-                               outs.push_back(out.data() + out_off[q]);
-                             }
-                             c.alltoall(call, ins.data(), in_bytes.data(), outs.data(), out_bytes.data(),
-                                        in.buffer.scalar_type());
-                             out.finish();
-                           });
+  Staged in(input);
+  Staged out(output);
+  const int64_t bytes = in.bytes();  // before `in` moves into the job
+  return submit_collective(
+      check.op(), c10d::OpType::ALLTOALL_BASE, {output}, bytes, opts.timeout,
+      [in = std::move(in), out = std::move(out), in_off = std::move(in_off), in_bytes = std::move(in_bytes),
+       out_off = std::move(out_off), out_bytes = std::move(out_bytes)](Comm& c, const Call& call) {
+        PerRank<const void*> ins;
+        PerRank<void*> outs;
+        for (int q = 0; q < c.size(); ++q) {
+          ins.push_back(in.data() + in_off[q]);
+          outs.push_back(out.data() + out_off[q]);
+        }
+        c.alltoall(call, ins.data(), in_bytes.data(), outs.data(), out_bytes.data(), in.buffer.scalar_type());
+        out.finish();
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall(std::vector<at::Tensor>& outputs,
