@@ -56,6 +56,9 @@ namespace {
 
 // Up to this many bytes an all-reduce uses the one-barrier algorithm.
 constexpr int64_t kSmallBytes = 32 * 1024;
+// Up to this many bytes an all-gather copies a rank's own part between its
+// arrival and its wait (see Comm::allgather).
+constexpr int64_t kOwnAtArrivalBytes = 16 * 1024;
 
 int64_t clamp_len(int64_t total, int64_t off, int64_t cap) { return std::max<int64_t>(0, std::min(cap, total - off)); }
 
@@ -221,12 +224,15 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
   const bool stages = size_ > 1 && rank_ != root;
   // This rank's own part goes into its output with each step's write into
   // the segment, block by block, so that the input is read once (the
-  // second copy reads from L1), unless the two overlap.
+  // second copy reads from L1), unless the two overlap. A small part is
+  // copied after the arrival instead, while the peers learn of it (2 ranks:
+  // 4 and 16 KiB 1-5 % faster; 64 KiB, reading the input twice, 1 % slower).
   auto* own = receives ? static_cast<uint8_t*>(outs[rank_]) : nullptr;
   const bool own_with_steps =
       stages && own != nullptr && out_bytes[rank_] == in_bytes && !overlap(own, in_bytes, src, in_bytes);
-  const OpDescriptor d = begin(call, root < 0 ? OpKind::kAllgather : OpKind::kGather, dtype, -1, root, in_bytes);
   const int64_t cap = static_cast<int64_t>(segment_->layout().chunk_bytes);
+  const bool own_at_arrival = own_with_steps && in_bytes <= std::min(cap, kOwnAtArrivalBytes);
+  const OpDescriptor d = begin(call, root < 0 ? OpKind::kAllgather : OpKind::kGather, dtype, -1, root, in_bytes);
   int64_t nsteps = 1;  // known after the first barrier
   for (int64_t k = 0; k < nsteps; ++k) {
     const int set = next_set();
@@ -236,12 +242,14 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
       publish(set, d);
     }
     const int64_t off = k * cap;
-    if (own_with_steps) {
+    if (own_with_steps && !own_at_arrival) {
       stores_.copy_twice(segment_->slot(set, rank_), own + off, src + off, clamp_len(in_bytes, off, cap));
     } else if (stages) {
       stores_.copy(segment_->slot(set, rank_), src + off, clamp_len(in_bytes, off, cap));
     }
-    arrive_and_wait(call, set);
+    arrive(set);
+    if (k == 0 && own_at_arrival) copy(own, src, in_bytes);
+    wait_for_peers(call, set);
     if (k == 0) {
       check_agreement(call, set, false);
       int64_t most = 0;
@@ -374,7 +382,12 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
       if (q != rank_ && !reads_directly(in_bytes[q]))
         stores_.copy(mine + q * piece, static_cast<const uint8_t*>(ins[q]) + off, clamp_len(in_bytes[q], off, piece));
     }
-    arrive_and_wait(call, set);
+    // This rank's own piece goes over while the arrival travels (when its
+    // sizes match; otherwise the agreement below fails the call).
+    const bool own_at_arrival = k == 0 && in_bytes[rank_] == out_bytes[rank_];
+    arrive(set);
+    if (own_at_arrival) copy(outs[rank_], ins[rank_], in_bytes[rank_]);
+    wait_for_peers(call, set);
     if (k == 0) {
       check_agreement(call, set, true);
       int64_t most = 0;
@@ -395,7 +408,6 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
         }
       }
       nsteps = std::max<int64_t>(1, ceil_div(most, piece));
-      copy(outs[rank_], ins[rank_], in_bytes[rank_]);
       for_each_peer(rank_, size_, [&](int q) {
         if (reads_directly(out_bytes[q])) {
           read_peer(call, q, static_cast<uint64_t>(segment_->aux(set, q)[2 * size_ + rank_]), outs[q], out_bytes[q]);

@@ -212,33 +212,35 @@ int64_t Comm::last_arrival_ns() const {
   return last;
 }
 
-void Comm::arrive_and_wait(const Call& call, int set) {
+bool Comm::all_arrived(int set, uint32_t generation) const {
+  // seq_cst loads (plain loads on x86): an arrival and a sleeper each store
+  // (their word, the sleeper count) before they load the other's, so at
+  // least one of every pair sees the other's store.
+  for (int q = 0; q < size_; ++q) {
+    const uint32_t g = segment_->set_block(set, q).generation.load(std::memory_order_seq_cst);
+    if (static_cast<int32_t>(g - generation) < 0) return false;
+  }
+  return true;
+}
+
+void Comm::arrive(int set) {
   ++generation_;
   barrier_set_ = set;
   const auto target = static_cast<uint32_t>(generation_);
   if (spin_ns_.load(std::memory_order_relaxed) > 0) {
     segment_->rank_block(rank_).arrived_ns.store(now_ns(), std::memory_order_relaxed);
   }
-  // seq_cst loads (plain loads on x86): an arrival and a sleeper each store
-  // (their word, the sleeper count) before they load the other's, so at
-  // least one of every pair sees the other's store.
-  const auto all_arrived = [&] {
-    for (int q = 0; q < size_; ++q) {
-      const uint32_t g = segment_->set_block(set, q).generation.load(std::memory_order_seq_cst);
-      if (static_cast<int32_t>(g - target) < 0) return false;
-    }
-    return true;
-  };
   // seq_cst store, then loads: a rank that counted itself a sleeper before
   // it looked at this word again is seen here, or it sees the word; and of
   // two ranks arriving at once, at least one sees the other.
   segment_->set_block(set, rank_).generation.store(target, std::memory_order_seq_cst);
   Bell& bell = segment_->header().barrier;
-  if (bell.sleepers.load(std::memory_order_seq_cst) != 0 && all_arrived()) {
-    ring(bell);
-    return;
-  }
-  wait(all_arrived, bell, call, WaitOn::kBarrier, -1);
+  if (bell.sleepers.load(std::memory_order_seq_cst) != 0 && all_arrived(set, target)) ring(bell);
+}
+
+void Comm::wait_for_peers(const Call& call, int set) {
+  const auto target = static_cast<uint32_t>(generation_);
+  wait([&] { return all_arrived(set, target); }, segment_->header().barrier, call, WaitOn::kBarrier, -1);
 }
 
 void Comm::wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& call, WaitOn on, int peer) {

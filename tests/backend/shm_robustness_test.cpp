@@ -178,6 +178,13 @@ TEST_P(ShmSizeMismatch, NamesBothRanks) {
     std::vector<int64_t> out_splits = r.rank == 2 ? std::vector<int64_t>{2, 1, 1} : in_splits;
     const std::string m2 = error_of([&] { r.shm->alltoall_base(b, a, out_splits, in_splits)->wait(); });
     EXPECT_NE(m2.find("rank 0 sends 4 bytes to rank 2, which expects 8 bytes"), std::string::npos) << m2;
+    // Rank 2 sends itself 2 rows but expects 1: its own piece, the last of
+    // its output, is not copied (it would overrun the tensor).
+    at::Tensor c = at::ones({r.rank == 2 ? 4 : 3});
+    at::Tensor d = at::zeros({3});
+    std::vector<int64_t> self_splits = r.rank == 2 ? std::vector<int64_t>{1, 1, 2} : in_splits;
+    const std::string m3 = error_of([&] { r.shm->alltoall_base(d, c, in_splits, self_splits)->wait(); });
+    EXPECT_NE(m3.find("rank 2 sends 8 bytes to rank 2, which expects 4 bytes"), std::string::npos) << m3;
     expect_group_usable(r);
   });
 }

@@ -175,7 +175,16 @@ class Comm {
   OpDescriptor begin(const Call& call, OpKind kind, c10::ScalarType dtype, int32_t reduce, int root, int64_t bytes);
   void publish(int set, const OpDescriptor& desc);
   /// The barrier of a step that uses buffer set `set` (see shm_comm.cpp).
-  void arrive_and_wait(const Call& call, int set);
+  void arrive_and_wait(const Call& call, int set) {
+    arrive(set);
+    wait_for_peers(call, set);
+  }
+  /// The barrier's two halves, for a rank with work of its own between them
+  /// (work that neither touches the set nor needs the peers): the peers see
+  /// the arrival while that work runs.
+  void arrive(int set);
+  void wait_for_peers(const Call& call, int set);
+  bool all_arrived(int set, uint32_t generation) const;
   /// Compares every rank's descriptor in `set`; throws the same error on every rank on a mismatch.
   void check_agreement(const Call& call, int set, bool same_bytes);
   [[noreturn]] void fail(const Call& call, const std::string& message) const;
