@@ -417,6 +417,35 @@ TEST(ShmAsync, WorkNobodyWaitsForStillCompletes) {
   }
 }
 
+// A small call issued while a large one is still queued does not run
+// inline ahead of it: it queues behind, and waiting for it runs both, in
+// order; then small calls run inline again. The small call broadcasts the
+// head of the large one's tensor, so running it first would leave 2 there
+// instead of 3. Eager and lazy workers alike.
+TEST(ShmAsync, SmallCallsQueueBehindALargeOne) {
+  for (const int eager : {0, 1}) {
+    SCOPED_TRACE(eager ? "eager worker" : "lazy worker");
+    RunOptions o = quick();
+    o.shm.async_bytes(1024).eager_worker(eager);  // 1 KiB and more on the worker thread
+    run_ranks(2, o, [](Rank& r) {
+      for (int round = 0; round < 20; ++round) {
+        at::Tensor x = at::full({4096}, r.rank + 1.0f);
+        std::vector<at::Tensor> large{x};
+        std::vector<at::Tensor> head{x.narrow(0, 0, 8)};
+        auto queued = r.shm->allreduce(large);
+        auto behind = r.shm->broadcast(head);  // root 0
+        behind->wait();
+        EXPECT_TRUE(queued->isCompleted());
+        queued->wait();
+        EXPECT_TRUE(at::equal(x, at::full({4096}, 3.0f))) << "round " << round;
+        std::vector<at::Tensor> alone{at::full({8}, r.rank + 1.0f)};
+        r.shm->allreduce(alone)->wait();  // inline, once the worker let go of the last job
+        EXPECT_TRUE(at::equal(alone[0], at::full({8}, 3.0f)));
+      }
+    });
+  }
+}
+
 TEST(ShmAsync, SeveralGroupsUsedFromSeveralThreadsAtOnce) {
   run_ranks(3, quick(), [](Rank& r) {
     auto second =

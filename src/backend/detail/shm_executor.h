@@ -18,8 +18,13 @@
 // queued behind it, when someone polls or asks for a Future (wake), or at
 // the latest `lazy_start` after submission, so that every job makes
 // progress even if nobody waits for it. Internal to commgrad_backend.
+//
+// A count of the jobs queued or running (pending_) lets run_if_idle claim
+// an idle executor with one compare-and-swap instead of two rounds of the
+// mutex: a small collective runs inline on every call.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -51,11 +56,12 @@ class Executor {
     std::lock_guard<std::mutex> lock(mutex_);
     const uint64_t ticket = ++last_ticket_;
     const Clock::time_point now = Clock::now();
+    pending_.fetch_add(1, std::memory_order_relaxed);  // a job inline finishes by fetch_sub, then takes the lock
     queue_.push_back({ticket, eager_ ? now : now + lazy_start_, std::move(job)});
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
     // Lazy: a job queued behind another means the caller moved on without
     // waiting, so the worker may start them all.
-    if (eager_ || queue_.size() > 1 || busy_) release_all_locked(now);
+    if (eager_ || queue_.size() > 1 || running_locked()) release_all_locked(now);
     return ticket;
   }
 
@@ -63,15 +69,16 @@ class Executor {
   /// `job` must not throw. False when it did not run.
   template <class Job>
   bool run_if_idle(Job&& job) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (busy_ || !queue_.empty()) return false;
-      busy_ = true;
+    uint64_t idle = 0;  // nothing queued, nothing running
+    if (!pending_.compare_exchange_strong(idle, 1, std::memory_order_acquire, std::memory_order_relaxed)) {
+      return false;
     }
     job();
-    std::lock_guard<std::mutex> lock(mutex_);
-    busy_ = false;
-    if (!queue_.empty()) cv_.notify_all();
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) != 1) {
+      // Jobs were queued behind this one meanwhile: the worker may start them.
+      std::lock_guard<std::mutex> lock(mutex_);
+      cv_.notify_all();
+    }
     return true;
   }
 
@@ -80,7 +87,7 @@ class Executor {
   /// here; false when it is running elsewhere, done, or behind a running job.
   bool run_until(uint64_t ticket) {
     std::unique_lock<std::mutex> lock(mutex_);
-    while (!busy_ && !queue_.empty() && queue_.front().ticket <= ticket) {
+    while (!running_locked() && !queue_.empty() && queue_.front().ticket <= ticket) {
       const bool mine = queue_.front().ticket == ticket;
       auto job = std::move(queue_.front().job);
       queue_.pop_front();
@@ -106,7 +113,7 @@ class Executor {
 
   void loop() {
     std::unique_lock<std::mutex> lock(mutex_);
-    const auto ready = [&] { return (stop_ && queue_.empty()) || (!busy_ && !queue_.empty()); };
+    const auto ready = [&] { return (stop_ && queue_.empty()) || (!running_locked() && !queue_.empty()); };
     while (true) {
       if (eager_) {
         cv_.wait(lock, ready);
@@ -125,14 +132,17 @@ class Executor {
     }
   }
 
-  // Runs `job` with the lock released, marked busy meanwhile.
+  // A job is running, inline or here (mutex_ held: the queue does not move).
+  // A popped job stays in pending_ until it returns.
+  bool running_locked() const { return pending_.load(std::memory_order_acquire) > queue_.size(); }
+
+  // Runs `job`, just popped from the queue, with the lock released.
   void run_locked(std::function<void()>& job, std::unique_lock<std::mutex>& lock) {
-    busy_ = true;
     lock.unlock();
     job();
     job = nullptr;  // its captures (the Work, tensors) are released on this thread
     lock.lock();
-    busy_ = false;
+    pending_.fetch_sub(1, std::memory_order_release);
     if (!queue_.empty()) cv_.notify_all();
   }
 
@@ -148,7 +158,9 @@ class Executor {
   std::condition_variable cv_;
   std::deque<Queued> queue_;
   uint64_t last_ticket_ = 0;
-  bool busy_ = false;  // a job is running (on the worker or inline)
+  // Jobs queued or running (inline included); changed under mutex_, but for
+  // run_if_idle's compare-and-swap on an idle executor and its decrement.
+  std::atomic<uint64_t> pending_{0};
   bool stop_ = false;
   std::thread thread_;
 };
