@@ -21,18 +21,27 @@ inline bool is_cpu_dense(const at::Tensor& t) {
 }
 
 /// A tensor as the engine sees it: contiguous memory, copied back into the
-/// caller's tensor afterwards when that one is not contiguous.
+/// caller's tensor afterwards when that one is not contiguous. Its address
+/// and size are read once: a call asks for them several times, and each
+/// of the tensor's own accessors checks its storage again.
 struct Staged {
   at::Tensor buffer;  // the caller's tensor when contiguous, else a contiguous copy
   at::Tensor user;    // the caller's tensor when `buffer` is a copy; undefined otherwise (one reference less to count)
 
   explicit Staged(const at::Tensor& t)
-      : buffer(t.is_contiguous() ? t : t.contiguous()), user(t.is_contiguous() ? at::Tensor() : t) {}
-  uint8_t* data() const { return static_cast<uint8_t*>(buffer.data_ptr()); }
-  int64_t bytes() const { return static_cast<int64_t>(buffer.nbytes()); }
+      : buffer(t.is_contiguous() ? t : t.contiguous()),
+        user(t.is_contiguous() ? at::Tensor() : t),
+        data_(static_cast<uint8_t*>(buffer.data_ptr())),
+        bytes_(static_cast<int64_t>(buffer.nbytes())) {}
+  uint8_t* data() const { return data_; }
+  int64_t bytes() const { return bytes_; }
   void finish() const {
     if (user.defined()) user.copy_(buffer);
   }
+
+ private:
+  uint8_t* data_;
+  int64_t bytes_;
 };
 
 }  // namespace commgrad::backend::detail
