@@ -147,15 +147,17 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::submit_reduce_out(const Checks& 
                 " differ in dtype or number of elements");
   // The engine takes the same buffer (in place) or two apart, nothing between.
   const auto bytes = static_cast<int64_t>(input.nbytes());
-  check.require(
-      input.data_ptr() == output.data_ptr() || !detail::overlap(input.data_ptr(), bytes, output.data_ptr(), bytes),
-      "input and output overlap");
-  const RedOp red = check.reduction(reduce_op, input.scalar_type());
+  const void* in_ptr = input.data_ptr();
+  void* out_ptr = output.data_ptr();
+  check.require(in_ptr == out_ptr || !detail::overlap(in_ptr, bytes, out_ptr, bytes), "input and output overlap");
+  const auto dtype = input.scalar_type();
+  const RedOp red = check.reduction(reduce_op, dtype);
   const auto type = root < 0 ? c10d::OpType::ALLREDUCE : c10d::OpType::REDUCE;
-  return submit_collective(check.op(), type, {output}, static_cast<int64_t>(output.nbytes()), timeout,
-                           [input, output, red, root](Comm& c, const Call& call) {
-                             c.reduce(call, input.data_ptr(), output.data_ptr(), output.numel(), output.scalar_type(),
-                                      red, root);
+  const int64_t count = output.numel();
+  // The job holds the tensors (a queued job outlives this call) and uses the pointers read above.
+  return submit_collective(check.op(), type, {output}, bytes, timeout,
+                           [input, output, in_ptr, out_ptr, count, dtype, red, root](Comm& c, const Call& call) {
+                             c.reduce(call, in_ptr, out_ptr, count, dtype, red, root);
                            });
 }
 
@@ -279,9 +281,10 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& outp
   // In place means the input is this rank's part of the output; any other
   // overlap would be overwritten while it is read.
   const auto part_bytes = static_cast<int64_t>(input.nbytes());
-  const auto* own_part = static_cast<const uint8_t*>(output.data_ptr()) + part_bytes * getRank();
-  check.require(input.data_ptr() == own_part ||
-                    !detail::overlap(input.data_ptr(), part_bytes, output.data_ptr(), part_bytes * getSize()),
+  const void* in_ptr = input.data_ptr();
+  const void* out_ptr = output.data_ptr();
+  const auto* own_part = static_cast<const uint8_t*>(out_ptr) + part_bytes * getRank();
+  check.require(in_ptr == own_part || !detail::overlap(in_ptr, part_bytes, out_ptr, part_bytes * getSize()),
                 "the input overlaps the output without being this rank's part of it (in place, the input is "
                 "output[",
                 getRank(), "])");
@@ -291,8 +294,11 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& outp
   return submit_collective(check.op(), c10d::OpType::_ALLGATHER_BASE, {output}, bytes, opts.timeout,
                            [in = std::move(in), out = std::move(out)](Comm& c, const Call& call) {
                              PerRank<void*> ptrs;
-                             PerRank<int64_t> sizes(c.size(), in.bytes());
-                             for (int q = 0; q < c.size(); ++q) ptrs.push_back(out.data() + q * in.bytes());
+                             PerRank<int64_t> sizes;
+                             for (int q = 0; q < c.size(); ++q) {
+                               ptrs.push_back(out.data() + q * in.bytes());
+                               sizes.push_back(in.bytes());
+                             }
                              c.allgather(call, in.data(), in.bytes(), ptrs.data(), sizes.data(),
                                          in.buffer.scalar_type(), -1);
                              out.finish();
