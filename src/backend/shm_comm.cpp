@@ -379,6 +379,20 @@ bool Comm::recv_ready(int src, int64_t bytes) const {
   return static_cast<int64_t>(avail) >= static_cast<int64_t>(sizeof(MessageHeader)) + bytes;
 }
 
+namespace {
+
+// The bytes [pos, pos + n) of a ring of `cap` bytes, in at most two pieces
+// (the second after the wrap): f(offset in the ring, offset in the run, length).
+template <class F>
+void for_ring_pieces(uint64_t pos, uint64_t n, uint64_t cap, F&& f) {
+  const uint64_t at = pos % cap;
+  const uint64_t first = std::min(n, cap - at);
+  f(at, 0, first);
+  if (n > first) f(0, first, n - first);
+}
+
+}  // namespace
+
 void Comm::stream_write(const Call& call, int dst, const uint8_t* data, int64_t bytes) {
   MailboxHead& mb = segment_->mailbox(rank_, dst);
   uint8_t* ring_data = segment_->mailbox_ring(rank_, dst);
@@ -392,10 +406,9 @@ void Comm::stream_write(const Call& call, int dst, const uint8_t* data, int64_t 
       continue;
     }
     const uint64_t n = std::min<uint64_t>(cap - used, static_cast<uint64_t>(bytes - done));
-    const uint64_t pos = head % cap;
-    const uint64_t first = std::min(n, cap - pos);
-    copy_bytes(ring_data + pos, data + done, static_cast<int64_t>(first));
-    if (n > first) copy_bytes(ring_data, data + done + first, static_cast<int64_t>(n - first));
+    for_ring_pieces(head, n, cap, [&](uint64_t at, uint64_t off, uint64_t len) {
+      copy_bytes(ring_data + at, data + done + off, static_cast<int64_t>(len));
+    });
     head += n;
     done += static_cast<int64_t>(n);
     mb.head.store(head, std::memory_order_release);
@@ -416,11 +429,10 @@ void Comm::stream_read(const Call& call, int src, uint8_t* data, int64_t bytes) 
       continue;
     }
     const uint64_t n = std::min<uint64_t>(avail, static_cast<uint64_t>(bytes - done));
-    const uint64_t pos = tail % cap;
-    const uint64_t first = std::min(n, cap - pos);
     if (data != nullptr) {
-      copy_bytes(data + done, ring_data + pos, static_cast<int64_t>(first));
-      if (n > first) copy_bytes(data + done + first, ring_data, static_cast<int64_t>(n - first));
+      for_ring_pieces(tail, n, cap, [&](uint64_t at, uint64_t off, uint64_t len) {
+        copy_bytes(data + done + off, ring_data + at, static_cast<int64_t>(len));
+      });
     }
     tail += n;
     done += static_cast<int64_t>(n);
