@@ -184,6 +184,7 @@ class Comm {
   /// the arrival while that work runs.
   void arrive(int set);
   void wait_for_peers(const Call& call, int set);
+  /// Whether every rank's word in `set` shows barrier `generation` (or a later one).
   bool all_arrived(int set, uint32_t generation) const;
   /// Compares every rank's descriptor in `set`; throws the same error on every rank on a mismatch.
   void check_agreement(const Call& call, int set, bool same_bytes);
