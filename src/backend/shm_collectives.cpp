@@ -26,8 +26,17 @@
 // All-reduce, single copy (large tensors, when every rank may read the
 // others' memory): see shm_single_copy.cpp.
 //
-// The other collectives take one step (one barrier) per chunk: broadcast
-// stages up to n x chunk_bytes of the root's tensor per step; all-gather
+// Broadcast stages up to n x chunk_bytes of the root's tensor per step.
+// Only the root writes, so between its first step (every rank, for the
+// agreement) and its last (every rank, so that the next collective finds
+// the sets as after any other), the steps are paced by the root alone: a
+// reader waits for the root's arrival only, not for the other readers, and
+// the root writes a set again once every rank has arrived at the step
+// after the one that set last held (at most two steps ahead of the slowest
+// reader). Readers no longer move in lockstep: with ranks outnumbering
+// cores, 4 ranks on 2, a 4-16 MiB broadcast took 10-16 % fewer cycles.
+//
+// The other collectives take one step (one barrier) per chunk: all-gather
 // and gather stage chunk_bytes of every rank's input in its slot;
 // scatter, reduce-scatter and all-to-all cut each slot into n pieces, one
 // per destination. All-to-all pieces of single_copy_piece_bytes and more
@@ -49,6 +58,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 namespace commgrad::backend::detail {
@@ -206,13 +216,27 @@ void Comm::broadcast(const Call& call, void* data, int64_t bytes, c10::ScalarTyp
   const OpDescriptor d = begin(call, OpKind::kBroadcast, dtype, -1, root, bytes);
   const int64_t cap = static_cast<int64_t>(segment_->layout().chunk_bytes) * size_;  // the whole set
   const int64_t nsteps = std::max<int64_t>(1, ceil_div(bytes, cap));
+  std::array<Arrival, kSets> arrivals{};  // this rank's arrivals at the last kSets steps
   for (int64_t k = 0; k < nsteps; ++k) {
     const int set = next_set();
     if (k == 0) publish(set, d);
     const int64_t len = clamp_len(bytes, k * cap, cap);
-    if (rank_ == root && size_ > 1) stores_.copy(segment_->slot(set, 0), p + k * cap, len);
-    arrive_and_wait(call, set);
-    if (k == 0) check_agreement(call, set, true);
+    // Steps between the first and the last are paced by the root (see the top of this file).
+    const bool paced = k > 0 && k < nsteps - 1;
+    if (rank_ == root && size_ > 1) {
+      // The set last held step k - kSets, which every rank has read once it
+      // arrived at the step after it (known without a wait after a step with a barrier).
+      if (k >= kSets - 1) wait_for_peers(call, arrivals[(k - (kSets - 1)) % kSets]);
+      stores_.copy(segment_->slot(set, 0), p + k * cap, len);
+    }
+    const Arrival at = arrive(set, paced && rank_ == root ? Wake::kAnySleeper : Wake::kWhenAllArrived);
+    arrivals[k % kSets] = at;
+    if (!paced) {
+      wait_for_peers(call, at);
+      if (k == 0) check_agreement(call, set, true);
+    } else if (rank_ != root) {
+      wait_for_rank(call, at, root);
+    }
     if (rank_ != root) copy(p + k * cap, segment_->slot(set, 0), len);
   }
 }
@@ -247,9 +271,9 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
     } else if (stages) {
       stores_.copy(segment_->slot(set, rank_), src + off, clamp_len(in_bytes, off, cap));
     }
-    arrive(set);
+    const Arrival at = arrive(set);
     if (k == 0 && own_at_arrival) copy(own, src, in_bytes);
-    wait_for_peers(call, set);
+    wait_for_peers(call, at);
     if (k == 0) {
       check_agreement(call, set, false);
       int64_t most = 0;
@@ -385,9 +409,9 @@ void Comm::alltoall(const Call& call, const void* const* ins, const int64_t* in_
     // This rank's own piece goes over while the arrival travels (when its
     // sizes match; otherwise the agreement below fails the call).
     const bool own_at_arrival = k == 0 && in_bytes[rank_] == out_bytes[rank_];
-    arrive(set);
+    const Arrival at = arrive(set);
     if (own_at_arrival) copy(outs[rank_], ins[rank_], in_bytes[rank_]);
-    wait_for_peers(call, set);
+    wait_for_peers(call, at);
     if (k == 0) {
       check_agreement(call, set, true);
       int64_t most = 0;

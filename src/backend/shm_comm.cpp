@@ -212,35 +212,48 @@ int64_t Comm::last_arrival_ns() const {
   return last;
 }
 
-bool Comm::all_arrived(int set, uint32_t generation) const {
+bool Comm::arrived(int q, int set, uint32_t generation) const {
   // seq_cst loads (plain loads on x86): an arrival and a sleeper each store
   // (their word, the sleeper count) before they load the other's, so at
   // least one of every pair sees the other's store.
+  const uint32_t g = segment_->set_block(set, q).generation.load(std::memory_order_seq_cst);
+  return static_cast<int32_t>(g - generation) >= 0;
+}
+
+bool Comm::all_arrived(int set, uint32_t generation) const {
   for (int q = 0; q < size_; ++q) {
-    const uint32_t g = segment_->set_block(set, q).generation.load(std::memory_order_seq_cst);
-    if (static_cast<int32_t>(g - generation) < 0) return false;
+    if (!arrived(q, set, generation)) return false;
   }
   return true;
 }
 
-void Comm::arrive(int set) {
+Comm::Arrival Comm::arrive(int set, Wake wake) {
   ++generation_;
-  barrier_set_ = set;
-  const auto target = static_cast<uint32_t>(generation_);
+  const Arrival at{set, static_cast<uint32_t>(generation_)};
   if (spin_ns_.load(std::memory_order_relaxed) > 0) {
     segment_->rank_block(rank_).arrived_ns.store(now_ns(), std::memory_order_relaxed);
   }
   // seq_cst store, then loads: a rank that counted itself a sleeper before
   // it looked at this word again is seen here, or it sees the word; and of
   // two ranks arriving at once, at least one sees the other.
-  segment_->set_block(set, rank_).generation.store(target, std::memory_order_seq_cst);
+  segment_->set_block(set, rank_).generation.store(at.generation, std::memory_order_seq_cst);
   Bell& bell = segment_->header().barrier;
-  if (bell.sleepers.load(std::memory_order_seq_cst) != 0 && all_arrived(set, target)) ring(bell);
+  if (bell.sleepers.load(std::memory_order_seq_cst) != 0 &&
+      (wake == Wake::kAnySleeper || all_arrived(set, at.generation))) {
+    ring(bell);
+  }
+  return at;
 }
 
-void Comm::wait_for_peers(const Call& call, int set) {
-  const auto target = static_cast<uint32_t>(generation_);
-  wait([&] { return all_arrived(set, target); }, segment_->header().barrier, call, WaitOn::kBarrier, -1);
+void Comm::wait_until_arrived(const Call& call, Arrival at, int rank) {
+  awaited_ = at;
+  awaited_rank_ = rank;
+  Bell& bell = segment_->header().barrier;
+  if (rank < 0) {
+    wait([&] { return all_arrived(at.set, at.generation); }, bell, call, WaitOn::kBarrier, -1);
+  } else {
+    wait([&] { return arrived(rank, at.set, at.generation); }, bell, call, WaitOn::kBarrier, -1);
+  }
 }
 
 void Comm::wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& call, WaitOn on, int peer) {
@@ -287,10 +300,8 @@ void Comm::wait_slow(c10::function_ref<bool()> ready, Bell& bell, const Call& ca
 std::vector<int> Comm::pending_ranks(WaitOn on, int peer) const {
   if (on == WaitOn::kPeer) return {peer};
   std::vector<int> out;
-  const auto mine = static_cast<uint32_t>(generation_);
   for (int q = 0; q < size_; ++q) {
-    const uint32_t g = segment_->set_block(barrier_set_, q).generation.load(std::memory_order_relaxed);
-    if (static_cast<int32_t>(g - mine) < 0) out.push_back(q);
+    if ((awaited_rank_ < 0 || q == awaited_rank_) && !arrived(q, awaited_.set, awaited_.generation)) out.push_back(q);
   }
   return out;
 }

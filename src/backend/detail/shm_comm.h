@@ -170,20 +170,32 @@ class Comm {
 
  private:
   enum class WaitOn { kBarrier, kPeer };
+  /// A rank's arrival at a barrier: the buffer set and the generation its word there shows.
+  struct Arrival {
+    int set = 0;
+    uint32_t generation = 0;
+  };
+  /// Whom an arrival wakes: sleepers once every rank has arrived (a
+  /// barrier), or any sleeper at once (the root of a paced broadcast, whose
+  /// readers wait for it alone).
+  enum class Wake { kWhenAllArrived, kAnySleeper };
 
   int next_set() { return static_cast<int>(step_++ % kSets); }
   OpDescriptor begin(const Call& call, OpKind kind, c10::ScalarType dtype, int32_t reduce, int root, int64_t bytes);
   void publish(int set, const OpDescriptor& desc);
   /// The barrier of a step that uses buffer set `set` (see shm_comm.cpp).
-  void arrive_and_wait(const Call& call, int set) {
-    arrive(set);
-    wait_for_peers(call, set);
-  }
+  void arrive_and_wait(const Call& call, int set) { wait_for_peers(call, arrive(set)); }
   /// The barrier's two halves, for a rank with work of its own between them
   /// (work that neither touches the set nor needs the peers): the peers see
   /// the arrival while that work runs.
-  void arrive(int set);
-  void wait_for_peers(const Call& call, int set);
+  Arrival arrive(int set, Wake wake = Wake::kWhenAllArrived);
+  /// Waits until every rank has arrived where `at` is (or further).
+  void wait_for_peers(const Call& call, Arrival at) { wait_until_arrived(call, at, -1); }
+  /// Waits until rank `rank` alone has arrived where `at` is (or further).
+  void wait_for_rank(const Call& call, Arrival at, int rank) { wait_until_arrived(call, at, rank); }
+  void wait_until_arrived(const Call& call, Arrival at, int rank);  // rank -1: every rank
+  /// Whether rank `q`'s word in `set` shows barrier `generation` (or a later one).
+  bool arrived(int q, int set, uint32_t generation) const;
   /// Whether every rank's word in `set` shows barrier `generation` (or a later one).
   bool all_arrived(int set, uint32_t generation) const;
   /// Compares every rank's descriptor in `set`; throws the same error on every rank on a mismatch.
@@ -230,7 +242,8 @@ class Comm {
   uint64_t seq_ = 0;               // collectives issued
   uint64_t step_ = 0;              // pipeline steps (buffer sets) used
   uint64_t generation_ = 0;        // barriers arrived at
-  int barrier_set_ = 0;            // the buffer set of the barrier this rank is at (or was at last)
+  Arrival awaited_;                // the barrier this rank waits at (or waited at last), for timeout messages
+  int awaited_rank_ = -1;          // and the one rank it waits for there (-1: every rank)
   SegmentStores stores_;           // this rank's writes into the segment
   std::vector<const void*> srcs_;  // scratch: one source per rank
   std::vector<uint8_t> scratch_;   // peers' pieces read by a single-copy reduction
