@@ -69,6 +69,14 @@ constexpr int64_t kSmallBytes = 32 * 1024;
 // Up to this many bytes an all-gather copies a rank's own part between its
 // arrival and its wait (see Comm::allgather).
 constexpr int64_t kOwnAtArrivalBytes = 16 * 1024;
+// From this size on a broadcast's or all-gather's result goes from the
+// segment into the caller's tensor with streaming stores: a result this
+// large leaves the caches anyway, and ordinary stores would first fetch
+// every line of it from memory. Blocks of calls alternating the two inside
+// one process: broadcast 16-64 MiB 7-18 % fewer cycles at 2 and 4 ranks,
+// all-gather 1-17 % (4 MiB: level to 8 % more, hence 16). All-reduce and
+// all-to-all were level or slower and copy out with ordinary stores.
+constexpr int64_t kStreamResultBytes = 16 << 20;
 
 int64_t clamp_len(int64_t total, int64_t off, int64_t cap) { return std::max<int64_t>(0, std::min(cap, total - off)); }
 
@@ -122,6 +130,14 @@ void for_each_peer(int rank, int n, F&& f) {
 }
 
 }  // namespace
+
+void Comm::copy_result(void* dst, const void* src, int64_t bytes, int64_t result_bytes) const {
+  if (streams_results_ && result_bytes >= kStreamResultBytes) {
+    copy_streaming(dst, src, bytes);  // a result never overlaps the segment
+  } else {
+    copy_bytes(dst, src, bytes);
+  }
+}
 
 void Comm::allreduce(const Call& call, const void* in, void* out, int64_t count, c10::ScalarType dtype, RedOp op) {
   reduce(call, in, out, count, dtype, op, /*root=*/-1);  // root -1: every rank gets the result
@@ -237,7 +253,7 @@ void Comm::broadcast(const Call& call, void* data, int64_t bytes, c10::ScalarTyp
     } else if (rank_ != root) {
       wait_for_rank(call, at, root);
     }
-    if (rank_ != root) copy(p + k * cap, segment_->slot(set, 0), len);
+    if (rank_ != root) copy_result(p + k * cap, segment_->slot(set, 0), len, bytes);
   }
 }
 
@@ -257,6 +273,8 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
   const int64_t cap = static_cast<int64_t>(segment_->layout().chunk_bytes);
   const bool own_at_arrival = own_with_steps && in_bytes <= std::min(cap, kOwnAtArrivalBytes);
   const OpDescriptor d = begin(call, root < 0 ? OpKind::kAllgather : OpKind::kGather, dtype, -1, root, in_bytes);
+  int64_t result_bytes = 0;
+  for (int q = 0; receives && q < size_; ++q) result_bytes += out_bytes[q];
   int64_t nsteps = 1;  // known after the first barrier
   for (int64_t k = 0; k < nsteps; ++k) {
     const int set = next_set();
@@ -294,7 +312,8 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
     if (!receives) continue;
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
-      copy(static_cast<uint8_t*>(outs[q]) + off, segment_->slot(set, q), clamp_len(out_bytes[q], off, cap));
+      copy_result(static_cast<uint8_t*>(outs[q]) + off, segment_->slot(set, q), clamp_len(out_bytes[q], off, cap),
+                  result_bytes);
     }
   }
 }

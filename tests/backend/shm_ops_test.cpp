@@ -667,6 +667,45 @@ TEST(ShmCopy, CollectivesRightAtEveryOffsetInAPage) {
   });
 }
 
+// Results of 16 MiB and more (kStreamResultBytes) go into the caller's
+// tensor with streaming stores, except with ordinary stores only: a
+// broadcast, an _allgather_base and a list all-gather of that size, into
+// tensors that start 4 bytes into their storage and end mid-line, at 2 and
+// 3 ranks, bit for bit, with a guard element on each side left alone.
+TEST(ShmCopy, LargeResultsRightInUnalignedTensors) {
+  for (const auto stores : {2, 0}) {
+    for (const int ranks : {2, 3}) {
+      RunOptions o;
+      o.shm.streaming_stores(stores);
+      run_ranks(ranks, o, [stores](Rank& r) {
+        const int64_t part = (int64_t{16} << 20) / 4 / r.size + 3;  // floats: the results are 16 MiB and more
+        std::vector<at::Tensor> all;
+        for (int q = 0; q < r.size; ++q) all.push_back(make_input(part, at::kFloat, q, 91 + stores));
+        const at::Tensor whole = at::cat(all);
+        const int64_t n = whole.numel();
+        at::Tensor backing = at::full({n + 2}, -7.0f);
+        at::Tensor b = backing.narrow(0, 1, n);
+        if (r.rank == 0) b.copy_(whole);
+        std::vector<at::Tensor> t{b};
+        r.shm->broadcast(t)->wait();
+        EXPECT_TRUE(same_bits(b, whole)) << "broadcast, streaming_stores " << stores;
+        backing.fill_(-7.0f);
+        at::Tensor mine = all[r.rank].clone();
+        r.shm->_allgather_base(b, mine)->wait();
+        EXPECT_TRUE(same_bits(b, whole)) << "_allgather_base, streaming_stores " << stores;
+        std::vector<std::vector<at::Tensor>> outs(1);
+        for (int q = 0; q < r.size; ++q) outs[0].push_back(b.narrow(0, q * part, part));
+        backing.fill_(-7.0f);
+        std::vector<at::Tensor> in{mine};
+        r.shm->allgather(outs, in)->wait();
+        EXPECT_TRUE(same_bits(b, whole)) << "allgather, streaming_stores " << stores;
+        EXPECT_EQ(backing[0].item<float>(), -7.0f);
+        EXPECT_EQ(backing[n + 1].item<float>(), -7.0f);
+      });
+    }
+  }
+}
+
 // kAdaptive's state machine, fed with made-up durations: kSlowToStream
 // slow ordinary writes in a row start a streamed run of kStreamedWrites,
 // after which ordinary writes are timed again; a fast one in between starts

@@ -72,9 +72,12 @@ struct ShmOptions {
   /// the ranks' cores share no cache, slower when they do: the reader then
   /// fetches from memory); 2 ordinary stores, timed, and streaming ones
   /// while they run slow (below 4 GB/s three times in a row; ordinary
-  /// writes are timed again after 64 streamed ones). Each rank decides for itself; the
-  /// results are the same bits either way. -1: $COMMGRAD_SHM_STREAMING_STORES,
-  /// else 2.
+  /// writes are timed again after 64 streamed ones). With 1 and 2, the
+  /// result of a broadcast or all-gather of 16 MiB and more also goes from
+  /// the segment into the caller's tensor with streaming stores (it leaves
+  /// the caches anyway); 0 keeps every store ordinary. Each rank decides for
+  /// itself; the results are the same bits either way. -1:
+  /// $COMMGRAD_SHM_STREAMING_STORES, else 2.
   TORCH_ARG(int, streaming_stores) = -1;
   /// Name used in error messages ("world", "tp0", ...).
   TORCH_ARG(std::string, group_name) = "";

@@ -218,6 +218,10 @@ class Comm {
                            RedOp op, int root);
   void allreduce_single_copy(const Call& call, const uint8_t* in, uint8_t* out, int64_t count, c10::ScalarType dtype,
                              RedOp op);
+  // Copies `bytes` of a result out of the segment into the caller's tensor
+  // (see shm_collectives.cpp: streaming stores for results of
+  // kStreamResultBytes and more, `result_bytes` being the call's whole result).
+  void copy_result(void* dst, const void* src, int64_t bytes, int64_t result_bytes) const;
   // Reads `bytes` at `address` of rank `peer` into `local`; aborts the group on failure.
   void read_peer(const Call& call, int peer, uint64_t address, void* local, int64_t bytes);
   // Takes on `policy` when every rank may read every other one.
@@ -245,6 +249,7 @@ class Comm {
   Arrival awaited_;                // the barrier this rank waits at (or waited at last), for timeout messages
   int awaited_rank_ = -1;          // and the one rank it waits for there (-1: every rank)
   SegmentStores stores_;           // this rank's writes into the segment
+  const bool streams_results_;     // large results copied out with streaming stores (not StoreMode::kCached)
   std::vector<const void*> srcs_;  // scratch: one source per rank
   std::vector<uint8_t> scratch_;   // peers' pieces read by a single-copy reduction
   SingleCopyPolicy single_copy_;   // all 0: this group never reads peers directly
