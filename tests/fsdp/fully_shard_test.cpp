@@ -186,7 +186,9 @@ TEST_P(PerLayerUnits, FollowDdpWithDelaysAndCountTheCollectives) {
           const auto stats = sharded.last_step();
           EXPECT_EQ(stats.all_gathers, reshard ? 2 * kLayers + 1 : kLayers + 1);
           EXPECT_EQ(stats.reduce_scatters, kLayers + 1);
-          if (step > 0) EXPECT_GT(stats.prefetched, 0);
+          if (step > 0) {
+            EXPECT_GT(stats.prefetched, 0);
+          }
         }
         // shm reduces in DDP's order: the same parameters bit for bit.
         const auto full = sharded.full_state_dict();
