@@ -7,8 +7,9 @@
 // arrives at the group barrier, and then reads what it needs. A set is
 // read at most until the reader arrives at the barrier two steps later,
 // and written again only three steps later, after that barrier: so no
-// step ever waits for a reader to release a buffer, and consecutive steps
-// (and consecutive collectives) pipeline with one barrier each.
+// step waits for a reader to release a buffer (but in a broadcast's paced
+// steps, below), and consecutive steps (and consecutive collectives)
+// pipeline with one barrier each.
 //
 // All-reduce, large: each chunk of chunk_bytes per rank is cut into n
 // slices, one per rank. Iteration j copies this rank's chunk j, minus its
