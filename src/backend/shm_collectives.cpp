@@ -35,7 +35,7 @@
 // the root writes a set again once every rank has arrived at the step
 // after the one that set last held (at most two steps ahead of the slowest
 // reader). Readers no longer move in lockstep: with ranks outnumbering
-// cores, 4 ranks on 2, a 4-16 MiB broadcast took 10-16 % fewer cycles.
+// cores, 4 ranks on 2, a 4-64 MiB broadcast took 3-21 % fewer cycles.
 //
 // The other collectives take one step (one barrier) per chunk: all-gather
 // and gather stage chunk_bytes of every rank's input in its slot;
@@ -74,9 +74,10 @@ constexpr int64_t kOwnAtArrivalBytes = 16 * 1024;
 // segment into the caller's tensor with streaming stores: a result this
 // large leaves the caches anyway, and ordinary stores would first fetch
 // every line of it from memory. Blocks of calls alternating the two inside
-// one process: broadcast 16-64 MiB 7-18 % fewer cycles at 2 and 4 ranks,
-// all-gather 1-17 % (4 MiB: level to 8 % more, hence 16). All-reduce and
-// all-to-all were level or slower and copy out with ordinary stores.
+// one process: broadcast 16-64 MiB 7-18 % fewer cycles at 2 and 4 ranks
+// (4 MiB: between 8 % more and 10 % fewer, hence 16), all-gather 16-64 MiB
+// 1-17 %. All-reduce and all-to-all were level or slower and copy out with
+// ordinary stores.
 constexpr int64_t kStreamResultBytes = 16 << 20;
 
 int64_t clamp_len(int64_t total, int64_t off, int64_t cap) { return std::max<int64_t>(0, std::min(cap, total - off)); }
