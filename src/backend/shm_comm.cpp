@@ -45,11 +45,19 @@
 #endif
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
 namespace commgrad::backend::detail {
 namespace {
+
+// A developer build's A/B block (see detail/shm_ab_blocks.h); 0: off.
+#ifdef COMMGRAD_SHM_AB_BLOCK
+constexpr int64_t kAbBlock = COMMGRAD_SHM_AB_BLOCK;
+#else
+constexpr int64_t kAbBlock = 0;
+#endif
 
 constexpr uint32_t kMessageMagic = 0x6d677363;  // "csgm"
 // The least an adaptive spin falls to (see WaitPolicy).
@@ -96,9 +104,12 @@ Comm::Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string con
       srcs_(static_cast<size_t>(size)),
       readers_(new std::mutex[static_cast<size_t>(size)]) {
   if (size > 1 && (single_copy.min_bytes > 0 || single_copy.piece_bytes > 0)) agree_on_single_copy(single_copy);
+  if constexpr (kAbBlock > 0) ab_ = std::make_unique<AbBlocks>(kAbBlock);
 }
 
-Comm::~Comm() = default;
+Comm::~Comm() {
+  if (ab_) std::fprintf(stderr, "%s\n", ab_->report(context_).c_str());
+}
 
 void Comm::fail(const Call& call, const std::string& message) const {
   // The ranks disagree: nothing was sent, and the group stays usable.
@@ -113,6 +124,7 @@ OpDescriptor Comm::begin(const Call& call, OpKind kind, c10::ScalarType dtype, i
   d.dtype = static_cast<int32_t>(dtype);
   d.reduce = reduce;
   d.root = root;
+  if constexpr (kAbBlock > 0) ab_->begin(seq_, now_ns());
   d.seq = seq_++;
   d.bytes = bytes;
   RankBlock& me = segment_->rank_block(rank_);

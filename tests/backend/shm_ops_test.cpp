@@ -6,6 +6,7 @@
 // (8 threads on a 2-core machine: oversubscribed).
 
 #include "backend/shm_harness.h"
+#include "detail/shm_ab_blocks.h"
 #include "detail/shm_copy.h"
 #include "detail/shm_stores.h"
 
@@ -13,6 +14,8 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 namespace {
@@ -750,6 +753,34 @@ TEST(ShmStoreChoice, StreamsWhileOrdinaryWritesRunSlow) {
   EXPECT_TRUE(streaming.stream(kBig));
   EXPECT_FALSE(streaming.stream(kBig - 1));
   EXPECT_FALSE(streaming.times(kBig));
+}
+
+// The developer's A/B, fed with a made-up clock: variants 0-3 in turn, one
+// block each; a block is timed when the next one starts; B's collectives
+// take 80 ns against A's 100, so B/A is 0.8 and the A/A controls 1.
+TEST(ShmAbBlocks, AlternatesVariantsAndTimesEachBlock) {
+  using commgrad::backend::detail::AbBlocks;
+  EXPECT_THROW(AbBlocks(0), std::invalid_argument);
+  constexpr int kBlock = 3;
+  AbBlocks ab(kBlock);
+  int64_t now = 1000;
+  for (uint64_t seq = 0; seq < 10 * kBlock; ++seq) {
+    const int variant = ab.begin(seq, now);
+    ASSERT_EQ(variant, static_cast<int>(seq / kBlock % 4)) << "collective " << seq;
+    EXPECT_EQ(ab.runs_b(), variant % 2 == 1) << "collective " << seq;
+    now += seq < kBlock ? 1000 : ab.runs_b() ? 80 : 100;  // the first block: a slow warm-up
+  }
+  // Eight blocks timed, two of each variant: not the first (the warm-up),
+  // nor the tenth (in progress).
+  for (int v = 0; v < 4; ++v) EXPECT_EQ(ab.blocks(v), 2u) << "variant " << v;
+  EXPECT_EQ(ab.median_ns(0), 100);
+  EXPECT_EQ(ab.median_ns(1), 80);
+  EXPECT_EQ(ab.median_a_ns(), 100);
+  EXPECT_EQ(ab.median_b_ns(), 80);
+  const std::string report = ab.report("rank 0/2 group 'world' (shm)");
+  EXPECT_NE(report.find("shm A/B rank 0/2 group 'world' (shm): block 3, blocks 2 2 2 2"), std::string::npos) << report;
+  EXPECT_NE(report.find("A 100 B 80, B/A 0.800, control v2/v0 1.000 v3/v1 1.000"), std::string::npos) << report;
+  EXPECT_EQ(AbBlocks(5).median_ns(2), 0) << "no block timed yet";
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ShmOps, ::testing::Values(1, 2, 3, 4, 8),

@@ -4,6 +4,7 @@
 // turns c10d calls with tensors into calls of this class on its worker
 // threads. Internal to commgrad_backend.
 
+#include "detail/shm_ab_blocks.h"
 #include "detail/shm_segment.h"
 #include "detail/shm_stores.h"
 
@@ -125,6 +126,11 @@ class Comm {
   /// all-to-all is read from the sender directly. Both ends know the
   /// piece's size (they must agree on it), so both decide alike.
   bool reads_directly(int64_t bytes) const { return single_copy_.piece_bytes > 0 && bytes >= single_copy_.piece_bytes; }
+
+  /// Whether the collective in progress runs variant B of an A/B: always
+  /// false but in a build configured with COMMGRAD_SHM_AB_BLOCK (see
+  /// detail/shm_ab_blocks.h), where code under comparison asks it.
+  bool ab_runs_b() const { return ab_ != nullptr && ab_->runs_b(); }
 
   // Collectives. Sizes are in elements of `dtype` unless named *_bytes.
   void barrier(const Call& call);
@@ -255,6 +261,7 @@ class Comm {
   SingleCopyPolicy single_copy_;   // all 0: this group never reads peers directly
   // One per source: a recv and a recv_any never read one mailbox at once.
   std::unique_ptr<std::mutex[]> readers_;
+  std::unique_ptr<AbBlocks> ab_;  // null but in an A/B build
 };
 
 }  // namespace commgrad::backend::detail
