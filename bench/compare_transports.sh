@@ -21,7 +21,10 @@
 # output gets the median round trip of the moment before and after it
 # ("# placement before: ... ns"): on a VM whose host moves the vCPUs (this
 # one: about 40, 125 or 430 ns, where every transport's cross-core copies
-# run 4-5x slower) it says which placement each result met.
+# run 4-5x slower) it says which placement each result met, and the time
+# the host took from the vCPUs while it ran ("# host: steal N ms over the
+# program", /proc/stat). summary.md lists every round in which shm trailed
+# OpenMPI at some size, with those two beside it.
 #
 #   bench/compare_transports.sh [-n "2 4"] [--op "all_reduce ..."|all] [-b 4K] [-e 256M] [-f 4]
 #                               [-i ITERS] [-w WARMUP] [-s SWEEPS] [-r ROUNDS] [--rt] [--fresh]
@@ -137,6 +140,13 @@ placement() {
   [[ $(nproc) -ge 2 ]] || return 0
   echo "# placement $2: cross-core round trip median $("$latency_bin" 0.5 | sed -n 's/.*median \([0-9]*\).*/\1/p') ns" >> "$1"
 }
+# The time the host took from this VM's vCPUs (/proc/stat's steal, every
+# CPU together), in ms since boot: around each program, so that a round the
+# host slowed can be told from one the transport lost.
+ticks_per_s=$(getconf CLK_TCK)
+steal_ms() { awk -v hz="$ticks_per_s" '/^cpu /{print int($9 * 1000 / hz)}' /proc/stat; }
+# Appends the steal since $2 (steal_ms's value before the program) to $1.
+steal() { echo "# host: steal $(($(steal_ms) - $2)) ms over the program" >> "$1"; }
 rm -f "$out"/*_n*_*.txt
 for round in $(seq "$rounds"); do
   for n in $ranks; do
@@ -145,17 +155,21 @@ for round in $(seq "$rounds"); do
       for backend in gloo shm; do
         echo "== round $round: $op, $n ranks, $backend" >&2
         placement "${file}_$backend.txt" before
+        stolen=$(steal_ms)
         "${rt[@]}" "$run" -n "$n" --no-prefix --timeout 3600 "$bench" --backend "$backend" --op "$op" \
           -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --sweeps "$sweeps" --raw-only \
           "${fresh_flag[@]}" |
           tee -a "${file}_$backend.txt"
+        steal "${file}_$backend.txt" "$stolen"
         placement "${file}_$backend.txt" after
       done
       if [[ $have_mpi == 1 ]]; then
         echo "== round $round: $op, $n ranks, OpenMPI" >&2
         placement "${file}_mpi.txt" before
+        stolen=$(steal_ms)
         "${rt[@]}" mpirun "${mpi_flags[@]}" -n "$n" "$mpi_bin" "$op" "$(bytes "$min")" "$(bytes "$max")" "$factor" \
           "$iters" "$warmup" "$sweeps" "$fresh" | tee -a "${file}_mpi.txt"
+        steal "${file}_mpi.txt" "$stolen"
         placement "${file}_mpi.txt" after
       fi
     done

@@ -80,24 +80,40 @@ def placement_class(ns):
     return next(name for limit, name in PLACEMENTS if ns < limit)
 
 
+def read_programs(path):
+    """One dict per program of a compare_transports.sh file, in order (round 1 first): 'rows' {size: raw time us},
+    'before' and 'after' the cross-core round trips around it in ns ('# placement before/after: ... N ns'), 'steal'
+    the ms the host took from the vCPUs while it ran ('# host: steal N ms'); the last three None where missing."""
+    programs = []
+    if not os.path.exists(path):
+        return programs
+    for line in open(path):
+        placed = re.match(r"# placement (before|after):.* (\d+) ns", line)
+        stolen = re.match(r"# host: steal (-?\d+) ms", line)
+        if placed and placed.group(1) == "before":
+            programs.append({"rows": {}, "before": int(placed.group(2)), "after": None, "steal": None})
+        elif placed and programs:
+            programs[-1]["after"] = int(placed.group(2))
+        elif stolen and programs:
+            programs[-1]["steal"] = int(stolen.group(1))
+        elif not line.startswith("#") and "|" in line:
+            if not programs or programs[-1]["after"] is not None:  # a file without placements
+                programs.append({"rows": {}, "before": None, "after": None, "steal": None})
+            parts = line.split("|")
+            programs[-1]["rows"][int(parts[0].split()[0])] = float(parts[1].split()[0])
+    return programs
+
+
 def read_placed(path):
     """placement class -> [one program's {size: raw time us}] for the programs of a file whose round trip before
-    and after them fell in the same class (compare_transports.sh writes '# placement before/after: ... N ns'
-    around each program's output); programs that met two classes, or carry no placement, are left out."""
-    placed, rows, before = {}, {}, None
-    if not os.path.exists(path):
-        return placed
-    for line in open(path):
-        m = re.match(r"# placement (before|after):.* (\d+) ns", line)
-        if m and m.group(1) == "before":
-            rows, before = {}, placement_class(int(m.group(2)))
-        elif m and before is not None:
-            if placement_class(int(m.group(2))) == before and rows:
-                placed.setdefault(before, []).append(rows)
-            before = None
-        elif not line.startswith("#") and "|" in line and before is not None:
-            parts = line.split("|")
-            rows[int(parts[0].split()[0])] = float(parts[1].split()[0])
+    and after them fell in the same class (read_programs); programs that met two classes, or carry no placement,
+    are left out."""
+    placed = {}
+    for p in read_programs(path):
+        if p["before"] is None or p["after"] is None or not p["rows"]:
+            continue
+        if placement_class(p["before"]) == placement_class(p["after"]):
+            placed.setdefault(placement_class(p["before"]), []).append(p["rows"])
     return placed
 
 
@@ -487,6 +503,32 @@ def placement_table(run_dir, op, n):
     return md + [""]
 
 
+def trailing_rounds(run_dir, op, n):
+    """The rounds in which shm took longer than OpenMPI at some size (round r of one against round r of the
+    other: the rounds alternate the transports), each with both programs' placements and the host's steal."""
+    shm = read_programs(results_file(run_dir, op, n, "shm"))
+    mpi = read_programs(results_file(run_dir, op, n, "mpi"))
+    if not shm or not mpi:
+        return []
+
+    def context(p):
+        trip = "" if p["before"] is None else f"{p['before']}/{p['after']} ns"
+        stolen = "" if p["steal"] is None else f", steal {p['steal']} ms"
+        return trip + stolen
+
+    lines = []
+    for r, (a, b) in enumerate(zip(shm, mpi), 1):
+        behind = [f"{size_name(s)} {a['rows'][s]:.1f}/{b['rows'][s]:.1f}" for s in sorted(a["rows"])
+                  if s in b["rows"] and a["rows"][s] > b["rows"][s]]
+        if behind:
+            lines.append(f"- round {r}: {', '.join(behind)} (shm {context(a)}; OpenMPI {context(b)})")
+    head = f"{op} float32, {n} ranks, round by round: "
+    if not lines:
+        return [head + f"shm ahead of OpenMPI at every size in each of the {min(len(shm), len(mpi))} rounds", ""]
+    return [head + "where shm trailed OpenMPI (shm/OpenMPI us; the cross-core round trip before/after "
+            "each program, and the time the host took from the vCPUs during it)", ""] + lines + [""]
+
+
 def run_summary(run_dir):
     """DIR/summary.md (every collective and rank count of one run) and DIR/OP_busbw.svg; prints the summary."""
     md = [machine(run_dir)]
@@ -500,6 +542,7 @@ def run_summary(run_dir):
         for n in ranks:
             md += run_table(run_dir, op, n)
             md += placement_table(run_dir, op, n)
+            md += trailing_rounds(run_dir, op, n)
         name = f"{op.replace('_', '')}_busbw.svg"
         busbw_plot([run_dir], os.path.join(run_dir, name), op)
         md += [f"![{op} bus bandwidth]({name})", ""]
