@@ -62,9 +62,13 @@ ShmOptions resolve(ShmOptions o, int size) {
   }
   if (o.single_copy_piece_bytes() < 0) {
     const int64_t env = env_int("COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES", "bytes");
-    // Reading a peer costs per page (pinning it); on 2 cores with 4 ranks
-    // the cache-warm staging was faster up to 2 MiB pieces, so never there.
-    o.single_copy_piece_bytes(env >= 0 ? env : size <= usable_cpus() ? int64_t{1} << 20 : 0);
+    // Off, as the all-reduce's: with freshly written tensors and streaming
+    // stores the staged all-to-all was as fast or faster at every size
+    // measured (2 ranks, blocks of calls alternating the two: 4 MiB level,
+    // 16 MiB 16-20 % and 64 MiB 9-10 % faster staged), and the kernel's
+    // copy in process_vm_readv has no guard against the slow rep movsb
+    // distances (2 MiB: 325 us against 100 staged in some processes).
+    o.single_copy_piece_bytes(env >= 0 ? env : 0);
   }
   if (o.eager_worker() < 0) {
     const int64_t env = env_int("COMMGRAD_SHM_EAGER_WORKER", "0 or 1");

@@ -62,9 +62,10 @@ struct ShmOptions {
   /// many bytes, is read by the receiver straight from the sender's tensor
   /// (one copy instead of two through the segment, and no step barriers),
   /// under the same condition as above (every rank may read every other).
-  /// -1: $COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES, else 1 MiB when the group's
-  /// ranks fit on this process's CPUs and 0 (never) when they outnumber
-  /// them. Every rank of a group must use the same value.
+  /// -1: $COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES, else 0 (never): with
+  /// freshly written tensors the staged all-to-all, with streaming_stores
+  /// at its default, was as fast or faster at every size measured. Every
+  /// rank of a group must use the same value.
   TORCH_ARG(int64_t, single_copy_piece_bytes) = -1;
   /// How a rank writes its large pieces (64 KiB and more) into the shared
   /// segment: 0 ordinary stores; 1 streaming (non-temporal) stores, which
