@@ -3,7 +3,8 @@
 #include "detail/shm_ab_blocks.h"
 
 #include <algorithm>
-#include <cstdio>
+#include <iomanip>
+#include <sstream>
 #include <stdexcept>
 
 namespace commgrad::backend::detail {
@@ -47,17 +48,13 @@ int64_t AbBlocks::median_a_ns() const { return median(joined(per_call_ns_[0], pe
 int64_t AbBlocks::median_b_ns() const { return median(joined(per_call_ns_[1], per_call_ns_[3])); }
 
 std::string AbBlocks::report(const std::string& context) const {
-  char line[320];
-  std::snprintf(line, sizeof line,
-                "shm A/B %s: block %lld, blocks %zu %zu %zu %zu, ns per collective: v0 %lld v1 %lld v2 %lld v3 %lld, "
-                "A %lld B %lld, B/A %.3f, control v2/v0 %.3f v3/v1 %.3f",
-                context.c_str(), static_cast<long long>(block_), blocks(0), blocks(1), blocks(2), blocks(3),
-                static_cast<long long>(median_ns(0)), static_cast<long long>(median_ns(1)),
-                static_cast<long long>(median_ns(2)), static_cast<long long>(median_ns(3)),
-                static_cast<long long>(median_a_ns()), static_cast<long long>(median_b_ns()),
-                ratio(median_b_ns(), median_a_ns()), ratio(median_ns(2), median_ns(0)),
-                ratio(median_ns(3), median_ns(1)));
-  return line;
+  std::ostringstream line;
+  line << "shm A/B " << context << ": block " << block_ << ", blocks " << blocks(0) << ' ' << blocks(1) << ' '
+       << blocks(2) << ' ' << blocks(3) << ", ns per collective: v0 " << median_ns(0) << " v1 " << median_ns(1)
+       << " v2 " << median_ns(2) << " v3 " << median_ns(3) << ", A " << median_a_ns() << " B " << median_b_ns()
+       << std::fixed << std::setprecision(3) << ", B/A " << ratio(median_b_ns(), median_a_ns()) << ", control v2/v0 "
+       << ratio(median_ns(2), median_ns(0)) << " v3/v1 " << ratio(median_ns(3), median_ns(1));
+  return line.str();
 }
 
 }  // namespace commgrad::backend::detail
