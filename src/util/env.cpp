@@ -48,8 +48,7 @@ const std::vector<Variable>& variables() {
       {"COMMGRAD_SHM_SINGLE_COPY_MAX_BYTES", "bytes >= 0",
        "shm: ... up to this size (default 16 MiB; above it the pipelined staging is faster)"},
       {"COMMGRAD_SHM_SINGLE_COPY_PIECE_BYTES", "bytes >= 0",
-       "shm: all-to-all pieces of this size and more are read from the sender directly (default 1 MiB; 0 never, "
-       "and the default when ranks outnumber CPUs)"},
+       "shm: all-to-all pieces of this size and more are read from the sender directly (default 0: never)"},
       {"COMMGRAD_SHM_SPIN_US", "microseconds >= 0", "shm: how long a waiting rank spins before it sleeps"},
       {"COMMGRAD_SHM_ASYNC_BYTES", "bytes >= 0",
        "shm: collectives from this size run on the worker thread (default 1 MiB); smaller ones finish in the call"},
