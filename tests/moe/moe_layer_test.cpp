@@ -56,8 +56,11 @@ at::Tensor randn(at::IntArrayRef sizes, uint64_t seed, at::ScalarType dtype) {
 
 // What one case varies.
 struct Case {
-  int world = 2;
-  at::ScalarType dtype = at::kDouble;
+  // A constructor, not aggregate initialisation: GCC's
+  // -Wmissing-field-initializers flags every {world, dtype} otherwise.
+  Case(int world = 2, at::ScalarType dtype = at::kDouble) : world(world), dtype(dtype) {}
+  int world;
+  at::ScalarType dtype;
   int64_t top_k = kTopK;
   std::vector<int64_t> tokens;  // per rank; empty: kTokens each
   double capacity_factor = 0.0;
@@ -200,7 +203,9 @@ TEST(MoELayerTest, ExpertThatReceivesNoTokens) {
   Case c{4, at::kDouble};
   c.shape = route_by({0.0, 0.0, 0.0, -1.0});
   c.verify = [](const std::vector<int64_t>& rows, int rank) {
-    if (rank == 3) EXPECT_EQ(rows, std::vector<int64_t>{0});
+    if (rank == 3) {
+      EXPECT_EQ(rows, std::vector<int64_t>{0});
+    }
   };
   run(c);
 }
