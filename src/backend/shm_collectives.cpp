@@ -134,7 +134,8 @@ void for_each_peer(int rank, int n, F&& f) {
 }  // namespace
 
 void Comm::copy_result(void* dst, const void* src, int64_t bytes, int64_t result_bytes) const {
-  if (streams_results_ && result_bytes >= kStreamResultBytes) {
+  // Large results stream unless the group keeps every store ordinary.
+  if (stores_.mode() != StoreMode::kCached && result_bytes >= kStreamResultBytes) {
     copy_streaming(dst, src, bytes);  // a result never overlaps the segment
   } else {
     copy_bytes(dst, src, bytes);

@@ -100,7 +100,6 @@ Comm::Comm(std::unique_ptr<Segment> segment, int rank, int size, std::string con
       spin_ns_(policy.max_spin_ns),
       yield_ns_(policy.max_yield_ns),
       stores_(stores),
-      streams_results_(stores != StoreMode::kCached),
       srcs_(static_cast<size_t>(size)),
       readers_(new std::mutex[static_cast<size_t>(size)]) {
   if (size > 1 && (single_copy.min_bytes > 0 || single_copy.piece_bytes > 0)) agree_on_single_copy(single_copy);

@@ -255,7 +255,6 @@ class Comm {
   Arrival awaited_;                // the barrier this rank waits at (or waited at last), for timeout messages
   int awaited_rank_ = -1;          // and the one rank it waits for there (-1: every rank)
   SegmentStores stores_;           // this rank's writes into the segment
-  const bool streams_results_;     // large results copied out with streaming stores (not StoreMode::kCached)
   std::vector<const void*> srcs_;  // scratch: one source per rank
   std::vector<uint8_t> scratch_;   // peers' pieces read by a single-copy reduction
   SingleCopyPolicy single_copy_;   // all 0: this group never reads peers directly

@@ -35,6 +35,7 @@ class StoreChoice {
  public:
   explicit StoreChoice(StoreMode mode = StoreMode::kCached) : mode_(mode) {}
 
+  StoreMode mode() const { return mode_; }
   /// Whether a write of `bytes` streams; counts it against the streamed run.
   bool stream(int64_t bytes);
   /// Whether an ordinary write of `bytes` is to be timed (and observed).
@@ -68,6 +69,7 @@ class SegmentStores {
  public:
   explicit SegmentStores(StoreMode mode = StoreMode::kCached) : choice_(mode) {}
 
+  StoreMode mode() const { return choice_.mode(); }
   /// `src` into `dst` (in the segment; they do not overlap).
   void copy(void* dst, const void* src, int64_t bytes);
   /// `src` into `dst` (in the segment) and into `own` (private), 16 KiB at a
