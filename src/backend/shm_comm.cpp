@@ -258,8 +258,7 @@ Comm::Arrival Comm::arrive(int set, Wake wake) {
 }
 
 void Comm::wait_until_arrived(const Call& call, Arrival at, int rank) {
-  awaited_ = at;
-  awaited_rank_ = rank;
+  awaited_ = Awaited{at, rank};
   Bell& bell = segment_->header().barrier;
   if (rank < 0) {
     wait([&] { return all_arrived(at.set, at.generation); }, bell, call, WaitOn::kBarrier, -1);
@@ -313,7 +312,8 @@ std::vector<int> Comm::pending_ranks(WaitOn on, int peer) const {
   if (on == WaitOn::kPeer) return {peer};
   std::vector<int> out;
   for (int q = 0; q < size_; ++q) {
-    if ((awaited_rank_ < 0 || q == awaited_rank_) && !arrived(q, awaited_.set, awaited_.generation)) out.push_back(q);
+    const bool awaited = awaited_.rank < 0 || q == awaited_.rank;
+    if (awaited && !arrived(q, awaited_.at.set, awaited_.at.generation)) out.push_back(q);
   }
   return out;
 }

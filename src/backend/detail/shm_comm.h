@@ -181,6 +181,12 @@ class Comm {
     int set = 0;
     uint32_t generation = 0;
   };
+  /// The barrier a rank waits at (or waited at last) and whom it waits for
+  /// there, for the timeout's and the dead-peer check's messages.
+  struct Awaited {
+    Arrival at;
+    int rank = -1;  // the one rank awaited; -1: every rank
+  };
   /// Whom an arrival wakes: sleepers once every rank has arrived (a
   /// barrier), or any sleeper at once (the root of a paced broadcast, whose
   /// readers wait for it alone).
@@ -252,8 +258,7 @@ class Comm {
   uint64_t seq_ = 0;               // collectives issued
   uint64_t step_ = 0;              // pipeline steps (buffer sets) used
   uint64_t generation_ = 0;        // barriers arrived at
-  Arrival awaited_;                // the barrier this rank waits at (or waited at last), for timeout messages
-  int awaited_rank_ = -1;          // and the one rank it waits for there (-1: every rank)
+  Awaited awaited_;                // for timeout messages
   SegmentStores stores_;           // this rank's writes into the segment
   std::vector<const void*> srcs_;  // scratch: one source per rank
   std::vector<uint8_t> scratch_;   // peers' pieces read by a single-copy reduction
