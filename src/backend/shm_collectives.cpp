@@ -88,17 +88,20 @@ constexpr int64_t kStreamResultBytes = 16 << 20;
 // waits for every reader's copy to be invalidated: the "slow mode" of the
 // 64 KiB broadcast). Every rank computes it alike from the part's size.
 // Blocks of calls alternating with the fixed position inside one process,
-// fresh inputs, time per call B/A: 2 ranks, broadcast 16 KiB 0.93 (0.87-1.04),
-// 64 KiB 0.88, 128 KiB 0.86 (0.99 in processes fast either way); all-gather
-// of 32 and 64 KiB parts 0.96 and 0.92; 4 ranks, broadcast 64 KiB 0.76,
-// 128 KiB 0.83 (2 processes of 15 at 1.38), 256 KiB 0.92, all-gather of
-// 16 KiB parts 0.93. With fewer than kMinPositions positions (2 ranks: a
-// 256 KiB broadcast 0.99, 128 KiB all-gather parts 1.02) a part stays at
-// the start of its room.
+// fresh inputs, time per collective B/A: 2 ranks, broadcast 16 KiB 0.92,
+// 32 KiB 0.87, 64 KiB 0.88, 128 KiB 0.86 (0.99 in processes fast either
+// way); all-gather of 16, 32 and 64 KiB parts 0.99, 0.96 and 0.92; 4 ranks,
+// broadcast 64 KiB 0.76, 128 KiB 0.83 (2 processes of 15 at 1.38), 256 KiB
+// 0.92, all-gather of 16 KiB parts 0.93. Parts under kMinMovingBytes, whose
+// copies wait on latency, not bandwidth, lose (broadcast 4 KiB 1.40,
+// all-gather of 2 and 8 KiB parts 1.12 and 1.01), and so do parts with
+// fewer than kMinPositions positions (2 ranks: broadcast 256 KiB 0.99,
+// 128 KiB all-gather parts 1.02): both stay at the start of their room.
+constexpr int64_t kMinMovingBytes = 16 * 1024;
 constexpr int64_t kMinPositions = 4;
 int64_t staging_offset(uint64_t seq, int64_t len, int64_t room) {
   const int64_t stride = (len + 4095) / 4096 * 4096;
-  if (stride <= 0 || room / stride < kMinPositions) return 0;
+  if (len < kMinMovingBytes || room / stride < kMinPositions) return 0;
   return static_cast<int64_t>(seq % static_cast<uint64_t>(room / stride)) * stride;
 }
 

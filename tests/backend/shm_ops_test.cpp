@@ -278,19 +278,20 @@ TEST_P(ShmOps, AllgatherListFlatAndUneven) {
   });
 }
 
-// A broadcast or all-gather part of a quarter of its room or less moves
+// A broadcast or all-gather part of 16 KiB to a quarter of its room moves
 // to the next page-aligned position with each collective (see
 // staging_offset): a run of such calls, from every root and with parts of
-// different sizes per rank, must land every byte where its readers look.
+// different sizes per rank (some moving, some not), must land every byte
+// where its readers look.
 TEST_P(ShmOps, SmallPartsMoveThroughTheSlots) {
   RunOptions options;
-  options.shm.chunk_bytes(64 * 1024);  // broadcast room 64 KiB x ranks; all-gather room 64 KiB
+  options.shm.chunk_bytes(128 * 1024);  // broadcast room 128 KiB x ranks; all-gather room 128 KiB
   run_ranks(GetParam(), options, [](Rank& r) {
     uint64_t salt = 9000;
     for (int call = 0; call < 24; ++call) {
       ++salt;
       const int root = call % r.size;
-      const int64_t numel = (call % 3 == 0 ? 1024 : call % 3 == 1 ? 3000 : 4096) + call;  // 4-16 KiB of floats
+      const int64_t numel = (call % 3 == 0 ? 1024 : call % 3 == 1 ? 4100 : 7000) + call;  // 4-28 KiB of floats
       const at::Tensor src = make_input(numel, at::kFloat, root, salt);
       std::vector<at::Tensor> t{r.rank == root ? src.clone() : make_input(numel, at::kFloat, r.rank, salt + 7)};
       c10d::BroadcastOptions o;
@@ -298,7 +299,7 @@ TEST_P(ShmOps, SmallPartsMoveThroughTheSlots) {
       r.shm->broadcast(t, o)->wait();
       EXPECT_TRUE(same_bits(t[0], src)) << "broadcast " << call << " from root " << root << ", numel " << numel;
       std::vector<at::Tensor> parts;
-      for (int q = 0; q < r.size; ++q) parts.push_back(make_input(700 + 1100 * q + call, at::kFloat, q, salt + 11));
+      for (int q = 0; q < r.size; ++q) parts.push_back(make_input(2000 + 2100 * q + call, at::kFloat, q, salt + 11));
       std::vector<at::Tensor> in{parts[r.rank]};
       std::vector<std::vector<at::Tensor>> out(1);
       for (int q = 0; q < r.size; ++q) out[0].push_back(at::empty_like(parts[q]));
