@@ -95,8 +95,9 @@ constexpr int64_t kStreamResultBytes = 16 << 20;
 // 0.92, all-gather of 16 KiB parts 0.93. Parts under kMinMovingBytes, whose
 // copies wait on latency, not bandwidth, lose (broadcast 4 KiB 1.40,
 // all-gather of 2 and 8 KiB parts 1.12 and 1.01), and so do parts with
-// fewer than kMinPositions positions (2 ranks: broadcast 256 KiB 0.99,
-// 128 KiB all-gather parts 1.02): both stay at the start of their room.
+// fewer than kMinPositions positions (2 ranks with 256 KiB slots: broadcast
+// 256 KiB 0.99, 128 KiB all-gather parts 1.02): both stay at the start of
+// their room. The numbers are from 256 KiB slots at every group size.
 constexpr int64_t kMinMovingBytes = 16 * 1024;
 constexpr int64_t kMinPositions = 4;
 int64_t staging_offset(uint64_t seq, int64_t len, int64_t room) {

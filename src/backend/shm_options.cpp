@@ -31,7 +31,18 @@ int usable_cpus() {
 
 ShmOptions resolve(ShmOptions o, int size) {
   int64_t chunk = o.chunk_bytes() > 0 ? o.chunk_bytes() : env_int("COMMGRAD_SHM_CHUNK_BYTES", "bytes");
-  if (chunk <= 0) chunk = 256 * 1024;
+  if (chunk <= 0) {
+    // A rank writes a set's lines again three steps after its readers read
+    // them; while those still sit in a reader's cache, every write waits
+    // for their copies to be invalidated. With one peer to read from, 2 x
+    // 256 KiB sets kept that distance (3 x 256 KiB) inside a core's L2 here
+    // (1 MiB, AMD EPYC), and 512 KiB per rank took 1.2-1.3x less time for
+    // 1-4 MiB all-reduces and all-to-alls, 1.4-2.6x for 256 KiB-16 MiB
+    // broadcasts (2 ranks, alternating processes, fresh inputs); with more
+    // peers the distance is already (n - 1) x 3 x 256 KiB, and 4 ranks (on
+    // 2 cores) took up to 1.7x longer with 512 KiB (all-to-all 1-4 MiB).
+    chunk = size == 2 ? 512 * 1024 : 256 * 1024;
+  }
   o.chunk_bytes(std::max<int64_t>(round_up(chunk, 64), 64 * static_cast<int64_t>(size)));
   int64_t mailbox = o.mailbox_bytes();
   if (mailbox <= 0 && size > 1) {

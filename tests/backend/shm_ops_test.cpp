@@ -160,7 +160,7 @@ TEST_P(ShmOps, AllreduceUnalignedAndNonContiguous) {
 TEST_P(ShmOps, AllreduceDefaultChunkAcrossThresholds) {
   RunOptions o;
   run_ranks(GetParam(), o, [](Rank& r) {
-    // Around the small-message threshold (32 KiB) and above one chunk (256 KiB).
+    // Around the small-message threshold (32 KiB) and above one chunk (256 KiB, 512 KiB at 2 ranks).
     for (int64_t numel : {8191, 8192, 8193, 20000, 70001, 200000}) {
       std::vector<at::Tensor> all;
       for (int q = 0; q < r.size; ++q) all.push_back(make_input(numel, at::kFloat, q, 300 + numel));
