@@ -164,11 +164,11 @@ TEST(LauncherTest, BadOptionsAreNamed) {
     EXPECT_NE(r.err.find("commgrad-run: " + message), std::string::npos) << joined << ": " << r.err;
   }
   // torchrun's spellings and an option's value in the same word.
-  for (const std::vector<std::string> args : {std::vector<std::string>{"--nproc-per-node", "2", "true"},
-                                              {"--nproc-per-node=2", "true"},
-                                              {"-n", "2", "true"},
-                                              {"-n2", "true"},
-                                              {"-n", "2", "--", "true"}}) {
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--nproc-per-node", "2", "true"},
+                                               {"--nproc-per-node=2", "true"},
+                                               {"-n", "2", "true"},
+                                               {"-n2", "true"},
+                                               {"-n", "2", "--", "true"}}) {
     EXPECT_EQ(launch(args).code, 0) << args[0];
   }
 }
