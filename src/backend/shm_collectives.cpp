@@ -81,23 +81,25 @@ constexpr int64_t kOwnAtArrivalBytes = 16 * 1024;
 constexpr int64_t kStreamResultBytes = 16 << 20;
 
 // Where a staged part of `len` bytes that one step holds goes in its room
-// of `room` bytes (a broadcast's set, an all-gather's slot) in collective
-// `seq`: page-aligned positions taken in turn, so that a rank writes lines
-// its readers last read several calls ago, gone from their caches, rather
-// than the lines they read at the last use of the set (a write to those
-// waits for every reader's copy to be invalidated: the "slow mode" of the
-// 64 KiB broadcast). Every rank computes it alike from the part's size.
-// Blocks of calls alternating with the fixed position inside one process,
-// fresh inputs, time per collective B/A: 2 ranks, broadcast 16 KiB 0.92,
-// 32 KiB 0.87, 64 KiB 0.88, 128 KiB 0.86 (0.99 in processes fast either
-// way); all-gather of 16, 32 and 64 KiB parts 0.99, 0.96 and 0.92; 4 ranks,
-// broadcast 64 KiB 0.76, 128 KiB 0.83 (2 processes of 15 at 1.38), 256 KiB
-// 0.92, all-gather of 16 KiB parts 0.93. Parts under kMinMovingBytes, whose
-// copies wait on latency, not bandwidth, lose (broadcast 4 KiB 1.40,
-// all-gather of 2 and 8 KiB parts 1.12 and 1.01), and so do parts with
-// fewer than kMinPositions positions (2 ranks with 256 KiB slots: broadcast
-// 256 KiB 0.99, 128 KiB all-gather parts 1.02): both stay at the start of
-// their room. The numbers are from 256 KiB slots at every group size.
+// of `room` bytes (a broadcast's set, an all-gather's or a scatter's slot)
+// in collective `seq`: page-aligned positions taken in turn, so that a rank
+// writes lines its readers last read several calls ago, gone from their
+// caches, rather than the lines they read at the last use of the set (a
+// write to those waits for every reader's copy to be invalidated: the
+// "slow mode" of the 64 KiB broadcast). Every rank computes it alike from
+// the part's size. Blocks of calls alternating with the fixed position
+// inside one process, fresh inputs, time per collective B/A, 256 KiB
+// slots: 2 ranks, broadcast 16 KiB 0.92, 32 KiB 0.87, 64 KiB 0.88,
+// 128 KiB 0.86 (0.99 in processes fast either way); all-gather of 16, 32
+// and 64 KiB parts 0.99, 0.96 and 0.92; 4 ranks, broadcast 64 KiB 0.76,
+// 128 KiB 0.83 (2 processes of 15 at 1.38), 256 KiB 0.92, all-gather of
+// 16 KiB parts 0.93, scatter of 16 and 64 KiB parts 0.81 and 0.79; 2 ranks'
+// 512 KiB slots, scatter of 32 and 128 KiB parts 0.93 and 0.87. Parts under
+// kMinMovingBytes, whose copies wait on latency, not bandwidth, lose
+// (broadcast 4 KiB 1.40, all-gather of 2 and 8 KiB parts 1.12 and 1.01),
+// and so do parts with fewer than kMinPositions positions (2 ranks' 256 KiB
+// slots: broadcast 256 KiB 0.99, 128 KiB all-gather parts 1.02): both stay
+// at the start of their room.
 constexpr int64_t kMinMovingBytes = 16 * 1024;
 constexpr int64_t kMinPositions = 4;
 int64_t staging_offset(uint64_t seq, int64_t len, int64_t room) {
@@ -367,7 +369,8 @@ void Comm::scatter(const Call& call, const void* const* ins, const int64_t* in_b
     if (rank_ == root) {
       for (int q = 0; q < size_; ++q) {
         if (q == rank_) continue;
-        stores_.copy(segment_->slot(set, q), static_cast<const uint8_t*>(ins[q]) + off,
+        const int64_t at = k == 0 ? staging_offset(d.seq, in_bytes[q], cap) : 0;
+        stores_.copy(segment_->slot(set, q) + at, static_cast<const uint8_t*>(ins[q]) + off,
                      clamp_len(in_bytes[q], off, cap));
       }
     }
@@ -387,7 +390,8 @@ void Comm::scatter(const Call& call, const void* const* ins, const int64_t* in_b
       nsteps = std::max<int64_t>(1, ceil_div(most, cap));
       if (rank_ == root) copy(dst, ins[rank_], out_bytes);
     }
-    if (rank_ != root) copy(dst + off, segment_->slot(set, rank_), clamp_len(out_bytes, off, cap));
+    const int64_t at = k == 0 ? staging_offset(d.seq, out_bytes, cap) : 0;
+    if (rank_ != root) copy(dst + off, segment_->slot(set, rank_) + at, clamp_len(out_bytes, off, cap));
   }
 }
 

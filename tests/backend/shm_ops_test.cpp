@@ -278,8 +278,8 @@ TEST_P(ShmOps, AllgatherListFlatAndUneven) {
   });
 }
 
-// A broadcast or all-gather part of 16 KiB to a quarter of its room moves
-// to the next page-aligned position with each collective (see
+// A broadcast, all-gather or scatter part of 16 KiB to a quarter of its
+// room moves to the next page-aligned position with each collective (see
 // staging_offset): a run of such calls, from every root and with parts of
 // different sizes per rank (some moving, some not), must land every byte
 // where its readers look.
@@ -307,6 +307,13 @@ TEST_P(ShmOps, SmallPartsMoveThroughTheSlots) {
       for (int q = 0; q < r.size; ++q) {
         EXPECT_TRUE(same_bits(out[0][q], parts[q])) << "all-gather " << call << ", part of rank " << q;
       }
+      std::vector<std::vector<at::Tensor>> pieces;
+      if (r.rank == root) pieces.push_back(parts);
+      std::vector<at::Tensor> piece{at::empty_like(parts[r.rank])};
+      c10d::ScatterOptions so;
+      so.rootRank = root;
+      r.shm->scatter(piece, pieces, so)->wait();
+      EXPECT_TRUE(same_bits(piece[0], parts[r.rank])) << "scatter " << call << " from root " << root;
     }
   });
 }
