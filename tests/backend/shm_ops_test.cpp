@@ -278,7 +278,7 @@ TEST_P(ShmOps, AllgatherListFlatAndUneven) {
   });
 }
 
-// A broadcast, all-gather or scatter part of 16 KiB to a quarter of its
+// A broadcast, all-gather (gather) or scatter part of 16 KiB to a quarter of its
 // room moves to the next page-aligned position with each collective (see
 // staging_offset): a run of such calls, from every root and with parts of
 // different sizes per rank (some moving, some not), must land every byte
@@ -306,6 +306,17 @@ TEST_P(ShmOps, SmallPartsMoveThroughTheSlots) {
       r.shm->allgather(out, in)->wait();
       for (int q = 0; q < r.size; ++q) {
         EXPECT_TRUE(same_bits(out[0][q], parts[q])) << "all-gather " << call << ", part of rank " << q;
+      }
+      std::vector<std::vector<at::Tensor>> gathered;
+      if (r.rank == root) {
+        gathered.emplace_back();
+        for (int q = 0; q < r.size; ++q) gathered[0].push_back(at::empty_like(parts[q]));
+      }
+      c10d::GatherOptions go;
+      go.rootRank = root;
+      r.shm->gather(gathered, in, go)->wait();
+      for (int q = 0; r.rank == root && q < r.size; ++q) {
+        EXPECT_TRUE(same_bits(gathered[0][q], parts[q])) << "gather " << call << ", part of rank " << q;
       }
       std::vector<std::vector<at::Tensor>> pieces;
       if (r.rank == root) pieces.push_back(parts);
