@@ -264,7 +264,8 @@ void Comm::broadcast(const Call& call, void* data, int64_t bytes, c10::ScalarTyp
   const int64_t cap = static_cast<int64_t>(segment_->layout().chunk_bytes) * size_;  // the whole set
   const int64_t nsteps = std::max<int64_t>(1, ceil_div(bytes, cap));
   std::array<Arrival, kSets> arrivals{};  // this rank's arrivals at the last kSets steps
-  const int64_t at_offset = nsteps == 1 ? staging_offset(d.seq, bytes, cap) : 0;
+  // Where one step's broadcast goes in the set (staging_offset; 0 for a longer one).
+  const int64_t at_offset = staging_offset(d.seq, bytes, cap);
   for (int64_t k = 0; k < nsteps; ++k) {
     const int set = next_set();
     if (k == 0) publish(set, d);
@@ -316,8 +317,9 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
       publish(set, d);
     }
     const int64_t off = k * cap;
-    // A part of one step moves through its slot (staging_offset); a longer one starts at the start.
-    uint8_t* mine = segment_->slot(set, rank_) + (k == 0 ? staging_offset(d.seq, in_bytes, cap) : 0);
+    // A part of one step moves through its slot (staging_offset: 0 for a
+    // longer one); after its step such a part copies nothing.
+    uint8_t* mine = segment_->slot(set, rank_) + staging_offset(d.seq, in_bytes, cap);
     if (own_with_steps && !own_at_arrival) {
       stores_.copy_twice(mine, own + off, src + off, clamp_len(in_bytes, off, cap));
     } else if (stages) {
@@ -346,7 +348,7 @@ void Comm::allgather(const Call& call, const void* in, int64_t in_bytes, void* c
     if (!receives) continue;
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
-      const uint8_t* theirs = segment_->slot(set, q) + (k == 0 ? staging_offset(d.seq, out_bytes[q], cap) : 0);
+      const uint8_t* theirs = segment_->slot(set, q) + staging_offset(d.seq, out_bytes[q], cap);
       copy_result(static_cast<uint8_t*>(outs[q]) + off, theirs, clamp_len(out_bytes[q], off, cap), result_bytes);
     }
   }
@@ -369,7 +371,7 @@ void Comm::scatter(const Call& call, const void* const* ins, const int64_t* in_b
     if (rank_ == root) {
       for (int q = 0; q < size_; ++q) {
         if (q == rank_) continue;
-        const int64_t at = k == 0 ? staging_offset(d.seq, in_bytes[q], cap) : 0;
+        const int64_t at = staging_offset(d.seq, in_bytes[q], cap);
         stores_.copy(segment_->slot(set, q) + at, static_cast<const uint8_t*>(ins[q]) + off,
                      clamp_len(in_bytes[q], off, cap));
       }
@@ -390,7 +392,7 @@ void Comm::scatter(const Call& call, const void* const* ins, const int64_t* in_b
       nsteps = std::max<int64_t>(1, ceil_div(most, cap));
       if (rank_ == root) copy(dst, ins[rank_], out_bytes);
     }
-    const int64_t at = k == 0 ? staging_offset(d.seq, out_bytes, cap) : 0;
+    const int64_t at = staging_offset(d.seq, out_bytes, cap);
     if (rank_ != root) copy(dst + off, segment_->slot(set, rank_) + at, clamp_len(out_bytes, off, cap));
   }
 }
