@@ -329,6 +329,44 @@ TEST_P(ShmOps, SmallPartsMoveThroughTheSlots) {
   });
 }
 
+// A reduce-scatter or all-to-all piece of 16 KiB to a quarter of its
+// destination's room moves through that room with each collective (see
+// piece_offset): with 1 MiB slots the rooms are 144 KiB (8 ranks) to 1 MiB
+// (2 ranks), and pieces of 16-44 KiB, different for every pair, some
+// moving and some not at 8 ranks, must land where their readers look.
+TEST_P(ShmOps, SmallPiecesMoveThroughTheirRooms) {
+  RunOptions options;
+  options.shm.chunk_bytes(1024 * 1024);
+  run_ranks(GetParam(), options, [](Rank& r) {
+    uint64_t salt = 9500;
+    for (int call = 0; call < 24; ++call) {
+      ++salt;
+      const int64_t numel = 4100 + 150 * (call % 5);
+      auto piece = [&](int x, int q) { return make_input(numel, at::kFloat, x, salt * 64 + q); };
+      std::vector<at::Tensor> mine_for_me;
+      for (int x = 0; x < r.size; ++x) mine_for_me.push_back(piece(x, r.rank));
+      std::vector<std::vector<at::Tensor>> in(1);
+      for (int q = 0; q < r.size; ++q) in[0].push_back(piece(r.rank, q));
+      std::vector<at::Tensor> out{at::empty({numel})};
+      r.shm->reduce_scatter(out, in, c10d::ReduceScatterOptions{})->wait();
+      EXPECT_TRUE(same_bits(out[0], reference_reduce(mine_for_me, RedOpType::SUM)))
+          << "reduce_scatter " << call << ", numel " << numel;
+      // Rank x sends rank q 16-44 KiB, different for every pair and call.
+      auto sends = [&](int x, int q) { return 4100 + 1000 * ((3 * x + q + call) % 8) + call; };
+      std::vector<at::Tensor> lin, lout;
+      for (int q = 0; q < r.size; ++q) {
+        lin.push_back(make_input(sends(r.rank, q), at::kFloat, r.rank, salt * 64 + q));
+        lout.push_back(at::empty({sends(q, r.rank)}));
+      }
+      r.shm->alltoall(lout, lin)->wait();
+      for (int q = 0; q < r.size; ++q) {
+        EXPECT_TRUE(same_bits(lout[q], make_input(sends(q, r.rank), at::kFloat, q, salt * 64 + r.rank)))
+            << "alltoall " << call << ", piece from rank " << q;
+      }
+    }
+  });
+}
+
 TEST_P(ShmOps, GatherAndScatterEveryRoot) {
   run_ranks(GetParam(), chunked(true), [](Rank& r) {
     uint64_t salt = 4000;
