@@ -149,8 +149,8 @@ std::string ParallelState::describe() const {
     return c10::str(name, " ", g.rank(), "/", g.size(), " (", g.backend_name(), ")");
   };
   std::string extra;
-  if (context_parallel_size() > 1) extra += " " + part("cp", context_parallel_group());
-  if (expert_parallel_size() > 1) extra += " " + part("ep", expert_parallel_group());
+  if (context_parallel_size() > 1) extra += c10::str(" ", part("cp", context_parallel_group()));
+  if (expert_parallel_size() > 1) extra += c10::str(" ", part("ep", expert_parallel_group()));
   return c10::str(part("tp", tensor_parallel_group()), " ", part("pp", pipeline_parallel_group()), " ",
                   part("dp", data_parallel_group()), extra, " (world ", data_->world.size(), ", ",
                   data_->world.backend_name(), ")");

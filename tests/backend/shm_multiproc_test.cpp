@@ -25,6 +25,15 @@ namespace {
 
 std::string job() { return build_path("tests/backend/shm_job"); }
 
+// "[q] rank q": how the launcher prefixes what rank q of shm_job prints.
+std::string rank_says(int q) {
+  std::string s = "[";
+  s += std::to_string(q);
+  s += "] rank ";
+  s += std::to_string(q);
+  return s;
+}
+
 // Environment without launcher variables, with a short timeout.
 std::map<std::string, std::string> shm_env(std::map<std::string, std::string> extra = {}) {
   extra.emplace("COMMGRAD_SHM_CHUNK_BYTES", "");
@@ -46,7 +55,7 @@ TEST_P(ShmJob, CollectivesAndMessagesAcrossProcesses) {
   auto r = run_process({launcher_path(), "-n", std::to_string(n), "--timeout", "90", job(), "ops", "shm"}, shm_env());
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   for (int q = 0; q < n; ++q) {
-    EXPECT_TRUE(contains(r.out, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " ok (shm)")) << r.out;
+    EXPECT_TRUE(contains(r.out, rank_says(q) + " ok (shm)")) << r.out;
   }
   const std::string segment = segment_of(r.out);
   ASSERT_FALSE(segment.empty()) << r.out;
@@ -92,7 +101,7 @@ TEST(ShmSingleCopy, AllreducesReadThePeersAcrossProcesses) {
   auto r = run_process({launcher_path(), "-n", "3", "--timeout", "90", job(), "single-copy"}, single_copy_env());
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   for (int q = 0; q < 3; ++q) {
-    const std::string p = "[" + std::to_string(q) + "] rank " + std::to_string(q);
+    const std::string p = rank_says(q);
     EXPECT_TRUE(contains(r.out, p + " single copy " + expected + ", direct pieces " + expected)) << r.out;
     EXPECT_TRUE(contains(r.out, p + " ok")) << r.out;
   }
@@ -107,7 +116,7 @@ TEST(ShmSingleCopy, FallsBackToStagingWhenARankCannotBeRead) {
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_FALSE(contains(r.err, "capset failed")) << r.err;
   for (int q = 0; q < 3; ++q) {
-    const std::string p = "[" + std::to_string(q) + "] rank " + std::to_string(q);
+    const std::string p = rank_says(q);
     EXPECT_TRUE(contains(r.out, p + " single copy off, direct pieces off")) << r.out;
     EXPECT_TRUE(contains(r.out, p + " ok")) << r.out;
   }
@@ -137,8 +146,7 @@ TEST(ShmFailure, KillNineOfARankMidCollectiveIsReportedAndLeavesNothingBehind) {
   EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;
   // Both survivors name the dead rank, and fail well within the 30 s timeout.
   for (int q : {0, 2}) {
-    const auto lines =
-        lines_with_prefix(r.err, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " failed after ");
+    const auto lines = lines_with_prefix(r.err, rank_says(q) + " failed after ");
     ASSERT_EQ(lines.size(), 1u) << r.err;
     EXPECT_TRUE(contains(lines[0], "rank 1 (pid ")) << lines[0];
     EXPECT_TRUE(contains(lines[0], "died")) << lines[0];
@@ -177,8 +185,7 @@ TEST(ShmFailure, KilledRankDuringOpsNamesOneCollectiveNumber) {
                        shm_env(), std::chrono::seconds(120));
   EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;
   for (int q : {0, 2}) {
-    const auto lines =
-        lines_with_prefix(r.err, "[" + std::to_string(q) + "] rank " + std::to_string(q) + " failed after ");
+    const auto lines = lines_with_prefix(r.err, rank_says(q) + " failed after ");
     ASSERT_EQ(lines.size(), 1u) << r.err;
     const std::string& line = lines[0];
     EXPECT_TRUE(contains(line, "rank 1 (pid ")) << line;

@@ -638,7 +638,7 @@ TEST(Overlap, BackwardRunsOtherReadyWorkWhileAGradientCollectiveIsInFlight) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
-                         [](const ::testing::TestParamInfo<int>& info) { return "n" + std::to_string(info.param); });
+                         [](const ::testing::TestParamInfo<int>& info) { return c10::str("n", info.param); });
 
 }  // namespace
 }  // namespace commgrad::ops

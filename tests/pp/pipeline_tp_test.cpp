@@ -147,9 +147,7 @@ TEST_P(ZeroBubbleSplitsEveryStage, LossAndEveryGradientMatchOneRank) {
 INSTANTIATE_TEST_SUITE_P(Sizes, ZeroBubbleSplitsEveryStage,
                          ::testing::Values(std::pair{2, 2}, std::pair{2, 3}, std::pair{3, 3}, std::pair{3, 5},
                                            std::pair{4, 4}, std::pair{4, 5}),
-                         [](const auto& info) {
-                           return "p" + std::to_string(info.param.first) + "_m" + std::to_string(info.param.second);
-                         });
+                         [](const auto& info) { return c10::str("p", info.param.first, "_m", info.param.second); });
 
 // TP = 1 x PP = 2 x DP = 2 ParallelMLP stages, one step under `schedule`:
 // every parameter's gradient after the DP reduction (with ZeRO-2, the

@@ -395,7 +395,7 @@ void Launcher::adopt(Rank& rank, pid_t pid, int out, int err) {
   rank.running = true;
   rank.out_fd = out;
   rank.err_fd = err;
-  const std::string prefix = options_.prefix ? "[" + std::to_string(rank.rank) + "] " : "";
+  const std::string prefix = options_.prefix ? std::string("[").append(std::to_string(rank.rank)).append("] ") : "";
   rank.out = std::make_unique<LineForwarder>(STDOUT_FILENO, prefix);
   rank.err = std::make_unique<LineForwarder>(STDERR_FILENO, prefix);
   watchdog_.watch(pid);
