@@ -119,7 +119,7 @@ if command -v mpicc > /dev/null && command -v mpirun > /dev/null; then
   mpicc -O2 -o "$mpi_bin" bench/mpi_collectives.c
   have_mpi=1
 else
-  echo "compare_transports.sh: no mpicc/mpirun (OpenMPI); comparing gloo and shm only" >&2
+  echo "compare_transports.sh: no mpicc/mpirun (OpenMPI: apt-get install openmpi-bin libopenmpi-dev); comparing gloo and shm only" >&2
 fi
 mpi_flags=(--oversubscribe --bind-to none)
 [[ $(id -u) == 0 ]] && mpi_flags+=(--allow-run-as-root)
