@@ -41,7 +41,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr const char* kOp = "checkpoint::load";
+constexpr const char* kLoadOp = "checkpoint::load";
 
 std::string list_names(const std::vector<std::string>& names, size_t most = 8) {
   std::string out;
@@ -129,7 +129,7 @@ struct LoadRun {
   // plan: each rank finds the step, reads the index and matches its pieces;
   // returns every rank's step and the names it loads.
   std::vector<std::string> plan() {
-    return detail::run_phase(kOp, group, [&] {
+    return detail::run_phase(kLoadOp, group, [&] {
       result.directory = find_step_directory(root, options.step());
       const std::string index_path = (fs::path(result.directory) / kIndexFileName).string();
       index = detail::parse_index(detail::read_whole_file(index_path), index_path);
@@ -155,7 +155,7 @@ struct LoadRun {
     std::set<std::string> loaded;
     for (size_t r = 0; r < requested.size(); ++r) {
       const auto j = nlohmann::json::parse(requested[r]);
-      COMMGRAD_CHECK(j.at("step").get<int64_t>() == index.step, kOp, group, "rank ", r, " found step ",
+      COMMGRAD_CHECK(j.at("step").get<int64_t>() == index.step, kLoadOp, group, "rank ", r, " found step ",
                      j.at("step").get<int64_t>(), " in ", root, ", this rank step ", index.step,
                      " (did a save replace 'latest' during the load?)");
       for (const auto& name : j.at("names")) loaded.insert(name.get<std::string>());
@@ -169,8 +169,8 @@ struct LoadRun {
     for (const auto& [name, saved] : index.tensors) {
       if (saved.required && !loaded.count(name) && sections.count(section_of(name))) extra.push_back(name);
     }
-    COMMGRAD_CHECK(extra.empty(), kOp, group, "the checkpoint ", result.directory, " holds ", extra.size(), " tensor",
-                   extra.size() == 1 ? "" : "s", " that no rank loads: ", list_names(extra),
+    COMMGRAD_CHECK(extra.empty(), kLoadOp, group, "the checkpoint ", result.directory, " holds ", extra.size(),
+                   " tensor", extra.size() == 1 ? "" : "s", " that no rank loads: ", list_names(extra),
                    " (a checkpoint of another model? LoadOptions().strict(false) ignores them)");
   }
 
@@ -183,7 +183,7 @@ struct LoadRun {
     }
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return dests[a].name < dests[b].name; });
     std::vector<at::Tensor> staged(pieces.size());
-    detail::run_phase(kOp, group, [&] {
+    detail::run_phase(kLoadOp, group, [&] {
       detail::ShardReader reader(result.directory, index);
       for (size_t k = 0; k < order.size(); ++k) {
         const size_t i = order[k];
@@ -205,7 +205,7 @@ struct LoadRun {
 LoadResult load(const std::string& root, const std::vector<TensorPiece>& pieces, const LoadOptions& options,
                 const Group& group_in) {
   const Group group = ops::raw::resolve_group(group_in);
-  check_member(kOp, group);
+  check_member(kLoadOp, group);
   LoadRun run(root, pieces, options, group);
   run.agree(run.plan());
   run.read_and_copy();

@@ -48,7 +48,7 @@ using detail::PieceInfo;
 
 namespace {
 
-constexpr const char* kOp = "checkpoint::save";
+constexpr const char* kSaveOp = "checkpoint::save";
 
 std::string rank_file_name(int rank) {
   char buf[40];
@@ -81,7 +81,7 @@ Plan make_plan(const std::vector<std::string>& described, int64_t step, const Gr
   std::map<std::string, std::vector<PlannedPiece*>> by_name;
   for (size_t r = 0; r < described.size(); ++r) {
     const auto j = nlohmann::json::parse(described[r]);
-    COMMGRAD_CHECK(j.at("step").get<int64_t>() == step, kOp, group, "rank ", r, " saves step ",
+    COMMGRAD_CHECK(j.at("step").get<int64_t>() == step, kSaveOp, group, "rank ", r, " saves step ",
                    j.at("step").get<int64_t>(), ", this rank step ", step);
     for (const auto& p : j.at("pieces")) {
       plan.by_rank[r].push_back(
@@ -96,9 +96,9 @@ Plan make_plan(const std::vector<std::string>& described, int64_t step, const Gr
     detail::SavedTensor saved{first.info.dtype, first.info.global_shape, false, {}};
     std::vector<PlannedPiece*> written;
     for (PlannedPiece* p : pieces) {
-      COMMGRAD_CHECK(p->info.dtype == saved.dtype && p->info.global_shape == saved.global_shape, kOp, group, "tensor '",
-                     name, "' is ", saved.dtype, " ", shape_name(saved.global_shape), " on rank ", first.rank, " but ",
-                     p->info.dtype, " ", shape_name(p->info.global_shape), " on rank ", p->rank);
+      COMMGRAD_CHECK(p->info.dtype == saved.dtype && p->info.global_shape == saved.global_shape, kSaveOp, group,
+                     "tensor '", name, "' is ", saved.dtype, " ", shape_name(saved.global_shape), " on rank ",
+                     first.rank, " but ", p->info.dtype, " ", shape_name(p->info.global_shape), " on rank ", p->rank);
       saved.required = saved.required || p->info.required;
       if (!p->info.write) continue;
       bool replica = false;
@@ -109,7 +109,7 @@ Plan make_plan(const std::vector<std::string>& described, int64_t step, const Gr
             w->info.box == p->info.box
                 ? (p->info.flat_begin < w->info.flat_end && w->info.flat_begin < p->info.flat_end)
                 : detail::intersect(w->info.box, p->info.box).has_value() && p->info.count() > 0 && w->info.count() > 0;
-        COMMGRAD_CHECK(!overlap, kOp, group, "tensor '", name, "': the pieces ", piece_place(*w), " and ",
+        COMMGRAD_CHECK(!overlap, kSaveOp, group, "tensor '", name, "': the pieces ", piece_place(*w), " and ",
                        piece_place(*p), " overlap; mark all but one copy write = false");
       }
       p->writes = true;
@@ -118,7 +118,7 @@ Plan make_plan(const std::vector<std::string>& described, int64_t step, const Gr
     int64_t covered = 0;
     for (const PlannedPiece* w : written) covered += w->info.count();
     const int64_t total = detail::volume(saved.global_shape);
-    COMMGRAD_CHECK(covered == total, kOp, group, "tensor '", name, "' ", saved.dtype, " ",
+    COMMGRAD_CHECK(covered == total, kSaveOp, group, "tensor '", name, "' ", saved.dtype, " ",
                    shape_name(saved.global_shape), ": the pieces written cover ", covered, " of its ", total,
                    " elements");
     // Keys in each writer's file: the name, or name#k for a rank's k-th piece of it.
@@ -157,15 +157,15 @@ struct SaveRun {
 
   // describe: every rank's pieces, checked locally.
   std::vector<std::string> describe() const {
-    return detail::run_phase(kOp, group, [&] {
-      COMMGRAD_CHECK(step >= 0, kOp, group, "steps are non-negative, got ", step);
-      COMMGRAD_CHECK(!root.empty(), kOp, group, "the checkpoint root is empty");
+    return detail::run_phase(kSaveOp, group, [&] {
+      COMMGRAD_CHECK(step >= 0, kSaveOp, group, "steps are non-negative, got ", step);
+      COMMGRAD_CHECK(!root.empty(), kSaveOp, group, "the checkpoint root is empty");
       nlohmann::json list = nlohmann::json::array();
       for (const auto& piece : pieces) {
         try {
           list.push_back(detail::to_json(detail::check_piece(piece)));
         } catch (const c10::Error& e) {
-          COMMGRAD_CHECK(false, kOp, group, e.what_without_backtrace());
+          COMMGRAD_CHECK(false, kSaveOp, group, e.what_without_backtrace());
         }
       }
       return nlohmann::json{{"step", step}, {"pieces", list}}.dump();
@@ -174,23 +174,23 @@ struct SaveRun {
 
   // prepare: rank 0 makes the root and an empty partial directory.
   void prepare() const {
-    detail::run_phase(kOp, group, [&] {
+    detail::run_phase(kSaveOp, group, [&] {
       if (rank != 0) return std::string();
       std::error_code ec;
       fs::create_directories(root, ec);
-      COMMGRAD_CHECK(fs::is_directory(root), kOp, group, "cannot create the checkpoint root ", root, ": ",
+      COMMGRAD_CHECK(fs::is_directory(root), kSaveOp, group, "cannot create the checkpoint root ", root, ": ",
                      ec ? ec.message() : "it is not a directory");
       detail::remove_stale_partials(root);
       detail::prune_before_save(root, options.keep(), step);
-      COMMGRAD_CHECK(fs::create_directory(partial_dir, ec), kOp, group, "cannot create ", partial_dir.string(), ": ",
-                     ec.message());
+      COMMGRAD_CHECK(fs::create_directory(partial_dir, ec), kSaveOp, group, "cannot create ", partial_dir.string(),
+                     ": ", ec.message());
       return std::string();
     });
   }
 
   // write: each rank its file; returns every rank's bytes and checksums.
   std::vector<std::string> write(const Plan& plan, int64_t& bytes_written) const {
-    return detail::run_phase(kOp, group, [&] {
+    return detail::run_phase(kSaveOp, group, [&] {
       std::vector<detail::SafetensorsEntry> entries;
       for (const PlannedPiece& p : plan.by_rank[rank]) {
         if (!p.writes) continue;
@@ -228,7 +228,7 @@ struct SaveRun {
   // publish: rank 0 completes the index, renames the directory into place,
   // points "latest" at it and prunes old steps.
   void publish(Plan& plan, const std::vector<std::string>& written) const {
-    detail::run_phase(kOp, group, [&] {
+    detail::run_phase(kSaveOp, group, [&] {
       if (rank != 0) return std::string();
       for (size_t r = 0; r < written.size(); ++r) {
         const auto j = nlohmann::json::parse(written[r]);
@@ -254,8 +254,8 @@ struct SaveRun {
       const std::string pointer = step_directory_name(step) + "\n";
       detail::write_file_durably(latest + ".tmp", pointer);
       published("latest.tmp");
-      COMMGRAD_CHECK(std::rename((latest + ".tmp").c_str(), latest.c_str()) == 0, kOp, group, "cannot rename ", latest,
-                     ".tmp to ", latest, ": ", detail::errno_message());
+      COMMGRAD_CHECK(std::rename((latest + ".tmp").c_str(), latest.c_str()) == 0, kSaveOp, group, "cannot rename ",
+                     latest, ".tmp to ", latest, ": ", detail::errno_message());
       detail::fsync_directory(root);
       notify(options, latest, static_cast<int64_t>(pointer.size()));
       published("latest");
@@ -271,7 +271,7 @@ struct SaveRun {
 SaveResult save(const std::string& root, int64_t step, const std::vector<TensorPiece>& pieces,
                 const nlohmann::json& metadata, const SaveOptions& options, const Group& group_in) {
   const Group group = ops::raw::resolve_group(group_in);
-  check_member(kOp, group);
+  check_member(kSaveOp, group);
   SaveRun run{root, step, pieces, options, group, group.rank(), {}, {}};
   Plan plan = make_plan(run.describe(), step, group);  // checks the step before it names a directory
   run.final_dir = fs::path(root) / step_directory_name(step);

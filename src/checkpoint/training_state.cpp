@@ -22,7 +22,7 @@
 namespace commgrad::checkpoint {
 namespace {
 
-constexpr const char* kOp = "checkpoint training state";
+constexpr const char* kTrainingStateOp = "checkpoint training state";
 
 // One list of pieces and where each part of it starts.
 struct Parts {
@@ -43,7 +43,7 @@ struct Parts {
 
 Group rng_group(const torch::nn::Module& model, const TrainingStateOptions& options) {
   if (options.tensor_parallel_group().defined()) return options.tensor_parallel_group();
-  const Group g = tp::tensor_parallel_group_for_norm(model, default_tensor_parallel_group(), kOp);
+  const Group g = tp::tensor_parallel_group_for_norm(model, default_tensor_parallel_group(), kTrainingStateOp);
   return g.defined() ? g : self_group();
 }
 

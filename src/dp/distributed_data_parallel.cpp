@@ -21,8 +21,6 @@ namespace commgrad::dp {
 namespace detail {
 namespace {
 
-constexpr const char* kOp = "DistributedDataParallel";
-
 // The trainable floating parameters in the policy's compute dtype (in
 // place: each keeps its autograd identity), before the replica check.
 void cast_parameters(const std::vector<NamedTensor>& params, const MixedPrecisionPolicy& policy) {
@@ -41,20 +39,20 @@ void cast_parameters(const std::vector<NamedTensor>& params, const MixedPrecisio
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
                                                  DistributedDataParallelOptions options)
     : module_(std::move(module)) {
-  using detail::kOp;
+  using detail::kDdpOp;
   Group group = options.group().defined() ? options.group() : default_data_parallel_group();
   options.group(group);
-  check_member(kOp, group);
-  COMMGRAD_CHECK(module_ != nullptr, kOp, group, "the module is null");
-  tp::check_data_parallel_group(*module_, group, kOp, "DistributedDataParallelOptions(group)");
-  COMMGRAD_CHECK(options.bucket_cap_mb() > 0 && options.first_bucket_cap_mb() > 0, kOp, group,
+  check_member(kDdpOp, group);
+  COMMGRAD_CHECK(module_ != nullptr, kDdpOp, group, "the module is null");
+  tp::check_data_parallel_group(*module_, group, kDdpOp, "DistributedDataParallelOptions(group)");
+  COMMGRAD_CHECK(options.bucket_cap_mb() > 0 && options.first_bucket_cap_mb() > 0, kDdpOp, group,
                  "bucket sizes must be positive, got bucket_cap_mb ", options.bucket_cap_mb(),
                  " and first_bucket_cap_mb ", options.first_bucket_cap_mb());
-  COMMGRAD_CHECK(options.average_divisor() >= 0, kOp, group, "average_divisor must be >= 0 (0: the group size), got ",
-                 options.average_divisor());
+  COMMGRAD_CHECK(options.average_divisor() >= 0, kDdpOp, group,
+                 "average_divisor must be >= 0 (0: the group size), got ", options.average_divisor());
   const auto& policy = options.mixed_precision();
-  check_policy(policy, kOp);
-  COMMGRAD_CHECK(!policy.output_dtype(), kOp, group, "the mixed-precision policy (", policy.describe(),
+  check_policy(policy, kDdpOp);
+  COMMGRAD_CHECK(!policy.output_dtype(), kDdpOp, group, "the mixed-precision policy (", policy.describe(),
                  ") sets output_dtype, but DistributedDataParallel does not wrap forward: cast the outputs in the "
                  "module (or shard it with fully_shard)");
 
@@ -66,8 +64,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     if (std::find(ignored.begin(), ignored.end(), item.key()) != ignored.end()) continue;
     if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
     const auto& p = item.value();
-    COMMGRAD_CHECK(p.layout() == at::kStrided, kOp, group, "parameter '", item.key(), "' is not a dense tensor");
-    COMMGRAD_CHECK(p.is_leaf(), kOp, group, "parameter '", item.key(), "' is not a leaf tensor");
+    COMMGRAD_CHECK(p.layout() == at::kStrided, kDdpOp, group, "parameter '", item.key(), "' is not a dense tensor");
+    COMMGRAD_CHECK(p.is_leaf(), kDdpOp, group, "parameter '", item.key(), "' is not a leaf tensor");
     params.emplace_back(item.key(), p);
   }
   detail::cast_parameters(params, policy);
@@ -78,7 +76,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
 
   // Same replicas everywhere, then rank 0's values everywhere.
-  verify_replicas(kOp, group, params, buffers);
+  verify_replicas(kDdpOp, group, params, buffers);
   std::vector<at::Tensor> state;
   for (const auto& p : params) state.push_back(p.second);
   for (const auto& b : buffers) state.push_back(b.second);
@@ -98,7 +96,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   // a backward starts (the last step kept them in step across TP ranks).
   std::weak_ptr<torch::nn::Module> weak = module_;
   reducer_->set_backward_check([weak] {
-    if (const auto m = weak.lock()) tp::debug_check_replicated_parameters(*m, detail::kOp);
+    if (const auto m = weak.lock()) tp::debug_check_replicated_parameters(*m, detail::kDdpOp);
   });
 }
 

@@ -65,8 +65,6 @@
 namespace commgrad::dp::detail {
 namespace {
 
-constexpr const char* kOp = "DistributedDataParallel";
-
 int64_t mib_to_bytes(double mib) { return static_cast<int64_t>(mib * 1024.0 * 1024.0); }
 
 // A contiguous alias of `numel` elements of `buffer` at `offset`, shaped
@@ -153,7 +151,7 @@ DdpReducer::DdpReducer(Group group, DistributedDataParallelOptions options, std:
     ordered.push_back(it->second);
   }
   for (const auto& name : own) {
-    COMMGRAD_CHECK(std::any_of(params_.begin(), params_.end(), [&](const Param& p) { return p.name == name; }), kOp,
+    COMMGRAD_CHECK(std::any_of(params_.begin(), params_.end(), [&](const Param& p) { return p.name == name; }), kDdpOp,
                    group_, "own_bucket names '", name, "', which is not a trainable parameter of the module");
   }
   const auto assignment = assign_buckets(ordered, mib_to_bytes(options_.first_bucket_cap_mb()),
@@ -161,7 +159,7 @@ DdpReducer::DdpReducer(Group group, DistributedDataParallelOptions options, std:
 
   at::NoGradGuard no_grad;
   const int64_t multiple = options_.bucket_multiple();
-  COMMGRAD_CHECK(multiple >= 1, kOp, group_, "bucket_multiple must be at least 1, got ", multiple);
+  COMMGRAD_CHECK(multiple >= 1, kDdpOp, group_, "bucket_multiple must be at least 1, got ", multiple);
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket bucket;
     bucket.param_dtype = ordered[assignment[b].front()].scalar_type();
@@ -247,8 +245,8 @@ void DdpReducer::set_sync_enabled(bool enabled) {
 
 void DdpReducer::set_comm_hook(CommHook hook) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  COMMGRAD_CHECK(static_cast<bool>(hook), kOp, group_, "register_comm_hook: the hook is empty");
-  COMMGRAD_CHECK(!in_backward_, kOp, group_, "register_comm_hook: called during backward");
+  COMMGRAD_CHECK(static_cast<bool>(hook), kDdpOp, group_, "register_comm_hook: the hook is empty");
+  COMMGRAD_CHECK(!in_backward_, kDdpOp, group_, "register_comm_hook: called during backward");
   comm_hook_ = std::move(hook);
 }
 
@@ -277,7 +275,7 @@ void DdpReducer::on_gradient_ready(size_t index) {
   at::NoGradGuard no_grad;
   try {
     if (!in_backward_) begin_backward();
-    COMMGRAD_CHECK(!ready_[index], kOp, group_, "parameter '", params_[index].name,
+    COMMGRAD_CHECK(!ready_[index], kDdpOp, group_, "parameter '", params_[index].name,
                    "' received a gradient twice in one backward (reentrant backward, e.g. activation "
                    "checkpointing, is not supported)");
     mark_ready(index);
@@ -313,9 +311,9 @@ void DdpReducer::mark_ready(size_t index) {
   const double divisor = bucket.average.before;
   const bool average = divisor != 1;
   if (grad.defined()) {
-    COMMGRAD_CHECK(!grad.is_sparse(), kOp, group_, "parameter '", p.name,
+    COMMGRAD_CHECK(!grad.is_sparse(), kDdpOp, group_, "parameter '", p.name,
                    "' has a sparse gradient; only dense gradients are supported");
-    COMMGRAD_CHECK(grad.sizes() == p.tensor.sizes() && grad.scalar_type() == bucket.param_dtype, kOp, group_,
+    COMMGRAD_CHECK(grad.sizes() == p.tensor.sizes() && grad.scalar_type() == bucket.param_dtype, kDdpOp, group_,
                    "gradient of parameter '", p.name, "' is ", tensor_name(grad), ", but the parameter is ",
                    dtype_name(bucket.param_dtype), shape_name(p.tensor.sizes()));
     if (as_bucket_view(bucket)) {
@@ -371,7 +369,7 @@ void DdpReducer::finish_bucket(size_t b, std::exception_ptr& error) {
       try {
         // The cause first (a peer that failed says so there); the hint
         // is for the other common reason, ranks whose backward differs.
-        COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] ", kOp, " ", group_.describe(),
+        COMMGRAD_THROW_MESSAGE(::commgrad::ErrorKind::kPeerFailed, "[commgrad] ", kDdpOp, " ", group_.describe(),
                                ": reducing ", bucket_context(b), " failed: ",
                                dynamic_cast<const c10::Error*>(&e)
                                    ? dynamic_cast<const c10::Error&>(e).what_without_backtrace()
@@ -470,7 +468,7 @@ void DdpReducer::finalize_backward() {
     std::string names;
     for (size_t i = 0; i < unused.size() && i < 8; ++i) names += c10::str(i ? ", '" : "'", unused[i], "'");
     if (unused.size() > 8) names += c10::str(", ... (", unused.size(), " in all)");
-    COMMGRAD_CHECK(false, kOp, group_, "parameter '", unused.front(),
+    COMMGRAD_CHECK(false, kDdpOp, group_, "parameter '", unused.front(),
                    "' received no gradient in this backward (parameters without gradient: ", names,
                    "). Make every parameter take part in the loss, or construct DistributedDataParallel with "
                    "find_unused_parameters(true). The gradients were still reduced so that the ranks stay in "
@@ -501,7 +499,7 @@ void DdpReducer::wait_all_quietly() {
     try {
       if (b.work.pending.defined()) b.work.pending.wait();
     } catch (const std::exception& e) {
-      COMMGRAD_LOG(kWarn, kOp, " ", group_.describe(), ": ignoring a failed bucket reduction: ", e.what());
+      COMMGRAD_LOG(kWarn, kDdpOp, " ", group_.describe(), ": ignoring a failed bucket reduction: ", e.what());
     }
     b.work = CommWork{};
     release_buffer(b);
@@ -518,7 +516,7 @@ void DdpReducer::abandon_backward() {
   try {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     if (!in_backward_) return;
-    COMMGRAD_LOG(kWarn, kOp, " ", group_.describe(),
+    COMMGRAD_LOG(kWarn, kDdpOp, " ", group_.describe(),
                  ": backward ended before its gradients were reduced; draining launched buckets");
     wait_all_quietly();
     reset_backward_state();

@@ -22,8 +22,6 @@ namespace commgrad::fsdp {
 namespace detail {
 namespace {
 
-constexpr const char* kOp = "fully_shard";
-
 struct Entry {
   std::weak_ptr<torch::nn::Module> module;
   std::shared_ptr<Unit> unit;

@@ -34,7 +34,6 @@
 namespace commgrad::fsdp::detail {
 namespace {
 
-constexpr const char* kOp = "fully_shard";
 constexpr int64_t kBroadcastCap = 32 << 20;
 
 // A module's own parameters, writable (the dict named_parameters() copies).
@@ -62,13 +61,13 @@ Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, FullyShardOptions o
     : module_(module), module_address_(module.get()), options_(std::move(options)) {
   group_ = options_.group().defined() ? options_.group() : default_data_parallel_group();
   options_.group(group_);
-  check_member(kOp, group_);
-  if (options_.replicate_group().defined()) check_member(kOp, options_.replicate_group());
-  COMMGRAD_CHECK(options_.average_divisor() >= 0, kOp, group_,
+  check_member(kFullyShardOp, group_);
+  if (options_.replicate_group().defined()) check_member(kFullyShardOp, options_.replicate_group());
+  COMMGRAD_CHECK(options_.average_divisor() >= 0, kFullyShardOp, group_,
                  "average_divisor must be 0 (the ranks holding a copy) "
                  "or positive, got ",
                  options_.average_divisor());
-  dp::check_policy(options_.mixed_precision(), kOp);
+  dp::check_policy(options_.mixed_precision(), kFullyShardOp);
   collect(module, inner);
   make_equal_everywhere();
   lay_out();
@@ -95,10 +94,11 @@ void Unit::collect(const std::shared_ptr<torch::nn::Module>& module, const std::
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
       const std::string name = item.key().empty() ? p.key() : item.key() + "." + p.key();
       const at::Tensor& t = p.value();
-      COMMGRAD_CHECK(t.defined() && t.layout() == at::kStrided, kOp, group_, "parameter '", name,
+      COMMGRAD_CHECK(t.defined() && t.layout() == at::kStrided, kFullyShardOp, group_, "parameter '", name,
                      "' is not a dense tensor");
-      COMMGRAD_CHECK(t.is_leaf(), kOp, group_, "parameter '", name, "' is not a leaf tensor");
-      COMMGRAD_CHECK(seen.emplace(t.unsafeGetTensorImpl(), params_.size()).second, kOp, group_, "parameter '", name,
+      COMMGRAD_CHECK(t.is_leaf(), kFullyShardOp, group_, "parameter '", name, "' is not a leaf tensor");
+      COMMGRAD_CHECK(seen.emplace(t.unsafeGetTensorImpl(), params_.size()).second, kFullyShardOp, group_, "parameter '",
+                     name,
                      "' is registered twice in the unit (a tied weight): wrap the modules that share it in one unit "
                      "and register it once");
       Param param;
@@ -115,10 +115,10 @@ void Unit::collect(const std::shared_ptr<torch::nn::Module>& module, const std::
   if (params_.empty()) return;  // a root whose parameters all live in inner units
   dtype_ = params_.front().compute.scalar_type();
   for (const auto& p : params_) {
-    COMMGRAD_CHECK(p.compute.scalar_type() == dtype_ && p.compute.device() == params_.front().compute.device(), kOp,
-                   group_, "the parameters of a unit must share one dtype and device; '", params_.front().name, "' is ",
-                   tensor_name(params_.front().compute), ", '", p.name, "' is ", tensor_name(p.compute),
-                   " (wrap them in separate units)");
+    COMMGRAD_CHECK(p.compute.scalar_type() == dtype_ && p.compute.device() == params_.front().compute.device(),
+                   kFullyShardOp, group_, "the parameters of a unit must share one dtype and device; '",
+                   params_.front().name, "' is ", tensor_name(params_.front().compute), ", '", p.name, "' is ",
+                   tensor_name(p.compute), " (wrap them in separate units)");
     if (p.requires_grad) ++trainable_;
   }
   has_frozen_ = trainable_ < params_.size();
@@ -152,7 +152,7 @@ void Unit::make_equal_everywhere() {
   at::NoGradGuard no_grad;
   for (const Group& g : {group_, options_.replicate_group()}) {
     if (!g.defined()) continue;
-    dp::verify_replicas(kOp, g, named, {});
+    dp::verify_replicas(kFullyShardOp, g, named, {});
     dp::broadcast_from_first(g, values, kBroadcastCap);
   }
 }
@@ -209,7 +209,7 @@ void Unit::check_not_replaced() const {
     const auto* now = p.owner->named_parameters(/*recurse=*/false).find(p.key);
     const bool same =
         now != nullptr && now->is_same(p.piece) && p.piece.is_alias_of(shard_) && p.piece.scalar_type() == dtype_;
-    COMMGRAD_CHECK(same, kOp, group_, "parameter '", p.name,
+    COMMGRAD_CHECK(same, kFullyShardOp, group_, "parameter '", p.name,
                    "' was replaced after fully_shard (its piece is no longer registered, or it no longer "
                    "holds the shard: to(), set_data() or a load into the module); do that before sharding it");
   }
@@ -286,7 +286,7 @@ void Unit::before_forward() {
     ++t.forward_id;
     check_not_replaced();
   }
-  COMMGRAD_CHECK(last_forward_id_ != t.forward_id, kOp, group_, "a module (",
+  COMMGRAD_CHECK(last_forward_id_ != t.forward_id, kFullyShardOp, group_, "a module (",
                  module_.expired() ? std::string("?") : module_.lock()->name(),
                  ") was called twice in one forward (a unit runs once per forward; wrap the shared part in a unit "
                  "of its own or call it once)");

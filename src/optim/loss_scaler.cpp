@@ -28,7 +28,7 @@
 namespace commgrad::optim {
 namespace {
 
-constexpr const char* kOp = "DynamicLossScaler";
+constexpr const char* kLossScalerOp = "DynamicLossScaler";
 
 void check_options(const DynamicLossScalerOptions& o) {
   TORCH_CHECK(o.initial_scale() > 0 && std::isfinite(o.initial_scale()),
@@ -57,7 +57,7 @@ std::vector<Group> resolve_groups(const std::vector<Group>& requested) {
     std::copy_if(requested.begin(), requested.end(), std::back_inserter(groups),
                  [](const Group& g) { return g.defined(); });
   }
-  for (const auto& g : groups) check_member(kOp, g);
+  for (const auto& g : groups) check_member(kLossScalerOp, g);
   return groups;
 }
 

@@ -67,9 +67,9 @@
 namespace commgrad::optim {
 namespace {
 
-constexpr const char* kOp = detail::kZeroOp;
 using detail::alias;
 using detail::bytes_of;
+using detail::kZeroOp;
 
 // The policy: the options' own, or, when it sets no dtype, the one in their
 // DDP options (with the options' float32_master).
@@ -79,8 +79,8 @@ dp::MixedPrecisionPolicy resolve_policy(const ZeroOptimizerOptions& options, con
     const auto& given = options.ddp().mixed_precision();
     policy.param_dtype(given.param_dtype()).reduce_dtype(given.reduce_dtype()).output_dtype(given.output_dtype());
   }
-  dp::check_policy(policy, kOp);
-  COMMGRAD_CHECK(!policy.output_dtype(), kOp, group, "the mixed-precision policy (", policy.describe(),
+  dp::check_policy(policy, kZeroOp);
+  COMMGRAD_CHECK(!policy.output_dtype(), kZeroOp, group, "the mixed-precision policy (", policy.describe(),
                  ") sets output_dtype, but ZeroOptimizer does not wrap forward: cast the outputs in the module");
   return policy;
 }
@@ -90,11 +90,11 @@ dp::MixedPrecisionPolicy resolve_policy(const ZeroOptimizerOptions& options, con
 void check_loss_scaler(const ZeroOptimizerOptions& options, const Group& group) {
   const auto* scaler = options.loss_scaler();
   if (scaler == nullptr) return;
-  COMMGRAD_CHECK(options.clip_partner() == nullptr, kOp, group,
+  COMMGRAD_CHECK(options.clip_partner() == nullptr, kZeroOp, group,
                  "loss_scaler does not combine with clip_partner yet (the partner's gradients are not unscaled)");
   if (group.size() == 1) return;
   const auto& groups = scaler->groups();
-  COMMGRAD_CHECK(std::find(groups.begin(), groups.end(), group) != groups.end(), kOp, group,
+  COMMGRAD_CHECK(std::find(groups.begin(), groups.end(), group) != groups.end(), kZeroOp, group,
                  "the loss scaler agrees on inf/NaN over ", groups.size(),
                  " groups, none of which is the data-parallel group ", group.describe(),
                  ": give it DynamicLossScalerOptions().groups({...}) with that group");
@@ -122,8 +122,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
   // from theirs); a data-parallel group holding two TP peers is an error.
   const Group given_tp =
       m.options.tensor_parallel_group().defined() ? m.options.tensor_parallel_group() : default_tensor_parallel_group();
-  m.options.tensor_parallel_group(tp::tensor_parallel_group_for_norm(*m.module, given_tp, kOp));
-  tp::check_data_parallel_group(*m.module, m.options.ddp().group(), kOp, "ZeroOptimizerOptions(group)");
+  m.options.tensor_parallel_group(tp::tensor_parallel_group_for_norm(*m.module, given_tp, kZeroOp));
+  tp::check_data_parallel_group(*m.module, m.options.ddp().group(), kZeroOp, "ZeroOptimizerOptions(group)");
   if (!m.options.pipeline_parallel_group().defined()) {
     m.options.pipeline_parallel_group(default_pipeline_parallel_group());
   }
@@ -132,7 +132,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
   check_loss_scaler(m.options, group);
   for (const auto& name : m.options.tied_parameters()) {
     const auto* p = m.module->named_parameters().find(name);
-    COMMGRAD_CHECK(p != nullptr && p->requires_grad(), kOp, group, "tied parameter '", name,
+    COMMGRAD_CHECK(p != nullptr && p->requires_grad(), kZeroOp, group, "tied parameter '", name,
                    "' is not a trainable parameter of the module");
   }
   auto ddp_options = m.options.ddp();
@@ -150,7 +150,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
     if (item.value().requires_grad()) m.params[item.key()] = item.value();
   }
   for (const auto& [name, p] : m.params) {
-    COMMGRAD_CHECK(p.is_floating_point(), kOp, m.group, "parameter '", name, "' is ", tensor_name(p),
+    COMMGRAD_CHECK(p.is_floating_point(), kZeroOp, m.group, "parameter '", name, "' is ", tensor_name(p),
                    "; only floating-point parameters can be optimized");
   }
   m.build_shards();
@@ -296,7 +296,7 @@ void ZeroOptimizer::Impl::check_tied() const {
   const auto& names = options.tied_parameters();
   const auto& tied = options.tied_group();
   if (names.empty()) return;
-  COMMGRAD_CHECK(tied.defined(), kOp, group, "tied_parameters are named ('", names.front(),
+  COMMGRAD_CHECK(tied.defined(), kZeroOp, group, "tied_parameters are named ('", names.front(),
                  "', ...) but tied_group is not set");
   if (tied.size() == 1) return;
   // Every copy: the same data-parallel rank and size, and the same shapes.
@@ -305,14 +305,14 @@ void ZeroOptimizer::Impl::check_tied() const {
   const auto local = at::tensor(mine, at::kLong);
   const auto local_count = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
   const auto counts = ops::raw::all_gather(local_count, {}, tied).wait();
-  COMMGRAD_CHECK(counts.eq(counts[0]).all().item<bool>(), kOp, tied, "the ranks of the tied group name ",
+  COMMGRAD_CHECK(counts.eq(counts[0]).all().item<bool>(), kZeroOp, tied, "the ranks of the tied group name ",
                  "different numbers of tied parameters (this rank ", names.size(), ")");
   const auto all = ops::raw::all_gather(local, {}, tied).wait().view({tied.size(), -1});
   const at::IntArrayRef my_numels = at::IntArrayRef(mine).slice(3);
   for (int r = 0; r < tied.size(); ++r) {
     const auto theirs = all[r].contiguous();
     const auto* v = theirs.data_ptr<int64_t>();
-    COMMGRAD_CHECK(theirs.equal(local), kOp, tied, "the tied parameters ('", names.front(),
+    COMMGRAD_CHECK(theirs.equal(local), kZeroOp, tied, "the tied parameters ('", names.front(),
                    "', ...) are not split like group rank ", r, "'s copies: this rank has data-parallel rank ", mine[0],
                    "/", mine[1], " and ", shape_name(my_numels), " elements, rank ", r, " has ", v[0], "/", v[1],
                    " and ", shape_name(at::IntArrayRef(v + 3, mine.size() - 3)), " elements");
@@ -390,7 +390,7 @@ double ZeroOptimizer::step() {
   auto& m = *impl_;
   at::NoGradGuard no_grad;
   for (size_t b = 0; b < m.shards.size(); ++b) {
-    COMMGRAD_CHECK(m.shards[b].fresh, kOp, m.group, "step() without a synchronised backward since the last step ",
+    COMMGRAD_CHECK(m.shards[b].fresh, kZeroOp, m.group, "step() without a synchronised backward since the last step ",
                    "(bucket ", b, " of ", m.shards.size(),
                    " was not reduced: call backward() outside no_sync() before step())");
   }

@@ -13,8 +13,8 @@
 namespace commgrad::pp {
 namespace {
 
+using detail::ActionKey;
 using detail::fail;
-using detail::Key;
 using detail::key_of;
 using Kind = ActionKind;
 
@@ -30,9 +30,9 @@ class Simulator {
     double busy = 0;
     bool posted = false;  // the batch at pc is posted
     double posted_at = 0;
-    size_t batch_end = 0;    // one past the batch's last action
-    std::vector<char> done;  // per action of the batch
-    std::set<Key> have;      // computed or received here
+    size_t batch_end = 0;      // one past the batch's last action
+    std::vector<char> done;    // per action of the batch
+    std::set<ActionKey> have;  // computed or received here
     int in_flight = 0;
     int awaiting_weight = 0;
   };
@@ -61,8 +61,8 @@ class Simulator {
   const bool split_;
   const int last_;
   std::vector<Rank> ranks_;
-  std::map<Key, int> computed_;    // F, B and W per (stage, microbatch)
-  std::map<Key, double> mailbox_;  // buffered sends, by the receive they match: posting time
+  std::map<ActionKey, int> computed_;    // F, B and W per (stage, microbatch)
+  std::map<ActionKey, double> mailbox_;  // buffered sends, by the receive they match: posting time
   SimulationResult result_;
 };
 

@@ -10,6 +10,8 @@
 
 #include "commgrad/tp/reference.h"
 
+#include "detail/layer_norm.h"
+
 #include "commgrad/tp/random.h"
 
 #include <ATen/ATen.h>
@@ -21,10 +23,6 @@
 namespace commgrad::tp {
 
 namespace {
-
-torch::nn::LayerNorm make_layernorm(int64_t hidden_size, double eps) {
-  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden_size}).eps(eps));
-}
 
 // The seed given, else one draw_seed(), kept in the options (so reset() from
 // clone() draws nothing). Called before any torch::nn::Linear is built: those
@@ -78,11 +76,11 @@ TransformerLayerReferenceImpl::TransformerLayerReferenceImpl(ParallelTransformer
 void TransformerLayerReferenceImpl::reset() {
   const int64_t h = options.hidden_size();
   const uint64_t seed = own_seed(options.seed());
-  ln1 = register_module("ln1", make_layernorm(h, options.layernorm_eps()));
+  ln1 = register_module("ln1", detail::make_layernorm(h, options.layernorm_eps()));
   attention = register_module("attention", SelfAttentionReference(ParallelSelfAttentionOptions(h, options.num_heads())
                                                                       .attention_dropout(options.attention_dropout())
                                                                       .seed(seed)));
-  ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
+  ln2 = register_module("ln2", detail::make_layernorm(h, options.layernorm_eps()));
   mlp = register_module("mlp", MLPReference(ParallelMLPOptions(h, options.ffn_hidden_size()).seed(seed + 2)));
 }
 

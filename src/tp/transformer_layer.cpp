@@ -25,6 +25,7 @@
 #include "commgrad/tp/transformer_layer.h"
 
 #include "detail/common.h"
+#include "detail/layer_norm.h"
 
 #include "commgrad/tp/parallel_state.h"
 #include "commgrad/tp/random.h"
@@ -34,14 +35,6 @@
 #include <optional>
 
 namespace commgrad::tp {
-
-namespace {
-
-torch::nn::LayerNorm make_layernorm(int64_t hidden_size, double eps) {
-  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden_size}).eps(eps));
-}
-
-}  // namespace
 
 // ~~~ ParallelTransformerLayer ~~~
 
@@ -63,7 +56,7 @@ void ParallelTransformerLayerImpl::reset() {
   options.seed(resolve_seed(options.seed(), g));
   const uint64_t seed = *options.seed();
   const int64_t h = options.hidden_size();
-  ln1 = register_module("ln1", make_layernorm(h, options.layernorm_eps()));
+  ln1 = register_module("ln1", detail::make_layernorm(h, options.layernorm_eps()));
   attention = register_module(
       "attention", ParallelSelfAttention(ParallelSelfAttentionOptions(h, options.num_heads(), g)
                                              .attention_dropout(options.attention_dropout())
@@ -71,7 +64,7 @@ void ParallelTransformerLayerImpl::reset() {
                                              .recompute_core(options.recompute() == RecomputeGranularity::kSelective)
                                              .seed(seed)
                                              .context_parallel(options.context_parallel())));
-  ln2 = register_module("ln2", make_layernorm(h, options.layernorm_eps()));
+  ln2 = register_module("ln2", detail::make_layernorm(h, options.layernorm_eps()));
   if (options.feed_forward()) {
     feed_forward = options.feed_forward()(options);
     register_module("mlp", feed_forward.ptr());

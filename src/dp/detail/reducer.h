@@ -20,6 +20,9 @@ struct Node;
 
 namespace commgrad::dp::detail {
 
+// The op named in DistributedDataParallel's errors.
+constexpr const char* kDdpOp = "DistributedDataParallel";
+
 using dp::NamedTensor;
 
 /// Splits tensors (given in reduction order) into buckets: one dtype per

@@ -16,6 +16,9 @@
 
 namespace commgrad::fsdp::detail {
 
+// The op named in fully_shard's errors.
+constexpr const char* kFullyShardOp = "fully_shard";
+
 class Unit;
 
 /// What the units of one tree share: the order they ran in, whether

@@ -33,8 +33,10 @@ inline std::pair<Action, int> counterpart(const Schedule& s, const Action& a) {
 }
 
 /// An action without its batching: kind, stage, microbatch.
-using Key = std::tuple<int, int, int>;
-inline Key key_of(ActionKind kind, int stage, int microbatch) { return {static_cast<int>(kind), stage, microbatch}; }
-inline Key key_of(const Action& a) { return key_of(a.kind, a.stage, a.microbatch); }
+using ActionKey = std::tuple<int, int, int>;
+inline ActionKey key_of(ActionKind kind, int stage, int microbatch) {
+  return {static_cast<int>(kind), stage, microbatch};
+}
+inline ActionKey key_of(const Action& a) { return key_of(a.kind, a.stage, a.microbatch); }
 
 }  // namespace commgrad::pp::detail
