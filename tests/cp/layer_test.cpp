@@ -19,7 +19,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-namespace commgrad::cp {
+namespace commgrad::cp::layer_test {  // its own namespace: the target compiles as one unity file
 namespace {
 
 using commgrad::testing::error_of;
@@ -122,4 +122,4 @@ TEST(CpSelfAttention, Errors) {
 }
 
 }  // namespace
-}  // namespace commgrad::cp
+}  // namespace commgrad::cp::layer_test

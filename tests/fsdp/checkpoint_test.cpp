@@ -11,7 +11,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-namespace commgrad::testing {
+namespace commgrad::testing::fsdp_checkpoint_test {  // its own namespace: the target compiles as one unity file
 namespace {
 
 namespace fsdp = commgrad::fsdp;
@@ -174,4 +174,4 @@ TEST(FullyShardCheckpoint, AWeightsOnlyCheckpointIsAClearErrorForTheOptimizer) {
 }
 
 }  // namespace
-}  // namespace commgrad::testing
+}  // namespace commgrad::testing::fsdp_checkpoint_test

@@ -29,7 +29,7 @@
 #include <memory>
 #include <string>
 
-namespace commgrad::moe {
+namespace commgrad::moe::expert_data_parallel_test {  // its own namespace: the target compiles as one unity file
 namespace {
 
 using commgrad::testing::spawn_ranks;
@@ -265,4 +265,4 @@ TEST(ExpertDataParallelTest, AveragingExpertsOverTheExpertDataGroupAloneIsEpTime
 }
 
 }  // namespace
-}  // namespace commgrad::moe
+}  // namespace commgrad::moe::expert_data_parallel_test

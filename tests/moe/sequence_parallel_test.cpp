@@ -37,7 +37,7 @@
 #include <sstream>
 #include <string>
 
-namespace commgrad::moe {
+namespace commgrad::moe::sequence_parallel_test {  // its own namespace: the target compiles as one unity file
 namespace {
 
 using commgrad::testing::spawn_ranks;
@@ -219,4 +219,4 @@ TEST(MoESequenceParallelTest, PrettyPrintNamesTheGroup) {
 }
 
 }  // namespace
-}  // namespace commgrad::moe
+}  // namespace commgrad::moe::sequence_parallel_test
