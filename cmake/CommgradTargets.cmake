@@ -59,18 +59,27 @@ function(commgrad_configure_target target)
   endif()
 endfunction()
 
+# commgrad_unity_build(<target>)
+#   With COMMGRAD_UNITY_BUILD the target's sources compile in batches of 8: a
+#   layer's file spends ~8 of its ~12 s parsing the LibTorch headers, so a
+#   batch parses them once (the PCH does not help there: loading it costs
+#   ~5 s), and a test program loads the PCH and GoogleTest once.
+function(commgrad_unity_build target)
+  if(COMMGRAD_UNITY_BUILD)
+    set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 8)
+  endif()
+endfunction()
+
 # commgrad_add_library(<name> SOURCES ... [DEPS ...] [PCH] [NO_UNITY])
 #   One layer of the library: a shared library commgrad::<name without prefix>,
-#   exported and installed. With COMMGRAD_UNITY_BUILD its sources compile in
-#   batches of 8: a layer's file spends ~8 of its ~12 s parsing the LibTorch
-#   headers, so a batch parses them once (the PCH does not help here: loading
-#   it costs ~5 s). NO_UNITY keeps one object per file (the shm engine, whose
-#   inlining was measured file by file).
+#   exported and installed, in unity batches (commgrad_unity_build). NO_UNITY
+#   keeps one object per file (the shm engine, whose inlining was measured
+#   file by file).
 function(commgrad_add_library name)
   cmake_parse_arguments(ARG "PCH;NO_UNITY" "" "SOURCES;DEPS" ${ARGN})
   add_library(${name} SHARED ${ARG_SOURCES})
-  if(COMMGRAD_UNITY_BUILD AND NOT ARG_NO_UNITY)
-    set_target_properties(${name} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 8)
+  if(NOT ARG_NO_UNITY)
+    commgrad_unity_build(${name})
   endif()
   add_library(commgrad::${name} ALIAS ${name})
   target_include_directories(${name} PUBLIC
