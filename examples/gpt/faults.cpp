@@ -2,17 +2,52 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 #include <unistd.h>
 
 namespace gpt {
 
+namespace {
+
+// grad-scale:F[:NAME]
+Faults::GradScale parse_grad_scale(const char* text) {
+  const char* number = text + std::strlen("grad-scale:");
+  char* end = nullptr;
+  const double factor = std::strtod(number, &end);
+  if (end == number || !std::isfinite(factor) || (*end != '\0' && *end != ':') || (*end == ':' && end[1] == '\0')) {
+    throw std::invalid_argument(std::string("GPT_TRAIN_FAULT='") + text +
+                                "': expected grad-scale:F or grad-scale:F:NAME (F a number, NAME a parameter)");
+  }
+  return {factor, *end == ':' ? std::string(end + 1) : std::string()};
+}
+
+}  // namespace
+
+Faults Faults::grad_scale(const char* text) {
+  Faults f;
+  f.kind_ = "grad-scale";
+  const auto parsed = parse_grad_scale(text);
+  f.factor_ = parsed.factor;
+  f.parameter_ = parsed.parameter;
+  return f;
+}
+
+void Faults::scale_gradients(const std::vector<commgrad::checkpoint::TensorPiece>& gradients) const {
+  if (kind_ != "grad-scale") return;
+  for (const auto& g : gradients) {
+    if (parameter_.empty() || g.name == parameter_) g.tensor.mul_(factor_);
+  }
+}
+
 Faults Faults::from_environment() {
   Faults f;
   const char* text = std::getenv("GPT_TRAIN_FAULT");
   if (text == nullptr || *text == '\0') return f;
+  if (std::string(text).rfind("grad-scale:", 0) == 0) return grad_scale(text);
   char kind[32] = {};
   int step = -1;
   int starts = 1;
@@ -22,8 +57,9 @@ Faults Faults::from_environment() {
   f.starts_ = starts;
   const bool known = f.kind_ == "kill" || f.kind_ == "preempt" || f.kind_ == "preempt-twice" || f.kind_ == "kill-node";
   if (n < 2 || !known || step < 1 || starts < 1) {
-    throw std::invalid_argument(std::string("GPT_TRAIN_FAULT='") + text +
-                                "': expected kill:N[:R], preempt:N, preempt-twice:N or kill-node:N");
+    throw std::invalid_argument(
+        std::string("GPT_TRAIN_FAULT='") + text +
+        "': expected kill:N[:R], preempt:N, preempt-twice:N, kill-node:N or grad-scale:F[:NAME]");
   }
   return f;
 }

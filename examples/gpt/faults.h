@@ -13,8 +13,15 @@
 //                       launcher as step N begins: the ranks of that node die
 //                       with it (parent-death signal) and the node does not
 //                       come back (commgrad-run --nnodes MIN:MAX goes on without it)
+//   grad-scale:F[:NAME] every rank multiplies its pieces of every gradient (or
+//                       of parameter NAME's alone) by F after the reductions
+//                       and before clipping, at every step: a wrong gradient
+//                       that --check must catch (the reference is untouched)
+
+#include <commgrad/checkpoint/tensor_piece.h>
 
 #include <string>
+#include <vector>
 
 namespace gpt {
 
@@ -27,13 +34,26 @@ class Faults {
   void step_begins(int step, int rank) const;
   /// As the save after a preemption begins on rank `rank`.
   void preemption_save_begins(int rank) const;
+  /// grad-scale: scales the gradients (the trainer's GradientInspector).
+  void scale_gradients(const std::vector<commgrad::checkpoint::TensorPiece>& gradients) const;
+  /// True for grad-scale (the trainer must hand it the gradients).
+  bool scales_gradients() const { return kind_ == "grad-scale"; }
+
+  /// grad-scale's factor and parameter (empty: every one).
+  struct GradScale {
+    double factor = 1.0;
+    std::string parameter;
+  };
 
  private:
+  static Faults grad_scale(const char* text);
   void kill_node(int step, int rank) const;
 
   std::string kind_;
   int step_ = -1;
   int starts_ = 1;
+  double factor_ = 1.0;
+  std::string parameter_;  // grad-scale: the one parameter (empty: all)
 };
 
 }  // namespace gpt

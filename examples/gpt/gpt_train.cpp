@@ -90,6 +90,7 @@
 #include "gpt/model.h"
 #include "gpt/progress.h"
 #include "gpt/recompute_check.h"
+#include "gpt/reference_check.h"
 #include "gpt/trainer.h"
 
 #include "cli/cli.h"
@@ -527,8 +528,7 @@ int resume(const Config& c, gpt::Trainer& trainer, int rank) {
 // Trains steps start+1 .. --steps, saving as asked; returns the last step
 // saved (0: none), or -1 after a preemption (the step saved, the ranks stop).
 int train(const Config& c, gpt::Trainer& trainer, const gpt::Corpus& corpus, int start, int rank,
-          std::vector<gpt::CurvePoint>& curve, gpt::Progress& progress) {
-  const auto faults = gpt::Faults::from_environment();
+          std::vector<gpt::CurvePoint>& curve, gpt::Progress& progress, const gpt::Faults& faults) {
   std::optional<commgrad::checkpoint::Preemption> preemption;
   if (!c.save.empty()) preemption.emplace();
   int saved = 0;
@@ -594,10 +594,22 @@ int main(int argc, char** argv) {
     gpt::Trainer trainer(trainer_options(c), model_config, layout);
     if (rank == 0 && c.recompute != "none")
       std::printf("rank 0 layers: %s\n", gpt::layer_recomputation(*trainer.model()).c_str());
+    const auto faults = gpt::Faults::from_environment();
+    // --check: the initial weights for the reference, before a resume loads.
+    std::optional<gpt::ReferenceCheck> check;
+    if (c.check && gpt::reference_models(model_config, c.precision))
+      check.emplace(trainer, model_config, c.precision, commgrad::world());
+    if (check || faults.scales_gradients()) {
+      trainer.inspect_gradients([&faults, &check](int step, const auto& gradients) {
+        faults.scale_gradients(gradients);
+        if (check) check->capture(step, gradients);
+      });
+    }
     const int start = resume(c, trainer, rank);  // steps done before this run
+    if (check) check->compare_gradients_of(start + 1);
     std::vector<gpt::CurvePoint> curve;
     gpt::Progress progress(start + 1, c.steps, kBatch * model_config.sequence);
-    const int saved = train(c, trainer, corpus, start, rank, curve, progress);
+    const int saved = train(c, trainer, corpus, start, rank, curve, progress, faults);
     if (saved < 0) {  // preempted: saved (on disk before the exit) and stopping
       trainer.finish_saves();
       commgrad::destroy_process_group();
@@ -610,7 +622,15 @@ int main(int argc, char** argv) {
     }
     print_loss_scaler(trainer, rank);
 
-    bool ok = !c.check || matches_one_rank(c, model_config, corpus, curve, trainer.skipped_steps(), rank);
+    bool ok = true;
+    if (check) {
+      ok = check->compare(trainer, corpus, kBatch, c.steps, curve);
+    } else if (c.check) {
+      if (rank == 0)
+        std::printf("check: the reference does not model %s; comparing with this program at one rank\n",
+                    c.precision == "fp16" ? "the loss scaler (fp16)" : "these router options");
+      ok = matches_one_rank(c, model_config, corpus, curve, trainer.skipped_steps(), rank);
+    }
     if (c.check_recompute) {
       ok = gpt::recompute_matches(trainer_options(c), model_config, layout, corpus, c.steps, commgrad::world()) && ok;
     }

@@ -1,6 +1,7 @@
 #include "trainer.h"
 
 #include <cstddef>
+#include <limits>
 #include <stdexcept>
 #include <vector>
 
@@ -60,7 +61,7 @@ c10::optional<at::ScalarType> compute_dtype(const std::string& precision) {
 }  // namespace
 
 void Trainer::make_optimizer() {
-  const auto adamw = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
+  const auto adamw = adamw_options();
   const auto dtype = compute_dtype(options_.precision);
   // 16-bit compute, float32 reductions and masters (both wrappers).
   const auto policy = commgrad::dp::MixedPrecisionPolicy().param_dtype(dtype).reduce_dtype(
@@ -102,7 +103,7 @@ void Trainer::make_optimizer() {
           .stage(2)
           .mixed_precision(policy)
           .loss_scaler(scaler_.get())  // fp16: unscaled and skipped together
-          .max_grad_norm(1.0)
+          .max_grad_norm(kMaxGradNorm)
           .clip_partner(expert_zero_.get())  // one global norm over dense and expert parameters
           .clip_partner_group(model_->config().ep_group)
           .tensor_parallel_group(layout_.tp)
@@ -122,6 +123,8 @@ double Trainer::step(const Corpus& corpus, int k) {
     y = commgrad::cp::shard_sequence(y, 1, commgrad::cp::SequenceLayout::kHeadTail, layout_.cp);
   }
   const int64_t skipped_before = scaler_ ? scaler_->skipped_steps() : 0;
+  step_ = k + 1;
+  grad_norm_ = std::numeric_limits<double>::quiet_NaN();  // a skipped step keeps it
   if (options_.fsdp) {
     optimizer_->zero_grad();
     last_ = pipe_->step(x, y);
@@ -131,10 +134,11 @@ double Trainer::step(const Corpus& corpus, int k) {
     if (expert_zero_) expert_zero_->zero_grad();
     last_ = pipe_->step(x, y);
     if (scaler_) unscale_losses(scaler_->scale());  // before step() updates the scale
-    zero_->step();
+    grad_norm_ = zero_->step();
     if (expert_zero_) expert_zero_->step();
   }
   if (scaler_ && scaler_->skipped_steps() > skipped_before) skipped_.push_back(k + 1);
+  grad_norms_[k + 1] = grad_norm_;
   if (model_->config().routing.expert_bias_rate() > 0) commgrad::moe::update_expert_bias(*model_);
   // Each rank's loss is the mean over its tokens (the same number on every
   // rank): their mean over data x context is the mean over every token.
@@ -143,6 +147,44 @@ double Trainer::step(const Corpus& corpus, int k) {
                                         layout_.replicas())
       .wait()
       .item<double>();
+}
+
+void Trainer::inspect_gradients(GradientInspector inspect) {
+  inspect_ = std::move(inspect);
+  if (options_.fsdp) return;  // step_sharded() calls it
+  for (auto* zero : {zero_.get(), expert_zero_.get()}) {
+    if (zero == nullptr) continue;
+    zero->register_gradient_hook(
+        [this](const std::vector<commgrad::optim::ZeroOptimizer::StateShard>& grads) { inspect_zero(grads); });
+  }
+}
+
+void Trainer::inspect(const std::vector<checkpoint::TensorPiece>& gradients) const {
+  if (inspect_) inspect_(step_, gradients);
+}
+
+// A ZeroOptimizer's ranges of the gradients as pieces of the whole parameters.
+void Trainer::inspect_zero(const std::vector<commgrad::optim::ZeroOptimizer::StateShard>& gradients) const {
+  const auto params = model_->named_parameters();
+  std::vector<checkpoint::TensorPiece> pieces;
+  for (const auto& g : gradients) {
+    const auto& param = params[g.param];
+    for (auto& p : checkpoint::range_pieces(checkpoint::parameter_blocks(*model_, g.param, param), g.param,
+                                            g.param_begin, g.tensor)) {
+      pieces.push_back(std::move(p));
+    }
+  }
+  inspect(pieces);
+}
+
+std::vector<checkpoint::TensorPiece> Trainer::parameter_pieces() const {
+  auto pieces = options_.fsdp ? checkpoint::fsdp_pieces(sharded_, "") : checkpoint::module_pieces(*model_, "");
+  const auto buffers = model_->named_buffers();
+  std::vector<checkpoint::TensorPiece> out;
+  for (auto& p : pieces) {
+    if (!buffers.contains(p.name)) out.push_back(std::move(p));
+  }
+  return out;
 }
 
 std::vector<commgrad::pp::NoSyncFunction> Trainer::no_sync_functions() {
@@ -160,7 +202,8 @@ std::vector<commgrad::pp::NoSyncFunction> Trainer::no_sync_functions() {
 void Trainer::step_sharded() {
   sharded_.finish_gradients();
   auto clip_and_step = [this] {
-    sharded_.clip_grad_norm_(1.0, layout_.tp, layout_.pp);
+    if (inspect_) inspect(checkpoint::fsdp_gradient_pieces(sharded_, ""));
+    grad_norm_ = sharded_.clip_grad_norm_(kMaxGradNorm, layout_.tp, layout_.pp);
     optimizer_->step();
   };
   if (!scaler_) {

@@ -32,6 +32,8 @@
 #include <commgrad/commgrad.h>
 #include <torch/torch.h>
 
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -52,6 +54,18 @@ struct Layout {
   /// With experts: the expert-data-parallel group (undefined: dp).
   commgrad::Group expert_dp = {};
 };
+
+/// The optimizer every layout steps with (and the reference of --check).
+inline torch::optim::AdamWOptions adamw_options() { return torch::optim::AdamWOptions(3e-3).weight_decay(0.01); }
+/// Gradients are clipped to this global L2 norm.
+constexpr double kMaxGradNorm = 1.0;
+
+/// Called once or more per step with this rank's pieces of the gradients the
+/// optimizer is about to use (views: changing them changes the step), in the
+/// coordinates of the whole model and named by parameter, after every
+/// reduction and before clipping; `step` is 1-based.
+using GradientInspector =
+    std::function<void(int step, const std::vector<commgrad::checkpoint::TensorPiece>& gradients)>;
 
 /// How the rank trains: the global batch and the pipeline's schedule.
 struct TrainerOptions {
@@ -82,6 +96,18 @@ class Trainer {
   /// Step k (0-based) of the corpus; returns the loss (the mean over the
   /// replicas), the same on every rank.
   double step(const Corpus& corpus, int k);
+  /// The global gradient norm of the last step, before clipping (NaN when
+  /// the loss scaler skipped it).
+  double last_grad_norm() const { return grad_norm_; }
+  /// The global gradient norm (before clipping) of every step this Trainer
+  /// trained, by step (1-based; NaN for a step the loss scaler skipped).
+  const std::map<int, double>& grad_norms() const { return grad_norms_; }
+  /// Every step from now on calls `inspect` (see GradientInspector).
+  void inspect_gradients(GradientInspector inspect);
+  /// This rank's pieces of the parameters (views), in the coordinates of the
+  /// whole model and named by parameter (no prefix), buffers left out.
+  std::vector<commgrad::checkpoint::TensorPiece> parameter_pieces() const;
+
   /// The pipeline's report of the last step (this rank's compute and step time).
   const commgrad::pp::PipelineStepResult& last_step() const { return last_; }
 
@@ -112,6 +138,12 @@ class Trainer {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;           // with fsdp
   std::unique_ptr<commgrad::optim::DynamicLossScaler> scaler_;   // with fp16
   std::vector<int> skipped_;                                     // steps the scaler skipped
+  GradientInspector inspect_;
+  int step_ = 0;             // the step being trained (1-based)
+  double grad_norm_ = -1.0;  // of the last step
+  std::map<int, double> grad_norms_;
+  void inspect(const std::vector<commgrad::checkpoint::TensorPiece>& gradients) const;
+  void inspect_zero(const std::vector<commgrad::optim::ZeroOptimizer::StateShard>& gradients) const;
   void step_sharded();
   void unscale_losses(double scale);
   std::vector<commgrad::pp::NoSyncFunction> no_sync_functions();

@@ -63,6 +63,15 @@ std::vector<TensorPiece> fsdp_pieces(const fsdp::FullyShardedModule& sharded, co
   return pieces;
 }
 
+std::vector<TensorPiece> fsdp_gradient_pieces(const fsdp::FullyShardedModule& sharded, const std::string& prefix) {
+  std::vector<TensorPiece> pieces;
+  for (const auto& p : pieces_of(sharded)) {
+    const at::Tensor& grad = p.param.grad();
+    if (grad.defined()) append(pieces, range_pieces(p.blocks, prefix + p.name, p.begin, grad.detach()));
+  }
+  return pieces;
+}
+
 std::vector<TensorPiece> fsdp_optimizer_pieces(const fsdp::FullyShardedModule& sharded,
                                                torch::optim::Optimizer& optimizer, const std::string& prefix) {
   std::vector<TensorPiece> pieces;

@@ -372,6 +372,26 @@ void ZeroOptimizer::Impl::all_gather_parameters() {
   for (size_t b = 0; b < shards.size(); ++b) shards[b].params.copy_(pending[b].wait());
 }
 
+// The hooks, with this rank's ranges of the masters' gradients (`master`)
+// or of the reduced ones (a clip partner's, before its own step()).
+void ZeroOptimizer::Impl::run_gradient_hooks(bool master) {
+  if (gradient_hooks.empty()) return;
+  std::vector<StateShard> grads;
+  for (auto& s : shards) {
+    const at::Tensor& g = master ? s.master.grad() : s.grad;
+    if (!g.defined()) continue;
+    for (const auto& seg : s.info.segments) {
+      grads.push_back({seg.name, "grad", seg.param_begin, g.narrow(0, seg.shard_offset, seg.length)});
+    }
+  }
+  for (const auto& hook : gradient_hooks) hook(grads);
+}
+
+void ZeroOptimizer::register_gradient_hook(GradientHook hook) {
+  TORCH_CHECK(hook, "[commgrad] ZeroOptimizer: register_gradient_hook() was given an empty function");
+  impl_->gradient_hooks.push_back(std::move(hook));
+}
+
 // Unscales the masters' gradients and agrees on inf/NaN over the scaler's
 // groups; true when every rank skips this step (the scaler updated).
 bool ZeroOptimizer::Impl::skip_for_loss_scaler() {
@@ -402,6 +422,13 @@ double ZeroOptimizer::step() {
   m.sum_partial_gradients();
   m.sum_tied_gradients();
   const bool skip = m.skip_for_loss_scaler();
+  if (!m.hooks_ran) m.run_gradient_hooks(true);
+  Impl* partner = m.options.clip_partner() != nullptr ? m.options.clip_partner()->impl_.get() : nullptr;
+  if (partner != nullptr && !partner->gradient_hooks.empty()) {
+    partner->run_gradient_hooks(false);  // before the clip they share
+    partner->hooks_ran = true;
+  }
+  m.hooks_ran = false;
   const double norm = skip ? std::numeric_limits<double>::quiet_NaN() : m.options.max_grad_norm() > 0 ? m.clip() : -1.0;
   if (!skip) m.optimizer->step();
   for (auto& s : m.shards) {

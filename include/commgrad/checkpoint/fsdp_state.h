@@ -39,6 +39,18 @@ namespace commgrad::checkpoint {
 ///   checkpoint::save("ckpt", step, pieces);
 std::vector<TensorPiece> fsdp_pieces(const fsdp::FullyShardedModule& sharded, const std::string& prefix = "model/");
 
+/// The pieces of this rank's sharded gradients (views of the shards'
+/// `.grad()`, after finish_gradients(): reduced and divided), named prefix +
+/// the parameter's name, in the coordinates of the whole model: for checks
+/// that compare the gradients with a reference's and for inspection.
+/// Pieces without a gradient (frozen, or before backward) are left out.
+///
+/// Example:
+///   sharded.finish_gradients();
+///   auto grads = checkpoint::fsdp_gradient_pieces(sharded);   // "grad/layer0.mlp.fc1.weight", ...
+std::vector<TensorPiece> fsdp_gradient_pieces(const fsdp::FullyShardedModule& sharded,
+                                              const std::string& prefix = "grad/");
+
 /// The pieces of `optimizer`'s state over the sharded model's pieces (any
 /// optimizer optim::get_param_state() reads), and its step count. Empty but
 /// for the step count before the optimizer's first step.

@@ -238,6 +238,23 @@ class ZeroOptimizer {
   /// float32 master weights also their ranges, as state "master". Empty
   /// before the first step.
   std::vector<StateShard> state_shards() const;
+  /// Called by step() with this rank's ranges of the gradients the inner
+  /// optimizer steps on (state "grad"; float32 with float32 masters): after
+  /// the reductions, the sums of sequence-parallel and tied parameters and
+  /// the loss scaler's unscale (on a step the scaler skips they may hold
+  /// inf/NaN), before clipping. A clip partner's hooks run from its main
+  /// optimizer's step(), before the shared clip. A hook may read the
+  /// tensors (views) or change them in place: checks that compare the
+  /// gradients with a reference, fault injection. Hooks run in order of
+  /// registration.
+  ///
+  /// Example:
+  ///   zero.register_gradient_hook([](const std::vector<ZeroOptimizer::StateShard>& grads) {
+  ///     for (const auto& g : grads) std::cout << g.param << " " << g.tensor.norm().item<double>() << "\n";
+  ///   });
+  using GradientHook = std::function<void(const std::vector<StateShard>& gradients)>;
+  void register_gradient_hook(GradientHook hook);
+
   /// The optimizer's step count (its first shard's), 0 before the first step.
   int64_t step_count() const;
   /// Copies `shards` (as state_shards() describes them, for this rank's

@@ -62,7 +62,11 @@ struct ZeroOptimizer::Impl {
   Group group;
   Group partial_group;  // the TP group of partial_grad (sequence-parallel) parameters
 
+  std::vector<GradientHook> gradient_hooks;
+  bool hooks_ran = false;  // this step's hooks already ran (a clip partner's, from its main optimizer)
+
   void build_shards();
+  void run_gradient_hooks(bool master);
   void check_tied() const;
   void sum_partial_gradients();
   void sum_tied_gradients();
