@@ -15,8 +15,7 @@ void fill(torch::Tensor& whole, const commgrad::checkpoint::TensorPiece& piece) 
   }
   auto flat = box.contiguous().view(-1);
   const int64_t end = piece.flat_end < 0 ? flat.numel() : piece.flat_end;
-  flat.narrow(0, piece.flat_begin, end - piece.flat_begin)
-      .copy_(piece.tensor.detach().reshape(-1).to(at::kFloat));
+  flat.narrow(0, piece.flat_begin, end - piece.flat_begin).copy_(piece.tensor.detach().reshape(-1).to(at::kFloat));
   box.copy_(flat.view(box.sizes()));
 }
 
@@ -42,8 +41,8 @@ NamedTensors gather_pieces(const std::vector<commgrad::checkpoint::TensorPiece>&
     fill(it->second, piece);
   }
   auto all = torch::cat(flat);
-  all = commgrad::ops::raw::all_reduce(all, commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMax), group)
-            .wait();
+  all =
+      commgrad::ops::raw::all_reduce(all, commgrad::ops::AllReduceOptions().op(commgrad::ReduceOp::kMax), group).wait();
   int64_t offset = 0;
   for (auto& [name, tensor] : whole) {
     tensor = all.narrow(0, offset, tensor.numel()).view(tensor.sizes()).clone();

@@ -103,7 +103,9 @@ torch::Tensor ReferenceGpt::attention(const std::string& prefix, const torch::Te
   const int64_t s = x.size(0), b = x.size(1), h = config_.hidden, heads = config_.heads, d = h / heads;
   const auto qkv = F::linear(x, weight(prefix + "qkv.weight"), weight(prefix + "qkv.bias"));
   // [s, b, h] -> [b, heads, s, d]
-  auto split_heads = [&](int64_t i) { return qkv.narrow(-1, i * h, h).reshape({s, b, heads, d}).permute({1, 2, 0, 3}); };
+  auto split_heads = [&](int64_t i) {
+    return qkv.narrow(-1, i * h, h).reshape({s, b, heads, d}).permute({1, 2, 0, 3});
+  };
   const auto q = split_heads(0), k = split_heads(1), v = split_heads(2);
   auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
   const auto future = torch::ones({s, s}, torch::kBool).triu(1);
@@ -152,7 +154,8 @@ torch::Tensor ReferenceGpt::forward(const torch::Tensor& ids, torch::Tensor& aux
   const int64_t h = config_.hidden;
   auto x = F::embedding(ids.t(), weight("embedding.weight")) + weight("positions");  // [s, B, h]
   auto norm = [&](const std::string& name, const torch::Tensor& in) {
-    return F::layer_norm(in, F::LayerNormFuncOptions({h}).weight(weight(name + ".weight")).bias(weight(name + ".bias")));
+    return F::layer_norm(in,
+                         F::LayerNormFuncOptions({h}).weight(weight(name + ".weight")).bias(weight(name + ".bias")));
   };
   for (int64_t l = 0; l < config_.layers; ++l) {
     const std::string p = layer_name(l) + ".";

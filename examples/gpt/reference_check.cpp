@@ -135,9 +135,10 @@ bool ReferenceCheck::compare(const Trainer& trainer, const Corpus& corpus, int64
   }
   const auto tol = check_tolerance(precision_);
   if (print) {
-    std::printf("check against the one-process reference (LibTorch functions and torch::optim, no commgrad code), "
-                "%s tolerances: loss %.0e, gradient norm %.0e, gradients %.0e, parameters %.0e\n",
-                precision_.c_str(), tol.loss, tol.grad_norm, tol.gradient, tol.parameter);
+    std::printf(
+        "check against the one-process reference (LibTorch functions and torch::optim, no commgrad code), "
+        "%s tolerances: loss %.0e, gradient norm %.0e, gradients %.0e, parameters %.0e\n",
+        precision_.c_str(), tol.loss, tol.grad_norm, tol.gradient, tol.parameter);
   }
   double worst_loss = 0, worst_norm = 0;
   for (auto& point : curve) {
@@ -161,12 +162,12 @@ bool ReferenceCheck::compare(const Trainer& trainer, const Corpus& corpus, int64
                 norms_ok ? "ok" : "MISMATCH");
   }
   const std::string grads_title = "gradients of step " + std::to_string(gradient_step_) + " (before clipping)";
-  const bool grads_ok = report(grads_title.c_str(), expected_gradients.size(),
-                               worst_of(gradients, expected_gradients), "of its largest element", tol.gradient, print);
+  const bool grads_ok = report(grads_title.c_str(), expected_gradients.size(), worst_of(gradients, expected_gradients),
+                               "of its largest element", tol.gradient, print);
   int64_t left_out = 0;
   const auto compared = away_from_epsilon(reference.smallest_gradients(), &left_out);
-  const std::string params_title = "parameters after step " + std::to_string(steps) + " (" +
-                                   std::to_string(left_out) + " elements whose gradient came near AdamW's epsilon left out)";
+  const std::string params_title = "parameters after step " + std::to_string(steps) + " (" + std::to_string(left_out) +
+                                   " elements whose gradient came near AdamW's epsilon left out)";
   const bool params_ok = report(params_title.c_str(), parameters.size(),
                                 worst_movement(parameters, reference.parameters(), initial_, compared),
                                 "of the reference's movement (L2)", tol.parameter, print);

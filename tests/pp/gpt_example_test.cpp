@@ -29,11 +29,12 @@ struct Case {
 };
 void PrintTo(const Case& c, std::ostream* out) { *out << c.name; }
 
-ProcessResult gpt_train(int ranks, std::vector<std::string> args) {
+ProcessResult gpt_train(int ranks, std::vector<std::string> args, const std::string& fault = "") {
   std::vector<std::string> cmd{launcher_path(), "-n",  std::to_string(ranks),
                                "--timeout",     "150", build_path("bin/gpt_train")};
   cmd.insert(cmd.end(), args.begin(), args.end());
-  return run_process(cmd, clean_env(), std::chrono::seconds(170));
+  return run_process(cmd, fault.empty() ? clean_env() : clean_env({{"GPT_TRAIN_FAULT", fault}}),
+                     std::chrono::seconds(170));
 }
 
 // "step k/N: loss X" of each progress line, by step.
@@ -95,6 +96,68 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, {"--cp", "2", "--tp", "2", "--sp", "--cp-mode", "allgather"}, "cp2_tp2_sp_allgather"},
         Case{4, {"--cp", "2", "--dp", "2", "--cp-mode", "ulysses"}, "cp2_dp2_ulysses"}),
     [](const auto& info) { return info.param.name; });
+
+// A check must be shown to fail: GPT_TRAIN_FAULT=grad-scale:F multiplies
+// every gradient of the parallel run by F after its reductions and before
+// clipping (the reference is untouched), and --check must then fail, naming
+// the parameter whose gradient is furthest off, for F = 2 and 0.5 under
+// every layout; grad-scale:F:NAME scales one parameter's alone, and --check
+// names that one. (The losses alone would not see it: AdamW hardly moves
+// when a gradient is off by a constant factor, and clipping removes one.)
+class GptTrainCheckFails : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GptTrainCheckFails, WhenTheGradientsAreScaled) {
+#ifdef COMMGRAD_DEFAULT_LINE_ONLY
+  GTEST_SKIP() << "the LibTorch 1.13 line adds nothing to this case (CI time)";
+#endif
+  const auto& c = GetParam();
+  std::vector<std::string> args{"--check", "--steps", "2", "--curve", "none"};
+  args.insert(args.end(), c.args.begin(), c.args.end());
+  const std::regex named(R"(\[0\] gradients of step 1 \(before clipping\): \d+ tensors, the worst '[a-z0-9_.]+' )"
+                         R"(off by [0-9.e+-]+ of its largest element \(tolerance [0-9.e+-]+\): MISMATCH\n)");
+  for (const char* fault : {"grad-scale:2", "grad-scale:0.5"}) {
+    auto r = gpt_train(c.ranks, args, fault);
+    EXPECT_EQ(r.exit_code, 1) << fault << "\n" << r.out << r.err;
+    EXPECT_TRUE(std::regex_search(r.out, named)) << fault << "\n" << r.out;
+    EXPECT_THAT(r.out, HasSubstr("gradient norms: max relative difference")) << fault;
+  }
+  auto one = gpt_train(c.ranks, args, "grad-scale:2:layer2.attention.dense.bias");
+  EXPECT_EQ(one.exit_code, 1) << one.out << one.err;
+  EXPECT_THAT(one.out, HasSubstr("the worst 'layer2.attention.dense.bias' off by "));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, GptTrainCheckFails,
+    ::testing::Values(Case{4, {"--tp", "2", "--dp", "2", "--fsdp"}, "tp2_dp2_fsdp"},
+                      Case{4, {"--pp", "2", "--dp", "2"}, "pp2_dp2"},
+                      Case{2, {"--pp", "2", "--schedule", "interleaved"}, "pp2_interleaved"},
+                      Case{4, {"--tp", "2", "--pp", "2", "--schedule", "gpipe"}, "tp2_pp2_gpipe"},
+                      Case{4, {"--pp", "2", "--dp", "2", "--schedule", "zbh1"}, "pp2_dp2_zero_bubble"},
+                      Case{2, {"--cp", "2", "--cp-mode", "ring"}, "cp2_ring"},
+                      Case{2, {"--cp", "2", "--cp-mode", "allgather"}, "cp2_allgather"},
+                      Case{2, {"--cp", "2", "--cp-mode", "ulysses"}, "cp2_ulysses"},
+                      Case{2, {"--experts", "4", "--dp", "2", "--ep", "2"}, "ep2_4_experts"},
+                      Case{2, {"--tp", "2", "--sp", "--recompute", "full"}, "tp2_sp_recompute_full"},
+                      Case{4, {"--tp", "2", "--dp", "2", "--fsdp", "--precision", "bf16"}, "tp2_dp2_fsdp_bf16"},
+                      Case{2, {"--dp", "2", "--precision", "bf16"}, "dp2_zero2_bf16"}),
+    [](const auto& info) { return info.param.name; });
+
+// The report: every comparison, the reference named, and without a fault
+// each within its tolerance.
+TEST(GptTrainExample, CheckComparesGradientsNormsAndParametersWithTheReference) {
+  auto r = gpt_train(2, {"--experts", "4", "--dp", "2", "--ep", "2", "--check", "--steps", "3", "--curve", "none"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("check against the one-process reference (LibTorch functions and torch::optim, no "
+                               "commgrad code), fp32 tolerances: loss 1e-05, gradient norm 1e-05, gradients 1e-05, "
+                               "parameters 1e-03\n"));
+  EXPECT_THAT(r.out, HasSubstr("gradient norms: max relative difference"));
+  EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-05): ok\n[0] gradients of step 1 (before clipping): 104 tensors"));
+  EXPECT_THAT(r.out, HasSubstr("of the reference's movement (L2) (tolerance 1e-03): ok\n"));
+  // A bad fault is named before any step.
+  auto bad = gpt_train(1, {"--steps", "1"}, "grad-scale:two");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.err, HasSubstr("expected grad-scale:F or grad-scale:F:NAME"));
+}
 
 // With dropout on, the same layout trained without recompute, with
 // selective and with full recompute gives the same losses and the same
