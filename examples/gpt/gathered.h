@@ -3,10 +3,10 @@
 // box of the whole tensor, or a flat range of one): what `gpt_train --check`
 // hands its one-process reference and compares with it. Every rank fills
 // the elements its pieces cover into whole float32 tensors that are -inf
-// elsewhere, and one all-reduce (MAX) over the group makes each element the
-// value of whichever rank holds it (ranks holding the same element hold the
-// same value: replicas). An element no rank holds is an error that names
-// the tensor.
+// elsewhere, and a coverage tensor of ones there; one all-reduce (MAX) over
+// the group makes each element the value of whichever rank holds it (ranks
+// holding the same element hold the same value: replicas). An element no
+// rank holds is an error that names the tensor.
 
 #include "gpt/reference.h"
 

@@ -605,7 +605,7 @@ int main(int argc, char** argv) {
     // --check: the initial weights for the reference, before a resume loads.
     std::optional<gpt::ReferenceCheck> check;
     if (c.check && gpt::reference_models(model_config, c.precision))
-      check.emplace(trainer, model_config, c.precision, commgrad::world());
+      check.emplace(trainer, model_config, c.precision, trainer_options(c).loss_scale_init, commgrad::world());
     if (check || faults.scales_gradients()) {
       trainer.inspect_gradients([&faults, &check](int step, const auto& gradients) {
         faults.scale_gradients(gradients);
@@ -634,8 +634,9 @@ int main(int argc, char** argv) {
       ok = check->compare(trainer, corpus, kBatch, c.steps, curve);
     } else if (c.check) {
       if (rank == 0)
-        std::printf("check: the reference does not model %s; comparing with this program at one rank\n",
-                    c.precision == "fp16" ? "the loss scaler (fp16)" : "these router options");
+        std::printf(
+            "check: the reference does not model these router options; comparing with this program at one "
+            "rank\n");
       ok = matches_one_rank(c, model_config, corpus, curve, trainer.skipped_steps(), rank);
     }
     if (c.check_recompute) {

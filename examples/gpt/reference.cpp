@@ -70,9 +70,16 @@ std::map<std::string, std::vector<int64_t>> parameter_shapes(const GptConfig& c)
   return shapes;
 }
 
+namespace {
+// DynamicLossScalerOptions' defaults (the Trainer sets only the initial scale).
+constexpr int64_t kHysteresis = 2;
+constexpr int64_t kGrowthInterval = 1000;
+}  // namespace
+
 ReferenceGpt::ReferenceGpt(const GptConfig& config, const NamedTensors& initial,
-                           std::optional<at::ScalarType> compute_dtype)
-    : config_(config), dtype_(compute_dtype) {
+                           std::optional<at::ScalarType> compute_dtype, double loss_scale)
+    : config_(config), dtype_(compute_dtype), hysteresis_left_(kHysteresis) {
+  if (dtype_ == at::kHalf) scale_ = loss_scale;
   check_supported(config);
   std::vector<torch::Tensor> leaves;
   for (const auto& [name, shape] : parameter_shapes(config)) {
@@ -181,20 +188,50 @@ double ReferenceGpt::clip_gradients() {
   return norm;
 }
 
+// fp16: the gradients times 1/S (as float32); true when one is inf/NaN.
+bool ReferenceGpt::unscale_and_check() {
+  torch::NoGradGuard no_grad;
+  const auto inverse = static_cast<float>(1.0 / scale_);
+  bool found_inf = false;
+  for (auto& [name, p] : params_) {
+    p.mutable_grad().mul_(inverse);
+    found_inf = found_inf || !torch::isfinite(p.grad()).all().item<bool>();
+  }
+  return found_inf;
+}
+
+void ReferenceGpt::update_scale(bool found_inf) {
+  if (found_inf) {
+    good_steps_ = 0;
+    if (--hysteresis_left_ <= 0) scale_ = std::max(scale_ * 0.5, 1.0);
+  } else if (++good_steps_ == kGrowthInterval) {
+    good_steps_ = 0;
+    hysteresis_left_ = kHysteresis;
+    scale_ *= 2;
+  }
+}
+
 ReferenceStep ReferenceGpt::step(const torch::Tensor& ids, const torch::Tensor& targets) {
   optimizer_->zero_grad();
   auto aux_loss = torch::zeros({});
   const auto logits = forward(ids, aux_loss);
   const auto loss = F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.t().reshape(-1));
-  (loss + aux_loss).backward();
+  const bool scaled = dtype_ == at::kHalf;
+  ((loss + aux_loss) * (scaled ? scale_ : 1.0)).backward();
+  const bool skip = scaled && unscale_and_check();
   grads_.clear();
-  for (const auto& [name, p] : params_) {
-    grads_[name] = p.grad().clone();
-    const auto a = p.grad().abs();
+  for (const auto& [name, p] : params_) grads_[name] = p.grad().clone();
+  if (skip) {
+    update_scale(true);
+    return {loss.item<double>(), std::nan(""), true};
+  }
+  for (const auto& [name, g] : grads_) {
+    const auto a = g.abs();
     smallest_[name] = smallest_.count(name) ? torch::minimum(smallest_[name], a) : a;
   }
-  ReferenceStep result{loss.item<double>(), clip_gradients()};
+  ReferenceStep result{loss.item<double>(), clip_gradients(), false};
   optimizer_->step();
+  if (scaled) update_scale(false);
   return result;
 }
 

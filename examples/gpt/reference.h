@@ -18,6 +18,14 @@
 // weight is cast to bfloat16 where it is used (float32 masters, as the
 // parallel run keeps); the loss is taken in float32.
 //
+// Under fp16 the same in float16, with dynamic loss scaling written out:
+// the loss times the scale S goes backward, the float32 gradients are
+// multiplied by 1/S (as float32), a step with any inf/NaN is skipped (no
+// clipping, no update) and, after `hysteresis` (2) such steps in a row
+// since the last growth, every further one halves S (not below 1); S
+// doubles after `growth_interval` (1000) good steps in a row: the defaults
+// of commgrad's DynamicLossScalerOptions, which the Trainer keeps.
+//
 // MoE layers (softmax scores, top-k, no renormalisation, dropless): the
 // per-sequence load-balancing loss (Switch, f_i and P_i over each
 // sequence's tokens, the mean over sequences, times coeff * E) joins the
@@ -45,17 +53,20 @@ std::map<std::string, std::vector<int64_t>> parameter_shapes(const GptConfig& co
 /// What a reference step gave.
 struct ReferenceStep {
   double loss = 0;       ///< cross entropy, the mean over every token of the batch
-  double grad_norm = 0;  ///< the global L2 norm of the gradients, before clipping
+  double grad_norm = 0;  ///< the global L2 norm of the gradients, before clipping (NaN when skipped)
+  bool skipped = false;  ///< fp16: the loss scaler found inf/NaN and skipped the update
 };
 
 class ReferenceGpt {
  public:
   /// `initial`: a whole tensor for every name of parameter_shapes(config)
   /// (copied into float32 masters). `compute_dtype`: bfloat16, or none for
-  /// float32. Errors on a missing or misshapen weight, and on what the
+  /// float32; float16 with loss scaling from `loss_scale` (its initial
+  /// scale). Errors on a missing or misshapen weight, and on what the
   /// reference does not model (sigmoid scores, top-k renormalisation,
   /// z-loss, expert bias, a capacity).
-  ReferenceGpt(const GptConfig& config, const NamedTensors& initial, std::optional<at::ScalarType> compute_dtype);
+  ReferenceGpt(const GptConfig& config, const NamedTensors& initial, std::optional<at::ScalarType> compute_dtype,
+               double loss_scale = 65536.0);
 
   /// One step on the global batch (token ids and targets [B, s]): forward,
   /// backward, clipping at max_grad_norm, AdamW(lr, weight decay).
@@ -76,6 +87,8 @@ class ReferenceGpt {
   torch::Tensor experts(const std::string& prefix, const torch::Tensor& x, torch::Tensor& aux_loss) const;
   bool is_moe_layer(int64_t layer) const;
   double clip_gradients();
+  bool unscale_and_check();
+  void update_scale(bool found_inf);
 
   GptConfig config_;
   std::optional<at::ScalarType> dtype_;
@@ -83,6 +96,10 @@ class ReferenceGpt {
   NamedTensors grads_;
   NamedTensors smallest_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  // fp16's loss scaler.
+  double scale_ = 1.0;
+  int64_t good_steps_ = 0;
+  int64_t hysteresis_left_ = 2;
 };
 
 }  // namespace gpt

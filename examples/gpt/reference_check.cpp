@@ -11,7 +11,15 @@ namespace {
 
 std::optional<at::ScalarType> compute_dtype(const std::string& precision) {
   if (precision == "bf16") return at::kBFloat16;
+  if (precision == "fp16") return at::kHalf;
   return std::nullopt;
+}
+
+// "1 2 5", or "none".
+std::string step_list(const std::vector<int>& steps) {
+  std::string text;
+  for (int s : steps) text += (text.empty() ? "" : " ") + std::to_string(s);
+  return text.empty() ? "none" : text;
 }
 
 // |a - b| / |b|; NaN stays NaN (and fails).
@@ -93,11 +101,13 @@ CheckTolerance check_tolerance(const std::string& precision) {
   // turns that into parameter movements 0.2-0.3 apart after four steps;
   // a gradient off by a factor still fails (its elements by 0.5 and more).
   if (precision == "bf16") return {5e-3, 2e-2, 1e-1, 5e-1};
+  // float16 rounds to 2^-11 = 4.9e-4.
+  if (precision == "fp16") return {1e-3, 5e-3, 5e-2, 3e-1};
   return {1e-5, 1e-5, 1e-5, 1e-3};
 }
 
 bool reference_models(const GptConfig& config, const std::string& precision) {
-  if (precision != "fp32" && precision != "bf16") return false;
+  if (precision != "fp32" && precision != "bf16" && precision != "fp16") return false;
   if (config.experts == 0) return true;
   const auto& r = config.routing;
   return r.score_function() == commgrad::moe::ScoreFunction::kSoftmax && !r.normalize_top_k() &&
@@ -105,8 +115,12 @@ bool reference_models(const GptConfig& config, const std::string& precision) {
 }
 
 ReferenceCheck::ReferenceCheck(const Trainer& trainer, const GptConfig& config, std::string precision,
-                               commgrad::Group world)
-    : config_(config), precision_(std::move(precision)), world_(std::move(world)), shapes_(parameter_shapes(config)) {
+                               double loss_scale, commgrad::Group world)
+    : config_(config),
+      precision_(std::move(precision)),
+      loss_scale_(loss_scale),
+      world_(std::move(world)),
+      shapes_(parameter_shapes(config)) {
   initial_ = gather_pieces(trainer.parameter_pieces(), shapes_, world_);
 }
 
@@ -119,34 +133,21 @@ void ReferenceCheck::capture(int step, const std::vector<commgrad::checkpoint::T
   }
 }
 
-bool ReferenceCheck::compare(const Trainer& trainer, const Corpus& corpus, int64_t batch, int steps,
-                             std::vector<CurvePoint>& curve) {
+// The losses and gradient norms of the steps this run trained (a step both
+// sides skipped has no norm, and agrees); fills the curve's reference.
+bool ReferenceCheck::compare_steps(const Trainer& trainer, const std::vector<ReferenceStep>& expected,
+                                   std::vector<CurvePoint>& curve) const {
   const bool print = world_.rank() == 0;
-  const NamedTensors gradients = gather_pieces(gradients_, shapes_, world_);
-  const NamedTensors parameters = gather_pieces(trainer.parameter_pieces(), shapes_, world_);
-
-  ReferenceGpt reference(config_, initial_, compute_dtype(precision_));
-  std::vector<ReferenceStep> expected;
-  NamedTensors expected_gradients;
-  for (int k = 0; k < steps; ++k) {
-    const auto [x, y] = corpus.batch(k, batch, config_.sequence);
-    expected.push_back(reference.step(x, y));
-    if (k + 1 == gradient_step_) expected_gradients = reference.gradients();
-  }
   const auto tol = check_tolerance(precision_);
-  if (print) {
-    std::printf(
-        "check against the one-process reference (LibTorch functions and torch::optim, no commgrad code), "
-        "%s tolerances: loss %.0e, gradient norm %.0e, gradients %.0e, parameters %.0e\n",
-        precision_.c_str(), tol.loss, tol.grad_norm, tol.gradient, tol.parameter);
-  }
+  const int steps = static_cast<int>(expected.size());
   double worst_loss = 0, worst_norm = 0;
   for (auto& point : curve) {
     const auto& r = expected.at(point.step - 1);
     point.reference = r.loss;
     const auto& norms = trainer.grad_norms();
     const double norm = norms.count(point.step) ? norms.at(point.step) : std::nan("");
-    const double loss_error = relative(point.loss, r.loss), norm_error = relative(norm, r.grad_norm);
+    const double loss_error = relative(point.loss, r.loss);
+    const double norm_error = std::isnan(norm) && r.skipped ? 0.0 : relative(norm, r.grad_norm);
     worst_loss = std::isnan(loss_error) ? loss_error : std::max(worst_loss, loss_error);
     worst_norm = std::isnan(norm_error) ? norm_error : std::max(worst_norm, norm_error);
     if (print) {
@@ -161,9 +162,56 @@ bool ReferenceCheck::compare(const Trainer& trainer, const Corpus& corpus, int64
     std::printf("gradient norms: max relative difference %.2g (tolerance %.0e): %s\n", worst_norm, tol.grad_norm,
                 norms_ok ? "ok" : "MISMATCH");
   }
+  return losses_ok && norms_ok;
+}
+
+// fp16: the steps the loss scaler skipped, on both sides, from the first this run trained.
+bool ReferenceCheck::compare_skipped(const Trainer& trainer, const std::vector<ReferenceStep>& expected) const {
+  if (precision_ != "fp16") return true;
+  std::vector<int> reference;
+  for (int s = gradient_step_; s <= static_cast<int>(expected.size()); ++s) {
+    if (expected[s - 1].skipped) reference.push_back(s);
+  }
+  const auto& skipped = trainer.skipped_steps();
+  const bool same = reference == skipped;
+  if (world_.rank() == 0) {
+    std::printf("skipped steps %s, one rank %s: %s\n", step_list(skipped).c_str(), step_list(reference).c_str(),
+                same ? "the same" : "MISMATCH");
+  }
+  return same;
+}
+
+bool ReferenceCheck::compare(const Trainer& trainer, const Corpus& corpus, int64_t batch, int steps,
+                             std::vector<CurvePoint>& curve) {
+  const bool print = world_.rank() == 0;
+  const NamedTensors gradients = gather_pieces(gradients_, shapes_, world_);
+  const NamedTensors parameters = gather_pieces(trainer.parameter_pieces(), shapes_, world_);
+
+  ReferenceGpt reference(config_, initial_, compute_dtype(precision_), loss_scale_);
+  std::vector<ReferenceStep> expected;
+  NamedTensors expected_gradients;
+  for (int k = 0; k < steps; ++k) {
+    const auto [x, y] = corpus.batch(k, batch, config_.sequence);
+    expected.push_back(reference.step(x, y));
+    if (k + 1 == gradient_step_) expected_gradients = reference.gradients();
+  }
+  const auto tol = check_tolerance(precision_);
+  if (print) {
+    std::printf(
+        "check against the one-process reference (LibTorch functions and torch::optim, no commgrad code), "
+        "%s tolerances: loss %.0e, gradient norm %.0e, gradients %.0e, parameters %.0e\n",
+        precision_.c_str(), tol.loss, tol.grad_norm, tol.gradient, tol.parameter);
+  }
+  const bool steps_ok = compare_steps(trainer, expected, curve);
+  const bool skips_ok = compare_skipped(trainer, expected);
+  bool grads_ok = true;
   const std::string grads_title = "gradients of step " + std::to_string(gradient_step_) + " (before clipping)";
-  const bool grads_ok = report(grads_title.c_str(), expected_gradients.size(), worst_of(gradients, expected_gradients),
-                               "of its largest element", tol.gradient, print);
+  if (expected.at(gradient_step_ - 1).skipped) {
+    if (print) std::printf("%s: skipped by the loss scaler (inf/NaN), not compared\n", grads_title.c_str());
+  } else {
+    grads_ok = report(grads_title.c_str(), expected_gradients.size(), worst_of(gradients, expected_gradients),
+                      "of its largest element", tol.gradient, print);
+  }
   int64_t left_out = 0;
   const auto compared = away_from_epsilon(reference.smallest_gradients(), &left_out);
   const std::string params_title = "parameters after step " + std::to_string(steps) + " (" + std::to_string(left_out) +
@@ -171,7 +219,7 @@ bool ReferenceCheck::compare(const Trainer& trainer, const Corpus& corpus, int64
   const bool params_ok = report(params_title.c_str(), parameters.size(),
                                 worst_movement(parameters, reference.parameters(), initial_, compared),
                                 "of the reference's movement (L2)", tol.parameter, print);
-  return losses_ok && norms_ok && grads_ok && params_ok;
+  return steps_ok && skips_ok && grads_ok && params_ok;
 }
 
 }  // namespace gpt

@@ -37,7 +37,7 @@ struct CheckTolerance {
   double gradient = 1e-5;
   double parameter = 1e-5;
 };
-/// "fp32" or "bf16".
+/// "fp32", "bf16" or "fp16".
 CheckTolerance check_tolerance(const std::string& precision);
 
 /// True when the reference models this configuration (else --check
@@ -48,7 +48,9 @@ class ReferenceCheck {
  public:
   /// Gathers `trainer`'s initial weights (collective over `world`). Call
   /// before any step and before a resume loads.
-  ReferenceCheck(const Trainer& trainer, const GptConfig& config, std::string precision, commgrad::Group world);
+  /// `loss_scale`: fp16's initial loss scale (the trainer's).
+  ReferenceCheck(const Trainer& trainer, const GptConfig& config, std::string precision, double loss_scale,
+                 commgrad::Group world);
 
   /// The gradients of step `step` (1-based) are the ones compared: the
   /// first step this run trains.
@@ -65,8 +67,13 @@ class ReferenceCheck {
   bool compare(const Trainer& trainer, const Corpus& corpus, int64_t batch, int steps, std::vector<CurvePoint>& curve);
 
  private:
+  bool compare_steps(const Trainer& trainer, const std::vector<ReferenceStep>& expected,
+                     std::vector<CurvePoint>& curve) const;
+  bool compare_skipped(const Trainer& trainer, const std::vector<ReferenceStep>& expected) const;
+
   GptConfig config_;
   std::string precision_;
+  double loss_scale_ = 65536.0;
   commgrad::Group world_;
   std::map<std::string, std::vector<int64_t>> shapes_;
   NamedTensors initial_;

@@ -31,7 +31,6 @@ Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, c
              commgrad::cp::ContextParallelOptions(layout.cp, commgrad::cp::parse_mode(options.cp_mode))) {
   make_optimizer();
   seed_dropout(model_config, layout);
-  commgrad::moe::set_aux_loss_scale(*model_, 1.0 / options.microbatches);  // the pipeline averages microbatches
   std::vector<commgrad::pp::StageFunction> stages;
   for (int v = 0; v < options.stages_per_rank; ++v) {
     stages.push_back([model = model_, v](const torch::Tensor& x) mutable { return model->forward_stage(v, x); });
@@ -124,6 +123,10 @@ double Trainer::step(const Corpus& corpus, int k) {
   }
   const int64_t skipped_before = scaler_ ? scaler_->skipped_steps() : 0;
   step_ = k + 1;
+  // The routers' injected losses: averaged over the microbatches as the
+  // pipeline averages the loss, and scaled as the loss is under fp16.
+  const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  commgrad::moe::set_aux_loss_scale(*model_, loss_scale / options_.microbatches);
   grad_norm_ = std::numeric_limits<double>::quiet_NaN();  // a skipped step keeps it
   if (options_.fsdp) {
     optimizer_->zero_grad();
@@ -201,21 +204,22 @@ std::vector<commgrad::pp::NoSyncFunction> Trainer::no_sync_functions() {
 // rank together when any gradient is inf/NaN, under fp16).
 void Trainer::step_sharded() {
   sharded_.finish_gradients();
-  auto clip_and_step = [this] {
-    if (inspect_) inspect(checkpoint::fsdp_gradient_pieces(sharded_, ""));
+  // fp16: unscaled, and the inf/NaN check agreed, before anyone looks.
+  bool found_inf = false;
+  if (scaler_) {
+    unscale_losses(scaler_->scale());
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : model_->parameters()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+    found_inf = scaler_->unscale_and_check(grads);
+  }
+  if (inspect_) inspect(checkpoint::fsdp_gradient_pieces(sharded_, ""));
+  if (!found_inf) {
     grad_norm_ = sharded_.clip_grad_norm_(kMaxGradNorm, layout_.tp, layout_.pp);
     optimizer_->step();
-  };
-  if (!scaler_) {
-    clip_and_step();
-    return;
   }
-  unscale_losses(scaler_->scale());
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : model_->parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  scaler_->step(grads, clip_and_step);
+  if (scaler_) scaler_->update(found_inf);
 }
 
 // The pipeline reports the scaled loss (fp16).

@@ -433,6 +433,51 @@ TEST_P(ZeroTensorParallel, NormGroupComesFromTheModulesShards) { train_two_by_tw
 INSTANTIATE_TEST_SUITE_P(SequenceParallel, ZeroTensorParallel, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "sp" : "no_sp"; });
 
+// register_gradient_hook: each rank's hook sees its ranges of the averaged
+// gradient (every element on exactly one rank, equal to one process's
+// gradient of the whole batch), before clipping: a hook that zeroes them
+// makes step() report a norm of 0 and SGD leave the parameters alone.
+TEST(ZeroOptimizer, GradientHooksSeeTheReducedGradientsBeforeClipping) {
+  const auto data = batches(1);
+  Net whole;
+  for (int mb = 0; mb < kMicro; ++mb) torch::mse_loss(whole->forward(data.x[0][mb]), data.y[0][mb]).backward();
+  for (int stage : {1, 2}) {
+    spawn_ranks(3, [&](Group& world) {
+      Net net;
+      optim::ZeroOptimizer zero(
+          net, [](auto shards) { return std::make_unique<torch::optim::SGD>(shards, torch::optim::SGDOptions(0.1)); },
+          optim::ZeroOptimizerOptions(small_buckets(world)).stage(stage).max_grad_norm(1e-3));
+      const auto expected = whole->named_parameters();
+      int64_t seen = 0;
+      bool zero_them = false;
+      zero.register_gradient_hook([&](const std::vector<optim::ZeroOptimizer::StateShard>& grads) {
+        for (const auto& g : grads) {
+          EXPECT_EQ(g.state, "grad");
+          if (zero_them) {
+            g.tensor.zero_();
+            continue;
+          }
+          const auto want = expected[g.param].grad().reshape(-1).narrow(0, g.param_begin, g.tensor.numel());
+          EXPECT_TRUE(torch::allclose(g.tensor, want, 1e-5, 1e-7)) << g.param << " from " << g.param_begin;
+          seen += g.tensor.numel();
+        }
+      });
+      train_step(
+          net, data, 0, world.rank(), 3, [&] { return zero.no_sync(); }, [&] { EXPECT_GT(zero.step(), 1e-3); });
+      auto total = at::full({1}, seen, at::kLong);
+      ops::raw::all_reduce_(total, {}, world).wait();
+      EXPECT_EQ(total.item<int64_t>(), parameter_count(net));
+      zero_them = true;
+      std::vector<at::Tensor> before;
+      for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
+      train_step(
+          net, data, 0, world.rank(), 3, [&] { return zero.no_sync(); }, [&] { EXPECT_EQ(zero.step(), 0.0); });
+      for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(net->parameters()[i], before[i]));
+      EXPECT_THROW(zero.register_gradient_hook(nullptr), c10::Error);
+    });
+  }
+}
+
 TEST(ZeroOptimizer, StepWithoutASynchronisedBackwardIsAnError) {
   const auto data = batches(1);
   spawn_ranks(2, [&](Group& world) {

@@ -177,10 +177,14 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
 TORCH_MODULE(TopKRouter);
 
 /// Sets TopKRouterImpl::loss_scale of every router inside `module` (1/M
-/// when the caller's backward averages M microbatches).
+/// when the caller's backward averages M microbatches). Under dynamic loss
+/// scaling the injected losses must be scaled like the main loss, or the
+/// unscale divides their gradients by S: set S/M before each step's
+/// backward (Megatron's MoEAuxLossAutoScaler.set_loss_scale does the same).
 ///
 /// Example:
 ///   moe::set_aux_loss_scale(*model, 1.0 / microbatches);
+///   moe::set_aux_loss_scale(*model, scaler.scale() / microbatches);   // fp16 with optim::DynamicLossScaler
 void set_aux_loss_scale(torch::nn::Module& module, double scale);
 
 /// TopKRouterImpl::update_expert_bias() of every router with a bias inside `module`.
