@@ -613,7 +613,7 @@ int main(int argc, char** argv) {
       });
     }
     const int start = resume(c, trainer, rank);  // steps done before this run
-    if (check) check->compare_gradients_of(start + 1);
+    if (check) check->compare_gradients_of(trainer, start + 1);
     std::vector<gpt::CurvePoint> curve;
     gpt::Progress progress(start + 1, c.steps, kBatch * model_config.sequence);
     const int saved = train(c, trainer, corpus, start, rank, curve, progress, faults);

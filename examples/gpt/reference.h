@@ -76,6 +76,8 @@ class ReferenceGpt {
   const NamedTensors& parameters() const { return params_; }
   /// The gradients of the last step, before clipping.
   const NamedTensors& gradients() const { return grads_; }
+  /// fp16: the loss scale the next step uses (1 otherwise).
+  double loss_scale() const { return scale_; }
   /// Elementwise, the smallest |gradient| (before clipping) of every step so far.
   const NamedTensors& smallest_gradients() const { return smallest_; }
 

@@ -12,7 +12,7 @@
 //   - every parameter after the last step.
 // A gradient or parameter passes when max |p - r| <= tol * max |r| (per
 // tensor); the report names the worst one. Tolerances by compute dtype:
-// float32 1e-5 (reduction orders differ), bfloat16 see tolerance().
+// float32 1e-5 (reduction orders differ); check_tolerance() gives each.
 //
 // The reference starts from the parallel model's initial weights (gathered
 // before a resume loads anything) and trains every step from the first.
@@ -53,8 +53,12 @@ class ReferenceCheck {
                  commgrad::Group world);
 
   /// The gradients of step `step` (1-based) are the ones compared: the
-  /// first step this run trains.
-  void compare_gradients_of(int step) { gradient_step_ = step; }
+  /// first step this run trains. After a resume (step > 1) this gathers
+  /// the parameters the run resumed with (collective over the world), and
+  /// the reference's gradients of that step are taken at them: a few steps
+  /// of AdamW carry float32 rounding differences into the parameters, which
+  /// would otherwise show in the gradients.
+  void compare_gradients_of(const Trainer& trainer, int step);
   /// For the trainer's GradientInspector: keeps copies of the pieces of the
   /// step compared.
   void capture(int step, const std::vector<commgrad::checkpoint::TensorPiece>& gradients);
@@ -77,6 +81,7 @@ class ReferenceCheck {
   commgrad::Group world_;
   std::map<std::string, std::vector<int64_t>> shapes_;
   NamedTensors initial_;
+  NamedTensors resumed_;  // the parameters a resumed run started from
   int gradient_step_ = 1;
   std::vector<commgrad::checkpoint::TensorPiece> gradients_;
 };
