@@ -18,9 +18,10 @@ Faults::GradScale parse_grad_scale(const char* text) {
   const char* number = text + std::strlen("grad-scale:");
   char* end = nullptr;
   const double factor = std::strtod(number, &end);
-  if (end == number || !std::isfinite(factor) || (*end != '\0' && *end != ':') || (*end == ':' && end[1] == '\0')) {
+  // F may be nan (a NaN gradient that --check must catch), not inf.
+  if (end == number || std::isinf(factor) || (*end != '\0' && *end != ':') || (*end == ':' && end[1] == '\0')) {
     throw std::invalid_argument(std::string("GPT_TRAIN_FAULT='") + text +
-                                "': expected grad-scale:F or grad-scale:F:NAME (F a number, NAME a parameter)");
+                                "': expected grad-scale:F or grad-scale:F:NAME (F a number or nan, NAME a parameter)");
   }
   return {factor, *end == ':' ? std::string(end + 1) : std::string()};
 }

@@ -16,7 +16,8 @@
 //   grad-scale:F[:NAME] every rank multiplies its pieces of every gradient (or
 //                       of parameter NAME's alone) by F after the reductions
 //                       and before clipping, at every step: a wrong gradient
-//                       that --check must catch (the reference is untouched)
+//                       that --check must catch (the reference is untouched;
+//                       F = nan makes the gradients NaN)
 
 #include <commgrad/checkpoint/tensor_piece.h>
 

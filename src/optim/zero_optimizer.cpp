@@ -378,6 +378,7 @@ void ZeroOptimizer::Impl::run_gradient_hooks(bool master) {
   if (gradient_hooks.empty()) return;
   std::vector<StateShard> grads;
   for (auto& s : shards) {
+    if (master && !s.master.defined()) continue;  // no elements of this bucket on this rank
     const at::Tensor& g = master ? s.master.grad() : s.grad;
     if (!g.defined()) continue;
     for (const auto& seg : s.info.segments) {

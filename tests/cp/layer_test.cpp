@@ -1,9 +1,9 @@
 // tp::ParallelSelfAttention with context parallelism against its unsplit
 // reference (tp::SelfAttentionReference from the same seed, one rank, the
-// whole sequence), float64: the output and the input gradient at TP=1 x CP=2
-// and TP=2 x CP=2 (+SP), every mode; at TP=1 the parameter gradients too,
-// summed over the context-parallel ranks (each holds the share of its
-// tokens). And the layer's errors under context parallelism.
+// whole sequence), float64: the output, the input gradient and every
+// parameter gradient (summed over the context-parallel ranks, each holding
+// the share of its tokens; gathered over TP) at TP=1 x CP=2 and TP=2 x CP=2
+// (+SP), every mode. And the layer's errors under context parallelism.
 
 #include "commgrad/cp/attention.h"
 #include "commgrad/cp/sequence.h"
@@ -11,6 +11,7 @@
 #include "commgrad/ops/raw.h"
 #include "commgrad/tp/attention.h"
 #include "commgrad/tp/reference.h"
+#include "commgrad/tp/sharding.h"
 
 #include "harness/expect_error.h"
 #include "harness/spawn_ranks.h"
@@ -71,11 +72,20 @@ void check_layer(const ParallelState& state, AttentionMode mode, bool sp) {
   at::NoGradGuard no_grad;
   expect_close("output", whole(out, tp, cp, sp), expected);
   expect_close("input gradient", whole(xl.grad(), tp, cp, sp), xr.grad());
-  if (tp.size() != 1) return;
+  // Parameters: each CP rank holds the share of its tokens (summed over
+  // CP), under SP each TP rank the share of its chunk for the partial_grad
+  // ones (summed over TP), and TP-split ones are gathered whole.
   const auto reference_params = reference->named_parameters();
+  const auto specs = tp::shard_specs(*layer);
   for (const auto& p : layer->named_parameters()) {
-    const at::Tensor summed = ops::raw::all_reduce(p.value().grad(), {}, cp).wait();
-    expect_close(p.key() + " gradient", summed, reference_params[p.key()].grad());
+    const auto& spec = specs[p.key()].spec;
+    at::Tensor g = ops::raw::all_reduce(p.value().grad(), {}, cp).wait();
+    if (spec.partial_grad) g = ops::raw::all_reduce(g, {}, tp).wait();
+    g = tp::gather_shards(g, spec, tp);
+    const at::Tensor& want = reference_params[p.key()].grad();
+    expect_close(p.key() + " gradient", g, want);
+    // The comparison sees a gradient off by a factor (a wrong divisor).
+    EXPECT_FALSE(at::allclose(g * 2, want, 1e-10, 1e-10)) << p.key();
   }
 }
 

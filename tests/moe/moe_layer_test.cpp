@@ -14,6 +14,9 @@
 //   - the aux loss (each rank's, normalised over its own tokens) averaged over
 //     the ranks, weighted by their tokens, equals the reference's.
 // float64 within 1e-12 and float32 within 1e-6 of the largest magnitude.
+// And against a dense reference written with LibTorch alone (its own
+// router, the capacity's drops written out) at EP 1, 2 and 4, both
+// dispatchers, which also agree with each other.
 // Under a zero-bubble schedule's deferral the experts' weight gradients wait
 // for W and then equal a plain backward's.
 
@@ -27,6 +30,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <functional>
 #include <string>
 #include <vector>
@@ -117,7 +121,7 @@ void run_case(const Case& c, Group& world) {
 
   const at::Tensor x_ref = x_all.clone().requires_grad_(true);
   at::Tensor y_ref;
-  std::vector<at::Tensor> logits_ref;
+  std::vector<at::Tensor> logits_ref, experts_ref;  // this rank's rows' (with a capacity: by rank)
   if (c.capacity_factor > 0) {
     std::vector<at::Tensor> parts;
     int64_t begin = 0;
@@ -125,21 +129,21 @@ void run_case(const Case& c, Group& world) {
       reference->router->loss_scale = static_cast<double>(c.tokens_of(r)) / static_cast<double>(total);
       parts.push_back(reference(x_ref.narrow(0, begin, c.tokens_of(r))));
       logits_ref.push_back(reference->last_routing().logits);
+      experts_ref.push_back(reference->last_routing().experts);
       begin += c.tokens_of(r);
     }
     y_ref = at::cat(parts, 0);
   } else {
     y_ref = reference(x_ref);
     logits_ref.push_back(reference->last_routing().logits.narrow(0, first, mine));
+    experts_ref.push_back(reference->last_routing().experts.narrow(0, first, mine));
   }
   ((y_ref * g_all).sum() / static_cast<double>(total)).backward();
 
   const double tol = tolerance(c.dtype);
-  const at::Tensor& logits_mine = c.capacity_factor > 0 ? logits_ref[rank] : logits_ref[0];
-  expect_close(layer->last_routing().logits, logits_mine, tol, "router logits");
-  EXPECT_TRUE(at::equal(layer->last_routing().experts, c.capacity_factor > 0
-                                                           ? layer->last_routing().experts
-                                                           : reference->last_routing().experts.narrow(0, first, mine)))
+  const size_t part = c.capacity_factor > 0 ? static_cast<size_t>(rank) : 0;
+  expect_close(layer->last_routing().logits, logits_ref[part], tol, "router logits");
+  EXPECT_TRUE(at::equal(layer->last_routing().experts, experts_ref[part]))
       << "the ranks chose other experts than the reference";
   if (c.verify) c.verify(layer->last_tokens_per_expert(), rank);
   expect_close(y, y_ref.narrow(0, first, mine), tol, "output");
@@ -243,6 +247,108 @@ TEST(MoELayerTest, AllGatherDispatcherEqualsOneRank) {
   Case c{2, at::kDouble};
   c.dispatcher = DispatcherType::kAllGather;
   run(c);
+}
+
+// ~~~ Against a dense reference ~~~
+
+// The MoE block written out with LibTorch alone (no commgrad code): its own
+// softmax router, top-k, each expert run on the tokens that chose it and
+// weighted by their probability, and, with a capacity, each expert keeping
+// its `capacity` most probable pairs (ties: the earlier pair, t * k + j).
+// Weights are copies of a one-rank MoELayer's (leaves with gradients).
+struct DenseMoE {
+  at::Tensor router;
+  std::vector<std::array<at::Tensor, 4>> experts;  // fc1 weight, fc1 bias, fc2 weight, fc2 bias
+
+  explicit DenseMoE(MoELayer& from) {
+    auto leaf = [](const at::Tensor& t) { return t.detach().clone().requires_grad_(true); };
+    router = leaf(from->router->weight);
+    const auto params = from->experts->named_parameters();
+    for (int64_t e = 0; e < kExperts; ++e) {
+      const std::string p = "expert" + std::to_string(e) + ".";
+      experts.push_back({leaf(params[p + "fc1.weight"]), leaf(params[p + "fc1.bias"]), leaf(params[p + "fc2.weight"]),
+                         leaf(params[p + "fc2.bias"])});
+    }
+  }
+
+  // One rank's tokens x [T, h]; capacity 0: none.
+  at::Tensor forward(const at::Tensor& x, int64_t k, int64_t capacity) const {
+    const auto scores = at::softmax(at::linear(x, router), -1);
+    const auto [top, chosen] = at::topk(scores, k, -1);
+    auto out = at::zeros_like(x);
+    for (int64_t e = 0; e < kExperts; ++e) {
+      const auto flat = (chosen.reshape(-1) == e).nonzero().reshape(-1);  // pairs t * k + j, in order
+      if (flat.numel() == 0) continue;
+      auto keep = flat;
+      if (capacity > 0 && flat.numel() > capacity) {
+        const auto probs = top.reshape(-1).index_select(0, flat).detach();
+        const auto order = std::get<1>(at::sort(probs, /*stable=*/true, /*dim=*/0, /*descending=*/true));
+        keep = std::get<0>(at::sort(flat.index_select(0, order.narrow(0, 0, capacity))));
+      }
+      const auto rows = at::floor_divide(keep, k);
+      const auto& w = experts[e];
+      const auto y = at::linear(at::gelu(at::linear(x.index_select(0, rows), w[0], w[1])), w[2], w[3]);
+      out = out.index_add(0, rows, y * top.reshape(-1).index_select(0, keep).unsqueeze(1));
+    }
+    return out;
+  }
+};
+
+// MoELayer at EP 1, 2 and 4, with and without a capacity that drops, both
+// dispatchers, float64: output, input gradient, the router's gradient
+// summed over the ranks and each expert's gradient on the rank that holds
+// it equal the dense reference's (1e-12); and the comparison sees a
+// gradient off by a factor of 2. The two dispatchers give the same numbers.
+TEST(MoELayerTest, EqualsADenseReferenceAtEp124WithAndWithoutCapacity) {
+  for (int world : {1, 2, 4}) {
+    for (double capacity_factor : {0.0, 0.5}) {
+      spawn_ranks(world, [&](Group& group) {
+        Case c{world, at::kDouble};
+        c.capacity_factor = capacity_factor;
+        const int rank = group.rank();
+        const int64_t total = kTokens * world;
+        const at::Tensor x_all = randn({total, kHidden}, 1, at::kDouble);
+        const at::Tensor g_all = randn({total, kHidden}, 2, at::kDouble);
+        MoELayer whole = make_layer(c, self_group(), 0.0);
+        const DenseMoE dense(whole);
+        // The reference: each rank's tokens apart (the capacity is per rank).
+        const int64_t capacity = capacity_factor > 0 ? expert_capacity(capacity_factor, kTokens, kTopK, kExperts) : 0;
+        const at::Tensor x_ref = x_all.clone().requires_grad_(true);
+        std::vector<at::Tensor> parts;
+        for (int r = 0; r < world; ++r)
+          parts.push_back(dense.forward(x_ref.narrow(0, r * kTokens, kTokens), kTopK, capacity));
+        const at::Tensor y_ref = at::cat(parts);
+        ((y_ref * g_all).sum() / static_cast<double>(total)).backward();
+
+        std::vector<at::Tensor> outputs;  // by dispatcher: y, x.grad, router grad
+        for (auto dispatcher : {DispatcherType::kAllToAll, DispatcherType::kAllGather}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "EP " << world << ", capacity factor " << capacity_factor
+                       << (dispatcher == DispatcherType::kAllGather ? ", all-gather" : ", all-to-all"));
+          c.dispatcher = dispatcher;
+          MoELayer layer = make_layer(c, group, 0.0);
+          const at::Tensor x = x_all.narrow(0, rank * kTokens, kTokens).clone().requires_grad_(true);
+          const at::Tensor y = layer(x);
+          ((y * g_all.narrow(0, rank * kTokens, kTokens)).sum() / static_cast<double>(total)).backward();
+          expect_close(y, y_ref.narrow(0, rank * kTokens, kTokens), 1e-12, "output");
+          expect_close(x.grad(), x_ref.grad().narrow(0, rank * kTokens, kTokens), 1e-12, "input gradient");
+          const at::Tensor router_grad = ops::raw::all_reduce(layer->router->weight.grad(), {}, group).wait();
+          expect_close(router_grad, dense.router.grad(), 1e-12, "router gradient (summed over ranks)");
+          EXPECT_GT((router_grad * 2 - dense.router.grad()).abs().max().item<double>(),
+                    1e-12 * dense.router.grad().abs().max().item<double>())
+              << "a router gradient off by 2 must not pass";
+          for (const auto& p : layer->experts->named_parameters()) {
+            const int64_t e = std::stoll(p.key().substr(6, p.key().find('.') - 6));
+            const std::string which = p.key().substr(p.key().find('.') + 1);
+            const int slot = which == "fc1.weight" ? 0 : which == "fc1.bias" ? 1 : which == "fc2.weight" ? 2 : 3;
+            expect_close(p.value().grad(), dense.experts[e][slot].grad(), 1e-12, "gradient of " + p.key());
+          }
+          for (const auto& t : {y, x.grad(), router_grad}) outputs.push_back(t);
+        }
+        for (size_t i = 0; i < 3; ++i) expect_close(outputs[i + 3], outputs[i], 1e-12, "all-gather against all-to-all");
+      });
+    }
+  }
 }
 
 // Aux-loss-free balancing: a bias that moves choices (not weights) routes

@@ -10,6 +10,9 @@
 //     gradients: every rank skips that step (parameters bit for bit as
 //     before) and the scale backs off; the other steps equal the emulation
 //     with the scale applied and removed;
+//   * float16 reductions (DDP, ZeroOptimizer, fully_shard at 2, 4 and 8
+//     ranks) divide before the sum as FSDP2 does, so a sum that overflows
+//     float16 averages right;
 //   * the errors (output_dtype, a scaler that does not agree over the
 //     data-parallel group) and the deprecated float32_master alias.
 
@@ -257,6 +260,82 @@ TEST(ZeroLossScaler, InfInOneRanksRangeSkipsTheStepEverywhereAndBacksOff) {
         expect_bitwise(net, ref, "float16 ZeRO-2");
       },
       SpawnOptions().backend("shm"));
+}
+
+// ~~~ 16-bit reductions: the average split around the sum ~~~
+
+// One float16 parameter whose gradient is the constant the rank's loss
+// multiplies it by (computed in float32: no float16 arithmetic on the CPU).
+struct WideGradientImpl : torch::nn::Module {
+  WideGradientImpl() { w = register_parameter("w", at::zeros({6})); }
+  at::Tensor forward(const at::Tensor& c) { return (w.to(at::kFloat) * c).sum(); }
+  at::Tensor w;
+};
+TORCH_MODULE(WideGradient);
+
+// G + 64 r, every one exact in float16 (largest 65504): the plain sum of n
+// overflows (n G > 65504), the sum of the pre-divided ones does not
+// (n G / f < 65504 for FSDP's factor f: 2 at 2 and 4 ranks, 4 at 8).
+double wide_base(int n) { return n == 2 ? 40000.0 : 24000.0; }
+at::Tensor wide_gradient(int rank, int n) { return at::full({6}, wide_base(n) + 64.0 * rank); }
+double wide_average(int n) { return wide_base(n) + 32.0 * (n - 1); }
+
+enum class Reducer { kDdp, kZero, kFullyShard };
+
+// The averaged gradient `reducer` hands the optimizer, in float32.
+at::Tensor reduced_wide_gradient(Reducer reducer, Group& world) {
+  const auto half = dp::MixedPrecisionPolicy().param_dtype(at::kHalf).reduce_dtype(at::kHalf);
+  WideGradient net;
+  if (reducer == Reducer::kDdp) {
+    dp::DistributedDataParallel ddp(net, dp::DistributedDataParallelOptions(world).mixed_precision(half));
+    net->forward(wide_gradient(world.rank(), world.size())).backward();
+    return net->w.grad().to(at::kFloat);
+  }
+  if (reducer == Reducer::kZero) {
+    at::Tensor seen;
+    auto sgd = [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::SGD>(p, 0.0); };
+    optim::ZeroOptimizer zero(net, sgd, optim::ZeroOptimizerOptions(world).stage(2).mixed_precision(half));
+    zero.register_gradient_hook([&](const std::vector<optim::ZeroOptimizer::StateShard>& grads) {
+      for (const auto& g : grads)
+        seen = seen.defined() ? at::cat({seen, g.tensor.to(at::kFloat)}) : g.tensor.to(at::kFloat);
+    });
+    net->forward(wide_gradient(world.rank(), world.size())).backward();
+    zero.step();
+    return seen.defined() ? seen : at::empty({0});
+  }
+  auto sharded = fsdp::fully_shard(net, fsdp::FullyShardOptions(world).mixed_precision(half));
+  fsdp::call_function(*net, [&] { return net->forward(wide_gradient(world.rank(), world.size())); }).backward();
+  sharded.finish_gradients();
+  std::vector<at::Tensor> mine{at::empty({0})};  // this rank's pieces (none for an empty shard)
+  for (const auto& piece : checkpoint::fsdp_gradient_pieces(sharded)) mine.push_back(piece.tensor.to(at::kFloat));
+  return at::cat(mine);
+}
+
+// FSDP2's rule: with a 16-bit reduce_dtype each gradient is divided by a
+// power of two f before the sum and by n / f after it, so that a sum of n
+// gradients that fit the dtype fits too. Here the plain float16 sum
+// overflows (checked first: the values are in the regime that needs the
+// split) and every reducer's average is finite and right, at 2, 4 and 8
+// ranks, over Gloo and shm.
+TEST(SixteenBitReductions, DivideBeforeTheSumSoThatItDoesNotOverflow) {
+  for (int n : {2, 4, 8}) {
+    for (const char* backend : {"gloo", "shm"}) {
+      spawn_ranks(
+          n,
+          [&](Group& world) {
+            const auto plain =
+                ops::raw::all_reduce(wide_gradient(world.rank(), world.size()).to(at::kHalf), {}, world).wait();
+            EXPECT_TRUE(torch::isinf(plain).all().item<bool>()) << "the plain float16 sum should overflow";
+            for (auto reducer : {Reducer::kDdp, Reducer::kZero, Reducer::kFullyShard}) {
+              const auto g = reduced_wide_gradient(reducer, world);
+              const auto expected = at::full_like(g, wide_average(n));
+              EXPECT_TRUE(torch::allclose(g, expected, 2e-3, 0))
+                  << "reducer " << static_cast<int>(reducer) << " at " << n << " ranks over " << backend << ": " << g;
+            }
+          },
+          SpawnOptions().backend(backend));
+    }
+  }
 }
 
 TEST(ZeroLossScaler, ErrorsAndTheFloat32MasterAlias) {

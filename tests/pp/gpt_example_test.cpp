@@ -153,6 +153,14 @@ TEST(GptTrainExample, CheckComparesGradientsNormsAndParametersWithTheReference) 
   EXPECT_THAT(r.out, HasSubstr("gradient norms: max relative difference"));
   EXPECT_THAT(r.out, HasSubstr("(tolerance 1e-04): ok\n[0] gradients of step 1 (before clipping): 104 tensors"));
   EXPECT_THAT(r.out, HasSubstr("of the reference's movement (L2) (tolerance 1e-03): ok\n"));
+  // NaN gradients (and so NaN losses) fail the check too.
+  auto nan = gpt_train(2, {"--tp", "2", "--check", "--steps", "2", "--curve", "none"}, "grad-scale:nan");
+  EXPECT_EQ(nan.exit_code, 1) << nan.out << nan.err;
+  // (The gathering's MAX keeps a NaN or turns it into -inf, by the order of the sum: either fails.)
+  EXPECT_TRUE(std::regex_search(nan.out, std::regex(R"(gradients of step 1 \(before clipping\): 52 tensors, the worst )"
+                                                    R"('[a-z0-9_.]+' off by -?(nan|inf) .*: MISMATCH\n)")))
+      << nan.out;
+  EXPECT_THAT(nan.out, HasSubstr("max relative difference from one rank nan (tolerance 1e-05): MISMATCH"));
   // A bad fault is named before any step.
   auto bad = gpt_train(1, {"--steps", "1"}, "grad-scale:two");
   EXPECT_NE(bad.exit_code, 0);
