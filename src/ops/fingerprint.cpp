@@ -10,7 +10,13 @@
 // Gloo would fail with "Connection closed by peer" or a timeout and leave the
 // group unusable). The record size depends only on the group size, so the
 // exchange itself can never mismatch. Point-to-point calls cannot use a
-// collective; their two sides swap a small header instead.
+// collective: a send sends a small header (sizes, dtype, tag) just before its
+// message, and the receiver checks it when its recv is waited, before it
+// uses the message. Only the receiver can check: an answer would have to
+// travel back among the receiver's own messages to the sender, whose
+// order (shm delivers a pair's messages in the order they were sent)
+// nothing ties to the sender's receives, and a send that waited for one
+// would stall a ring of sends (ring attention, 1F1B) for good.
 
 #include "detail/fingerprint.h"
 
@@ -111,40 +117,57 @@ void check_fingerprint(const Call& call, const std::string& signature, const std
   }
 }
 
-void check_p2p_header(const Call& call, int peer, int tag, bool sending, at::IntArrayRef sizes, at::ScalarType dtype,
-                      bool requires_grad) {
-  if (!debug_checks()) return;
-  static constexpr int64_t kMaxDims = 10;
-  constexpr int64_t kWords = 6 + kMaxDims;
-  auto encode = [&](at::Tensor t) {
-    int64_t* p = t.data_ptr<int64_t>();
-    p[0] = 0x636f6d6d67726164;  // "commgrad"
-    p[1] = sending ? 1 : 0;
-    p[2] = tag;
-    p[3] = static_cast<int64_t>(dtype);
-    p[4] = requires_grad ? 1 : 0;
-    p[5] = static_cast<int64_t>(sizes.size());
-    for (int64_t i = 0; i < std::min<int64_t>(kMaxDims, sizes.size()); ++i) p[6 + i] = sizes[i];
-  };
-  auto describe = [&](const int64_t* p) {
-    std::vector<int64_t> dims(p + 6, p + 6 + std::min<int64_t>(kMaxDims, std::max<int64_t>(0, p[5])));
-    return c10::str(p[1] ? "sends " : "receives ", dtype_name(static_cast<at::ScalarType>(p[3])), shape_name(dims),
-                    " (tag ", p[2], ", requires_grad=", p[4] ? "true" : "false", ")");
-  };
-  auto mine = at::zeros({kWords}, at::kLong);
-  encode(mine);
-  auto theirs = at::zeros({kWords}, at::kLong);
-  std::vector<at::Tensor> out{mine}, in{theirs};
+namespace {
+
+constexpr int64_t kMaxDims = 10;
+constexpr int64_t kHeaderWords = 6 + kMaxDims;
+
+at::Tensor encode_header(bool sending, int tag, at::IntArrayRef sizes, at::ScalarType dtype, bool requires_grad) {
+  auto t = at::zeros({kHeaderWords}, at::kLong);
+  int64_t* p = t.data_ptr<int64_t>();
+  p[0] = 0x636f6d6d67726164;  // "commgrad"
+  p[1] = sending ? 1 : 0;
+  p[2] = tag;
+  p[3] = static_cast<int64_t>(dtype);
+  p[4] = requires_grad ? 1 : 0;
+  p[5] = static_cast<int64_t>(sizes.size());
+  for (int64_t i = 0; i < std::min<int64_t>(kMaxDims, sizes.size()); ++i) p[6 + i] = sizes[i];
+  return t;
+}
+
+std::string describe_header(const int64_t* p) {
+  std::vector<int64_t> dims(p + 6, p + 6 + std::min<int64_t>(kMaxDims, std::max<int64_t>(0, p[5])));
+  return c10::str(p[1] ? "sends " : "receives ", dtype_name(static_cast<at::ScalarType>(p[3])), shape_name(dims),
+                  " (tag ", p[2], ", requires_grad=", p[4] ? "true" : "false", ")");
+}
+
+}  // namespace
+
+std::shared_ptr<P2pHeader> post_p2p_header(const Call& call, int peer, int tag, bool sending, at::IntArrayRef sizes,
+                                           at::ScalarType dtype, bool requires_grad) {
+  if (!debug_checks()) return nullptr;
+  const at::Tensor mine = encode_header(sending, tag, sizes, dtype, requires_grad);
   auto& transport = call.group.transport();
-  auto sent = transport.send(out, peer, kHeaderTagBase);
-  wait_or_throw(call, transport.recv(in, peer, kHeaderTagBase), "the debug header exchange");
-  wait_or_throw(call, sent, "the debug header exchange");
-  const int64_t* m = mine.data_ptr<int64_t>();
-  const int64_t* t = theirs.data_ptr<int64_t>();
-  const bool ok = t[0] == m[0] && t[1] != m[1] && std::equal(m + 2, m + kWords, t + 2);
-  COMMGRAD_CHECK_AS(ErrorKind::kMismatch, ok, call.op, call.group, "send/recv mismatch with rank ", peer,
-                    " (COMMGRAD_DEBUG check; nothing was sent): this rank (", call.rank, ") ", describe(m), "; rank ",
-                    peer, " ", describe(t));
+  auto header = std::make_shared<P2pHeader>();
+  if (sending) {
+    std::vector<at::Tensor> out{mine};
+    header->works.push_back(transport.send(out, peer, tag));
+    header->verify = [mine] {};  // keeps the header alive until the call is waited
+    return header;
+  }
+  const at::Tensor theirs = at::zeros({kHeaderWords}, at::kLong);
+  std::vector<at::Tensor> in{theirs};
+  header->works.push_back(transport.recv(in, peer, tag));
+  header->verify = [call, peer, mine, theirs] {
+    const int64_t* m = mine.data_ptr<int64_t>();
+    const int64_t* t = theirs.data_ptr<int64_t>();
+    const bool ok = t[0] == m[0] && t[1] == 1 && std::equal(m + 2, m + kHeaderWords, t + 2);
+    COMMGRAD_CHECK_AS(ErrorKind::kMismatch, ok, call.op, call.group, "send/recv mismatch with rank ", peer,
+                      " (COMMGRAD_DEBUG check, found by the receiver before it used the message; a mismatch of "
+                      "sizes can leave point-to-point on this group unusable): this rank (",
+                      call.rank, ") ", describe_header(m), "; rank ", peer, " ", describe_header(t));
+  };
+  return header;
 }
 
 }  // namespace commgrad::ops::detail

@@ -485,6 +485,32 @@ Pending all_to_all(const at::Tensor& x, const AllToAllOptions& options, const Gr
 
 namespace {
 
+// Debug mode: a send's or recv's Pending waits for the header and (a recv)
+// checks it before it waits for the message (`work`, none for an empty one)
+// and returns `result`; `keep` stays alive until then (the send's buffer).
+Pending checked_p2p(const Call& call, const std::shared_ptr<detail::P2pHeader>& header,
+                    const commgrad::detail::WorkPtr& work, at::Tensor result, at::Tensor keep = at::Tensor()) {
+  const auto posted = detail::Clock::now();
+  return call.pending(header->works, [call, header, work, result, keep, posted]() {
+    auto wait_message = [&] {
+      if (work) detail::wait_step(call.op, call.group, call.sequence, call.record, work, posted);
+    };
+    try {
+      header->verify();
+    } catch (const std::exception&) {
+      // A mismatch: take the message off the wire when its bytes fit (the
+      // pair's next messages then arrive as they should), then say so.
+      try {
+        wait_message();
+      } catch (const std::exception&) {
+      }
+      throw;
+    }
+    wait_message();
+    return result;
+  });
+}
+
 // send/recv with the tag that goes on the wire (user tags, or the gradient
 // tag space used by the differentiable pair's backward).
 Pending send_tagged(const at::Tensor& x, const SendOptions& options, const Group& group, int wire_tag) {
@@ -493,11 +519,13 @@ Pending send_tagged(const at::Tensor& x, const SendOptions& options, const Group
   check_tensor(call, x);
   check_peer(call, "dst", options.dst());
   COMMGRAD_CHECK(options.dst() != call.rank, call.op, call.group, "dst ", options.dst(), " is this rank itself");
-  detail::check_p2p_header(call, options.dst(), wire_tag, true, x.sizes(), x.scalar_type(), x.requires_grad());
-  if (x.numel() == 0) return call.ready(at::Tensor());
+  const auto header =
+      detail::post_p2p_header(call, options.dst(), wire_tag, true, x.sizes(), x.scalar_type(), x.requires_grad());
+  if (x.numel() == 0) return header ? checked_p2p(call, header, nullptr, at::Tensor()) : call.ready(at::Tensor());
   auto buffer = contiguous(x);
   std::vector<at::Tensor> tensors{wire(buffer)};
   auto work = call.transport(tensors[0]).send(tensors, options.dst(), wire_tag);
+  if (header) return checked_p2p(call, header, work, at::Tensor(), buffer);
   return call.pending({work}, [buffer]() { return at::Tensor(); });
 }
 
@@ -510,11 +538,13 @@ Pending recv_tagged(at::IntArrayRef sizes, const RecvOptions& options, const Gro
   COMMGRAD_CHECK(!options.requires_grad() || at::isFloatingType(options.dtype()) || at::isComplexType(options.dtype()),
                  call.op, call.group, "requires_grad(true) needs a floating-point dtype, got ",
                  c10::toString(options.dtype()), " (integer tensors cannot have gradients)");
-  detail::check_p2p_header(call, options.src(), wire_tag, false, sizes, options.dtype(), options.requires_grad());
+  const auto header =
+      detail::post_p2p_header(call, options.src(), wire_tag, false, sizes, options.dtype(), options.requires_grad());
   auto buffer = pooled_empty(sizes, at::TensorOptions().dtype(options.dtype()));
-  if (buffer.numel() == 0) return call.ready(buffer);
+  if (buffer.numel() == 0) return header ? checked_p2p(call, header, nullptr, buffer) : call.ready(buffer);
   std::vector<at::Tensor> tensors{wire(buffer)};
   auto work = call.transport(tensors[0]).recv(tensors, options.src(), wire_tag);
+  if (header) return checked_p2p(call, header, work, buffer);
   return call.pending({work}, [buffer]() { return buffer; });
 }
 

@@ -6,6 +6,8 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,9 +26,21 @@ enum class CrossCheck {
 void check_fingerprint(const Call& call, const std::string& signature, const std::vector<int64_t>& a = {},
                        const std::vector<int64_t>& b = {}, CrossCheck cross = CrossCheck::kNone);
 
-/// Debug mode for send/recv: both sides exchange a header (sizes, dtype,
-/// requires_grad, tag) and throw when it differs.
-void check_p2p_header(const Call& call, int peer, int tag, bool sending, at::IntArrayRef sizes, at::ScalarType dtype,
-                      bool requires_grad);
+/// Debug mode for send/recv: a send's header (sizes, dtype, requires_grad,
+/// tag) goes to the receiver just before the message, on the same tag; once
+/// `works` are waited (exactly once: a Gloo work waited twice waits for a
+/// second message), the receiver's verify() throws, naming both sides, when
+/// it differs from what the recv expects (a send's does nothing). Nothing
+/// blocks when a header is posted.
+struct P2pHeader {
+  std::vector<commgrad::detail::WorkPtr> works;  // the header's send or receive
+  std::function<void()> verify;
+};
+
+/// Posts the header of a send (`sending`: to `peer`) or its receive (a
+/// recv: from `peer`) of wire tag `tag`, on that tag's header channel. Null
+/// when debug checks are off.
+std::shared_ptr<P2pHeader> post_p2p_header(const Call& call, int peer, int tag, bool sending, at::IntArrayRef sizes,
+                                           at::ScalarType dtype, bool requires_grad);
 
 }  // namespace commgrad::ops::detail

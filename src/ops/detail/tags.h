@@ -8,10 +8,10 @@
 
 namespace commgrad::ops::detail {
 
-/// Tag spaces of the point-to-point messages: user tags, the debug headers,
-/// and gradients (which so never match a forward message).
+/// Tag spaces of the point-to-point messages: user tags, and gradients
+/// (which so never match a forward message). Debug headers travel on their
+/// message's own tag, just before it.
 constexpr int kMaxUserTag = 1 << 24;
-constexpr int kHeaderTagBase = 1 << 24;
 constexpr int kGradTagBase = 1 << 25;
 
 /// Sends / receives the gradient of the differentiable send/recv pair.
