@@ -521,7 +521,8 @@ Pending send_tagged(const at::Tensor& x, const SendOptions& options, const Group
   COMMGRAD_CHECK(options.dst() != call.rank, call.op, call.group, "dst ", options.dst(), " is this rank itself");
   const auto header =
       detail::post_p2p_header(call, options.dst(), wire_tag, true, x.sizes(), x.scalar_type(), x.requires_grad());
-  if (x.numel() == 0) return header ? checked_p2p(call, header, nullptr, at::Tensor()) : call.ready(at::Tensor());
+  if (x.numel() == 0)
+    return header ? checked_p2p(call, header, commgrad::detail::WorkPtr(), at::Tensor()) : call.ready(at::Tensor());
   auto buffer = contiguous(x);
   std::vector<at::Tensor> tensors{wire(buffer)};
   auto work = call.transport(tensors[0]).send(tensors, options.dst(), wire_tag);
@@ -541,7 +542,8 @@ Pending recv_tagged(at::IntArrayRef sizes, const RecvOptions& options, const Gro
   const auto header =
       detail::post_p2p_header(call, options.src(), wire_tag, false, sizes, options.dtype(), options.requires_grad());
   auto buffer = pooled_empty(sizes, at::TensorOptions().dtype(options.dtype()));
-  if (buffer.numel() == 0) return header ? checked_p2p(call, header, nullptr, buffer) : call.ready(buffer);
+  if (buffer.numel() == 0)
+    return header ? checked_p2p(call, header, commgrad::detail::WorkPtr(), buffer) : call.ready(buffer);
   std::vector<at::Tensor> tensors{wire(buffer)};
   auto work = call.transport(tensors[0]).recv(tensors, options.src(), wire_tag);
   if (header) return checked_p2p(call, header, work, buffer);
