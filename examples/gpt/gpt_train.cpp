@@ -425,16 +425,6 @@ Curve train_alone(Config c, const gpt::GptConfig& model_config, const gpt::Corpu
   return curve;
 }
 
-// "1 2 5", or "none".
-std::string step_list(const std::vector<int>& steps) {
-  std::string text;
-  for (int s : steps) {
-    if (!text.empty()) text += ' ';
-    text += std::to_string(s);
-  }
-  return text.empty() ? "none" : text;
-}
-
 // The model's options of the command line.
 void configure_model(const Config& c, const gpt::Corpus& corpus, gpt::GptConfig& model_config) {
   model_config.vocab = corpus.vocab();
@@ -509,8 +499,8 @@ bool matches_one_rank(const Config& c, const gpt::GptConfig& model_config, const
       if (s >= first) expected.push_back(s);
     const bool same = expected == skipped;
     if (rank == 0) {
-      std::printf("skipped steps %s, one rank %s: %s\n", step_list(skipped).c_str(), step_list(expected).c_str(),
-                  same ? "the same" : "MISMATCH");
+      std::printf("skipped steps %s, one rank %s: %s\n", gpt::step_list(skipped).c_str(),
+                  gpt::step_list(expected).c_str(), same ? "the same" : "MISMATCH");
     }
     ok = ok && same;
   }
@@ -571,7 +561,7 @@ void print_loss_scaler(const gpt::Trainer& trainer, int rank) {
     std::printf("loss scale %g, %lld steps skipped (inf/NaN gradients)\n", scaler->scale(),
                 static_cast<long long>(scaler->skipped_steps()));
   }
-  std::printf("rank %d skipped steps: %s\n", rank, step_list(trainer.skipped_steps()).c_str());
+  std::printf("rank %d skipped steps: %s\n", rank, gpt::step_list(trainer.skipped_steps()).c_str());
   std::fflush(stdout);
 }
 

@@ -15,13 +15,6 @@ std::optional<at::ScalarType> compute_dtype(const std::string& precision) {
   return std::nullopt;
 }
 
-// "1 2 5", or "none".
-std::string step_list(const std::vector<int>& steps) {
-  std::string text;
-  for (int s : steps) text += (text.empty() ? "" : " ") + std::to_string(s);
-  return text.empty() ? "none" : text;
-}
-
 // |a - b| / |b|; NaN stays NaN (and fails).
 double relative(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
 
@@ -89,6 +82,15 @@ NamedTensors away_from_epsilon(const NamedTensors& smallest, int64_t* left_out) 
 }
 
 }  // namespace
+
+std::string step_list(const std::vector<int>& steps) {
+  std::string text;
+  for (int s : steps) {
+    if (!text.empty()) text += ' ';
+    text += std::to_string(s);
+  }
+  return text.empty() ? "none" : text;
+}
 
 CheckTolerance check_tolerance(const std::string& precision) {
   // Parameters: AdamW divides each gradient element by its own size, so the
@@ -217,7 +219,7 @@ bool ReferenceCheck::compare(const Trainer& trainer, const Corpus& corpus, int64
   const bool steps_ok = compare_steps(trainer, expected, curve);
   const bool skips_ok = compare_skipped(trainer, expected);
   bool grads_ok = true;
-  const std::string grads_title = "gradients of step " + std::to_string(gradient_step_) + " (before clipping)";
+  const std::string grads_title = c10::str("gradients of step ", gradient_step_, " (before clipping)");
   if (expected.at(gradient_step_ - 1).skipped) {
     if (print) std::printf("%s: skipped by the loss scaler (inf/NaN), not compared\n", grads_title.c_str());
   } else {
@@ -226,8 +228,8 @@ bool ReferenceCheck::compare(const Trainer& trainer, const Corpus& corpus, int64
   }
   int64_t left_out = 0;
   const auto compared = away_from_epsilon(reference.smallest_gradients(), &left_out);
-  const std::string params_title = "parameters after step " + std::to_string(steps) + " (" + std::to_string(left_out) +
-                                   " elements whose gradient came near AdamW's epsilon left out)";
+  const std::string params_title = c10::str("parameters after step ", steps, " (", left_out,
+                                            " elements whose gradient came near AdamW's epsilon left out)");
   const bool params_ok = report(params_title.c_str(), parameters.size(),
                                 worst_movement(parameters, reference.parameters(), initial_, compared),
                                 "of the reference's movement (L2)", tol.parameter, print);

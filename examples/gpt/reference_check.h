@@ -40,6 +40,9 @@ struct CheckTolerance {
 /// "fp32", "bf16" or "fp16".
 CheckTolerance check_tolerance(const std::string& precision);
 
+/// Steps as "1 2 5", or "none".
+std::string step_list(const std::vector<int>& steps);
+
 /// True when the reference models this configuration (else --check
 /// compares with the same program at one rank).
 bool reference_models(const GptConfig& config, const std::string& precision);

@@ -52,6 +52,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cmath>
 #include <mutex>
 #include <optional>
 #include <unordered_set>
@@ -170,7 +171,20 @@ struct OutputMeta {
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   std::optional<size_t> node_input;  // index among the node's inputs when attached
+  at::Tensor checksum;               // check_rerun: the forward's sum (floating-point outputs)
 };
+
+// One read of a floating-point output: its sum, in at least float32.
+at::Tensor checksum(const at::Tensor& o) {
+  at::NoGradGuard no_grad;
+  return o.detach().sum(at::promote_types(o.scalar_type(), at::kFloat)).cpu();
+}
+
+// Bit for bit (a NaN equals a NaN).
+bool same_checksum(const at::Tensor& a, const at::Tensor& b) {
+  const double x = a.item<double>(), y = b.item<double>();
+  return x == y || (std::isnan(x) && std::isnan(y));
+}
 
 struct State {
   RecomputeFunction fn;
@@ -213,6 +227,14 @@ void check_outputs(const State& s, const std::vector<at::Tensor>& rerun) {
                 "output ", i, " was ", dtype_name(m.dtype), shape_name(m.sizes), " on ", m.device.str(),
                 " in forward and is ", tensor_name(o), " on ", o.device().str(),
                 " when recomputed (does the function depend on state that changed since forward?)");
+    if (!m.checksum.defined()) continue;
+    const at::Tensor now = checksum(o);
+    TORCH_CHECK(same_checksum(now, m.checksum), prefix(s.name), "output ", i, " (", tensor_name(o),
+                ") differs when recomputed (its sum was ", m.checksum.item<double>(), " in forward and is ",
+                now.item<double>(),
+                " in the rerun): the function draws from a random source recompute does not "
+                "replay (a generator of its own: draw from tp::rng_tracker() or the default generator instead) or "
+                "reads state that changed since forward (a buffer, a captured tensor)");
   }
 }
 
@@ -409,6 +431,8 @@ std::vector<at::Tensor> recompute(const RecomputeFunction& fn, const std::vector
     OutputMeta m;
     m.defined = o.defined();
     if (o.defined()) m.sizes = o.sizes().vec(), m.dtype = o.scalar_type(), m.device = o.device();
+    if (options.check_rerun() && options.preserve_rng_state() && o.defined() && o.is_floating_point())
+      m.checksum = checksum(o);
     if (differentiable(o)) {
       // A tensor of its own (same storage): an output may be an input, a view
       // or another output, and is about to get a grad_fn of its own.

@@ -543,6 +543,24 @@ TEST(RecomputeErrors, OutputShapeDiffersOnRerun) {
                         "float32[4, 2] on cpu when recomputed"));
 }
 
+// A function that draws dropout from a generator of its own reruns with
+// other masks: backward stops, naming the function and the likely cause,
+// instead of handing out gradients of masks the forward never used.
+// check_rerun(false) lets it through (and the masks then differ).
+TEST(RecomputeErrors, RerunThatComputesOtherValues) {
+  auto x = torch::ones({1000}, torch::requires_grad());
+  auto own = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto fn = [&](const at::Tensor& in) { return in * at::bernoulli(at::full_like(in, 0.5), own); };
+  auto y = tp::recompute(fn, x, RecomputeOptions().name("layers.2"));
+  EXPECT_THAT(error_of([&] { y.sum().backward(); }),
+              HasSubstr("[commgrad] recompute 'layers.2': output 0 (float32[1000]) differs when recomputed (its sum "
+                        "was "));
+  auto z = tp::recompute(fn, x, RecomputeOptions().name("layers.2").check_rerun(false));
+  const auto kept = (z != 0);
+  z.sum().backward();
+  EXPECT_FALSE(torch::equal(x.grad() != 0, kept));
+}
+
 TEST(RecomputeErrors, InputModifiedInPlaceBetweenForwardAndBackward) {
   auto x = torch::randn({4}, torch::requires_grad());
   auto h = x * 1;

@@ -70,6 +70,14 @@ struct RecomputeOptions {
   /// Replay the random streams (off: the rerun draws new numbers, as
   /// torch.utils.checkpoint's preserve_rng_state=False).
   TORCH_ARG(bool, preserve_rng_state) = true;
+  /// With preserve_rng_state: each floating-point output's sum (one read of
+  /// the output, in at least float32) is kept at forward and the rerun's
+  /// must equal it bit for bit, or backward stops with an error naming the
+  /// function (a random source or a state recompute does not replay: a
+  /// generator of the function's own, a buffer that changed). Off: for a
+  /// function whose rerun is not bitwise reproducible by design (a
+  /// nondeterministic GPU kernel).
+  TORCH_ARG(bool, check_rerun) = true;
 };
 
 /// Runs fn(inputs) without keeping its activations; backward reruns it (see
@@ -80,8 +88,9 @@ struct RecomputeOptions {
 ///
 /// Errors (c10::Error naming the function): an input modified in place
 /// between forward and backward, or by fn itself; an output whose number,
-/// shape, dtype or device differs in the rerun; a tensor that requires grad
-/// reached in the rerun's graph that is neither an input nor a leaf.
+/// shape, dtype or device differs in the rerun, or (check_rerun) whose
+/// values do; a tensor that requires grad reached in the rerun's graph
+/// that is neither an input nor a leaf.
 ///
 /// Example:
 ///   auto out = tp::recompute(
