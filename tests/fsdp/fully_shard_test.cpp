@@ -388,6 +388,56 @@ TEST(FullyShardErrors, RanksWithDifferentUnitsGetAnErrorNotAHang) {
   });
 }
 
+// The same model wrapped into other units on each rank (fc1 a unit of its
+// own on rank 0 only; every shape alike): an error on every rank, no hang
+// (the replica check compares the names the units hold).
+TEST(FullyShardErrors, RanksThatWrapOtherUnitsOfTheSameModelGetAnErrorNotAHang) {
+  spawn_ranks(
+      2,
+      [&](Group& world) {
+        Mlp net(4, 6, 2, 1);
+        try {
+          if (world.rank() == 0) fsdp::fully_shard(net->fc1, world);
+          auto sharded = fsdp::fully_shard(net, world);
+          fsdp::call(net, seeded_randn({3, 4}, 9)).sum().backward();
+          sharded.finish_gradients();
+          ADD_FAILURE() << "units that differ across ranks were accepted";
+        } catch (const std::exception& e) {
+          EXPECT_THAT(e.what(), HasSubstr("the replicas differ"));
+          EXPECT_THAT(e.what(), HasSubstr("rank 0 has parameter 'weight' float32[6, 4], rank 1 has parameter "
+                                          "'fc1.weight' float32[6, 4]"));
+        }
+      },
+      SpawnOptions().timeout(std::chrono::seconds(10)));
+}
+
+// output_dtype: the outermost unit's floating-point outputs come out in it
+// (bfloat16 compute, float32 outputs, as FSDP2's), the loss and the
+// gradients as with the cast written by hand.
+TEST(FullyShard, OutputDtypeCastsTheOutermostOutputs) {
+  spawn_ranks(2, [&](Group& world) {
+    Mlp net(4, 6, 2, 1), by_hand(4, 6, 2, 1);
+    const auto policy = dp::MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat);
+    auto sharded = fsdp::fully_shard(
+        net, fsdp::FullyShardOptions(world).mixed_precision(dp::MixedPrecisionPolicy(policy).output_dtype(at::kFloat)));
+    auto reference = fsdp::fully_shard(by_hand, fsdp::FullyShardOptions(world).mixed_precision(policy));
+    const auto x = seeded_randn({3, 4}, 9 + world.rank());
+    const auto y = fsdp::call(net, x);
+    const auto r = fsdp::call(by_hand, x);
+    EXPECT_EQ(y.scalar_type(), at::kFloat);
+    EXPECT_EQ(r.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(torch::equal(y, r.to(at::kFloat)));
+    y.pow(2).sum().backward();
+    r.to(at::kFloat).pow(2).sum().backward();
+    sharded.finish_gradients();
+    reference.finish_gradients();
+    const auto a = net->named_parameters(), b = by_hand->named_parameters();
+    for (const auto& item : a) {
+      EXPECT_TRUE(torch::equal(item.value().grad(), b[item.key()].grad())) << item.key();
+    }
+  });
+}
+
 // An optimizer over the parameters as they were before fully_shard would
 // step tensors whose gradients backward drops: the next forward says so,
 // naming the parameter; Adam and SGD built afterwards train without it.
