@@ -45,6 +45,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   check_member(kDdpOp, group);
   COMMGRAD_CHECK(module_ != nullptr, kDdpOp, group, "the module is null");
   tp::check_data_parallel_group(*module_, group, kDdpOp, "DistributedDataParallelOptions(group)");
+  tp::check_context_parallel_replicas(*module_, group, kDdpOp, "DistributedDataParallelOptions(group)",
+                                      options.ignored_parameters());
   COMMGRAD_CHECK(options.bucket_cap_mb() > 0 && options.first_bucket_cap_mb() > 0, kDdpOp, group,
                  "bucket sizes must be positive, got bucket_cap_mb ", options.bucket_cap_mb(),
                  " and first_bucket_cap_mb ", options.first_bucket_cap_mb());

@@ -92,6 +92,8 @@ FullyShardedModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,
   tp::check_data_parallel_group(*module, group, "fully_shard", "FullyShardOptions(group)");
   tp::check_data_parallel_group(*module, options.replicate_group(), "fully_shard",
                                 "FullyShardOptions().replicate_group(group)");
+  if (!options.replicate_group().defined())
+    tp::check_context_parallel_replicas(*module, group, "fully_shard", "FullyShardOptions(group)");
   const auto inner = detail::inner_units(*module);
   auto unit = std::make_shared<detail::Unit>(module, std::move(options), inner);
   detail::join(inner, *unit);

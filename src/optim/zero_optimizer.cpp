@@ -124,6 +124,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, Optimize
       m.options.tensor_parallel_group().defined() ? m.options.tensor_parallel_group() : default_tensor_parallel_group();
   m.options.tensor_parallel_group(tp::tensor_parallel_group_for_norm(*m.module, given_tp, kZeroOp));
   tp::check_data_parallel_group(*m.module, m.options.ddp().group(), kZeroOp, "ZeroOptimizerOptions(group)");
+  tp::check_context_parallel_replicas(*m.module, m.options.ddp().group(), kZeroOp, "ZeroOptimizerOptions(group)",
+                                      m.options.ddp().ignored_parameters());
   if (!m.options.pipeline_parallel_group().defined()) {
     m.options.pipeline_parallel_group(default_pipeline_parallel_group());
   }

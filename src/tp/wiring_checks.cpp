@@ -6,6 +6,7 @@
 #include "commgrad/tp/wiring_checks.h"
 
 #include "commgrad/dist/check.h"
+#include "commgrad/tp/attention.h"
 #include "commgrad/tp/sharding.h"
 
 #include <torch/nn/module.h>
@@ -32,6 +33,24 @@ std::pair<std::string, Group> first_partitioned(const torch::nn::Module& module)
   for (const auto& item : shard_specs(module)) {
     const ParameterShard& s = item.value();
     if (s.spec.is_partitioned() && s.group.defined() && s.group.size() > 1) return {item.key(), s.group};
+  }
+  return {"", Group()};
+}
+
+// The first attention in `module` that attends across a context-parallel
+// group of more than one rank and has a parameter not in `ignored`, and
+// that group; (empty, undefined) when none.
+std::pair<std::string, Group> first_context_parallel(const torch::nn::Module& module,
+                                                     const std::vector<std::string>& ignored) {
+  for (const auto& item : module.named_modules("", /*include_self=*/true)) {
+    const auto* attention = dynamic_cast<const ParallelSelfAttentionImpl*>(item.value().get());
+    if (attention == nullptr || !attention->context_parallel()) continue;
+    for (const auto& p : attention->named_parameters()) {
+      const std::string name = item.key().empty() ? p.key() : item.key() + "." + p.key();
+      if (std::find(ignored.begin(), ignored.end(), name) == ignored.end()) {
+        return {item.key(), attention->options.context_parallel()->group()};
+      }
+    }
   }
   return {"", Group()};
 }
@@ -66,8 +85,28 @@ void check_data_parallel_group(const torch::nn::Module& module, const Group& dat
                  "' (ranks ", ranks_of(data_parallel_group), ") holds ranks ", shared[0], " and ", shared[1],
                  " of tensor-parallel group '", tp.name(), "' (ranks ", ranks_of(tp), "), over which parameter '", name,
                  "' is split: it would average different shards. Pass the data-parallel group of the layout to ", what,
-                 " (ParallelState::data_parallel_group(), or no group once the layout is installed with "
-                 "initialize_model_parallel() or ScopedParallelState)");
+                 " (ParallelState::data_context_parallel_group(), which is the data-parallel group without context "
+                 "parallelism; or no group once the layout is installed with initialize_model_parallel() or "
+                 "ScopedParallelState)");
+}
+
+void check_context_parallel_replicas(const torch::nn::Module& module, const Group& data_parallel_group, const char* op,
+                                     const char* what, const std::vector<std::string>& ignored) {
+  const auto [name, cp] = first_context_parallel(module, ignored);
+  if (!cp.defined() || !cp.is_member()) return;
+  const Group given = data_parallel_group.defined() ? data_parallel_group : self_group();
+  const auto& ranks = given.ranks();
+  for (int r : cp.ranks()) {
+    COMMGRAD_CHECK(std::find(ranks.begin(), ranks.end(), r) != ranks.end(), op, given, "'", name,
+                   "' attends across the context-parallel group '", cp.name(), "' (ranks ", ranks_of(cp),
+                   "): each of its ranks holds part of every sequence, so the gradients must be averaged over the "
+                   "data x context group, which holds them all; the group given, '",
+                   given.name(), "' (ranks ", ranks_of(given), "), does not hold rank ", r,
+                   ", and the ranks' parameters would drift apart. Pass ",
+                   "ParallelState::data_context_parallel_group() to ", what,
+                   " (or no group once the layout is installed with initialize_model_parallel() or "
+                   "ScopedParallelState)");
+  }
 }
 
 Group tensor_parallel_group_for_norm(const torch::nn::Module& module, const Group& given, const char* op) {

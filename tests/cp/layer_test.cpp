@@ -8,6 +8,9 @@
 #include "commgrad/cp/attention.h"
 #include "commgrad/cp/sequence.h"
 #include "commgrad/dist/parallel_state.h"
+#include "commgrad/dp/distributed_data_parallel.h"
+#include "commgrad/fsdp/fully_shard.h"
+#include "commgrad/optim/zero_optimizer.h"
 #include "commgrad/ops/raw.h"
 #include "commgrad/tp/attention.h"
 #include "commgrad/tp/reference.h"
@@ -98,6 +101,36 @@ TEST(CpSelfAttention, MatchesTheReferenceAtTp1AndTp2) {
       check_layer(tp2, mode, false);
       check_layer(tp2, mode, true);
     }
+  });
+}
+
+// A reducer given the data-parallel group alone under context parallelism
+// (each CP rank holds part of every sequence: its gradients are partial)
+// would let the CP ranks' parameters drift apart: DDP, ZeroOptimizer and
+// fully_shard refuse it at construction, naming the group to pass; the data
+// x context group is accepted.
+TEST(CpSelfAttention, ReducersOverTheDataGroupAloneAreErrors) {
+  spawn_ranks(4, [](Group& world) {
+    const auto state = make_model_parallel(ModelParallelOptions(1).context_parallel_size(2), world);  // CP 2 x DP 2
+    auto make = [&] {
+      return tp::ParallelSelfAttention(tp::ParallelSelfAttentionOptions(kHidden, kHeads, self_group())
+                                           .seed(5)
+                                           .context_parallel(ContextParallelOptions(state.context_parallel_group())));
+    };
+    const std::string advice = "Pass ParallelState::data_context_parallel_group() to ";
+    auto sgd = [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::SGD>(p, 0.1); };
+    auto a = make(), b = make(), c = make();
+    EXPECT_THAT(error_of([&] { dp::DistributedDataParallel(a, state.data_parallel_group()); }),
+                HasSubstr("'' attends across the context-parallel group"));
+    EXPECT_THAT(error_of([&] { dp::DistributedDataParallel(a, state.data_parallel_group()); }),
+                HasSubstr(advice + "DistributedDataParallelOptions(group)"));
+    EXPECT_THAT(
+        error_of([&] { optim::ZeroOptimizer(b, sgd, optim::ZeroOptimizerOptions(state.data_parallel_group())); }),
+        HasSubstr(advice + "ZeroOptimizerOptions(group)"));
+    EXPECT_THAT(error_of([&] { fsdp::fully_shard(c, state.data_parallel_group()); }),
+                HasSubstr(advice + "FullyShardOptions(group)"));
+    dp::DistributedDataParallel ddp(make(), state.data_context_parallel_group());
+    fsdp::fully_shard(make(), state.data_context_parallel_group());
   });
 }
 

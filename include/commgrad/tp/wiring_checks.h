@@ -17,6 +17,9 @@
 
 #include "commgrad/dist/group.h"
 
+#include <string>
+#include <vector>
+
 namespace torch::nn {
 class Module;
 }  // namespace torch::nn
@@ -43,6 +46,21 @@ Group partitioned_parameters_group(const torch::nn::Module& module, const char* 
 ///   tp::check_data_parallel_group(*model, dp_group, "my_trainer", "MyOptions(group)");
 void check_data_parallel_group(const torch::nn::Module& module, const Group& data_parallel_group, const char* op,
                                const char* what);
+
+/// Errors when `module` attends across a context-parallel group (a
+/// ParallelSelfAttention with context_parallel()) whose ranks are not all in
+/// `data_parallel_group` (undefined: this rank alone), unless the reducer
+/// leaves its parameters alone (`ignored`, named_parameters() names: an
+/// expert optimizer's dense parameters): each CP rank holds
+/// part of every sequence, so a reducer must average over data x context
+/// (ParallelState::data_context_parallel_group()), or the CP ranks'
+/// parameters drift apart silently. DDP, ZeroOptimizer and fully_shard
+/// (without a replicate group) run it. Local: no communication.
+///
+/// Example:
+///   tp::check_context_parallel_replicas(*model, dp_group, "my_trainer", "MyOptions(group)");
+void check_context_parallel_replicas(const torch::nn::Module& module, const Group& data_parallel_group, const char* op,
+                                     const char* what, const std::vector<std::string>& ignored = {});
 
 /// The tensor-parallel group of a global gradient norm over `module`:
 /// `given` when defined and `module` holds no partitioned parameter, or
