@@ -124,6 +124,12 @@ TopKRouterImpl::TopKRouterImpl(TopKRouterOptions options_) : options(std::move(o
 void TopKRouterImpl::reset() {
   const char* op = "moe::TopKRouter";
   if (!options.routing().batch_group().defined()) options.routing().batch_group(self_group());
+  // Under an installed layout with context parallelism each rank holds part
+  // of every sequence: the per-sequence loss counts the other parts too.
+  if (options.routing().aux_loss_per_sequence() && !options.routing().context_parallel_group().defined() &&
+      model_parallel_is_initialized() && parallel_state().context_parallel_size() > 1) {
+    options.routing().context_parallel_group(parallel_state().context_parallel_group());
+  }
   const Group& g = options.routing().batch_group();
   const int64_t e = options.num_experts();
   COMMGRAD_CHECK(options.hidden_size() > 0 && e > 0, op, g, "hidden size and experts must be positive, got hidden ",

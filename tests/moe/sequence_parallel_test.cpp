@@ -34,6 +34,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -126,7 +127,8 @@ TEST(MoESequenceParallelTest, EqualsOneRankAtTp2Ep2Dp4) { expect_sequence_parall
 // each rank's mean: the losses averaged over data x context, every gradient
 // and the norm equal the one-rank layer's; input gradients are dp * cp times
 // its rows'.
-void expect_context_parallel_equals_one_rank(int dp, int ep) {
+// `from_layout`: the layout installed and the router given no CP group.
+void expect_context_parallel_equals_one_rank(int dp, int ep, bool from_layout = false) {
   constexpr int kCp = 2;
   const at::Tensor x_all = randn({kSeq, kBatch * dp, kHidden}, 1), g_all = randn({kSeq, kBatch * dp, kHidden}, 2);
   MoELayer ref = make_layer(self_group(), Group());
@@ -141,13 +143,16 @@ void expect_context_parallel_equals_one_rank(int dp, int ep) {
         make_model_parallel(ModelParallelOptions(1, 1).context_parallel_size(kCp).expert_parallel_size(ep), world);
     const Group& data = s.data_context_parallel_group();
     const Group& cp = s.context_parallel_group();
+    std::optional<ScopedParallelState> installed;
+    if (from_layout) installed.emplace(s);
     MoELayer layer(MoELayerOptions(kHidden, 16, kExperts, 2, s.expert_parallel_group())
                        .routing(RoutingOptions()
                                     .aux_loss_coeff(1e-1)
                                     .z_loss_coeff(1e-2)
                                     .aux_loss_per_sequence(true)
-                                    .context_parallel_group(cp))
+                                    .context_parallel_group(from_layout ? Group() : cp))
                        .seed(23));
+    EXPECT_EQ(layer->router->options.routing().context_parallel_group(), cp);
     layer->to(at::kDouble);
     dp::DistributedDataParallel dense(layer, dense_ddp_options(*layer, data));
     dp::DistributedDataParallel experts(layer, expert_ddp_options(*layer, data, s.expert_data_parallel_group()));
@@ -174,6 +179,12 @@ void expect_context_parallel_equals_one_rank(int dp, int ep) {
 TEST(MoESequenceParallelTest, ContextParallelEqualsOneRankAtCp2Ep2) { expect_context_parallel_equals_one_rank(1, 2); }
 TEST(MoESequenceParallelTest, ContextParallelEqualsOneRankAtCp2Ep2Dp2) {
   expect_context_parallel_equals_one_rank(2, 2);
+}
+
+// The router takes the context-parallel group from the installed layout
+// when given none (its per-sequence loss counted each CP part alone).
+TEST(MoESequenceParallelTest, ContextParallelGroupComesFromTheInstalledLayout) {
+  expect_context_parallel_equals_one_rank(1, 2, /*from_layout=*/true);
 }
 
 // Without the layer's sum over TP (the group not given, the same SP input)

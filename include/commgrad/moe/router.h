@@ -84,7 +84,8 @@ struct RoutingOptions {
   TORCH_ARG(bool, aux_loss_per_sequence) = false;
   /// With aux_loss_per_sequence: the ranks that hold the other parts of each
   /// sequence and whose losses are averaged (context parallelism; undefined:
-  /// none). The counts f are summed over them (one all-reduce of b x E
+  /// the installed layout's context-parallel group when it has more than
+  /// one rank, else none). The counts f are summed over them (one all-reduce of b x E
   /// int64) and P stays the mean over this rank's tokens, so the ranks'
   /// losses averaged over the group (as the reducers average their
   /// gradients) are the whole sequence's.
