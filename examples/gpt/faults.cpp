@@ -11,29 +11,19 @@
 
 namespace gpt {
 
-namespace {
-
 // grad-scale:F[:NAME]
-Faults::GradScale parse_grad_scale(const char* text) {
+Faults Faults::grad_scale(const char* text) {
   const char* number = text + std::strlen("grad-scale:");
   char* end = nullptr;
-  const double factor = std::strtod(number, &end);
+  Faults f;
+  f.kind_ = "grad-scale";
+  f.factor_ = std::strtod(number, &end);
   // F may be nan (a NaN gradient that --check must catch), not inf.
-  if (end == number || std::isinf(factor) || (*end != '\0' && *end != ':') || (*end == ':' && end[1] == '\0')) {
+  if (end == number || std::isinf(f.factor_) || (*end != '\0' && *end != ':') || (*end == ':' && end[1] == '\0')) {
     throw std::invalid_argument(std::string("GPT_TRAIN_FAULT='") + text +
                                 "': expected grad-scale:F or grad-scale:F:NAME (F a number or nan, NAME a parameter)");
   }
-  return {factor, *end == ':' ? std::string(end + 1) : std::string()};
-}
-
-}  // namespace
-
-Faults Faults::grad_scale(const char* text) {
-  Faults f;
-  f.kind_ = "grad-scale";
-  const auto parsed = parse_grad_scale(text);
-  f.factor_ = parsed.factor;
-  f.parameter_ = parsed.parameter;
+  if (*end == ':') f.parameter_ = end + 1;
   return f;
 }
 

@@ -40,12 +40,6 @@ class Faults {
   /// True for grad-scale (the trainer must hand it the gradients).
   bool scales_gradients() const { return kind_ == "grad-scale"; }
 
-  /// grad-scale's factor and parameter (empty: every one).
-  struct GradScale {
-    double factor = 1.0;
-    std::string parameter;
-  };
-
  private:
   static Faults grad_scale(const char* text);
   void kill_node(int step, int rank) const;

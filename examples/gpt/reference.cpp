@@ -18,21 +18,18 @@ bool is_moe(const GptConfig& config, int64_t l) {
   return config.experts > 0 && l % config.moe_every == config.moe_every - 1;
 }
 
-// The reference models softmax top-k routing with the per-sequence balancing
-// loss, dropless; the rest is named.
-void check_supported(const GptConfig& config) {
-  if (config.experts == 0) return;
-  const auto& r = config.routing;
-  std::string missing;
-  if (r.score_function() != commgrad::moe::ScoreFunction::kSoftmax) missing = "sigmoid scores";
-  if (r.normalize_top_k()) missing = "top-k renormalisation";
-  if (r.z_loss_coeff() > 0) missing = "the z-loss";
-  if (r.expert_bias_rate() > 0) missing = "the expert bias";
-  if (config.capacity_factor > 0) missing = "a capacity factor";
-  if (!missing.empty()) throw std::invalid_argument("the reference GPT does not model " + missing + " (yet)");
-}
-
 }  // namespace
+
+std::string unmodelled(const GptConfig& config) {
+  if (config.experts == 0) return "";
+  const auto& r = config.routing;
+  if (r.score_function() != commgrad::moe::ScoreFunction::kSoftmax) return "sigmoid scores";
+  if (r.normalize_top_k()) return "top-k renormalisation";
+  if (r.z_loss_coeff() > 0) return "the z-loss";
+  if (r.expert_bias_rate() > 0) return "the expert bias";
+  if (config.capacity_factor > 0) return "a capacity factor";
+  return "";
+}
 
 std::map<std::string, std::vector<int64_t>> parameter_shapes(const GptConfig& c) {
   std::map<std::string, std::vector<int64_t>> shapes;
@@ -77,10 +74,11 @@ constexpr int64_t kGrowthInterval = 1000;
 }  // namespace
 
 ReferenceGpt::ReferenceGpt(const GptConfig& config, const NamedTensors& initial,
-                           std::optional<at::ScalarType> compute_dtype, double loss_scale)
+                           c10::optional<at::ScalarType> compute_dtype, double loss_scale)
     : config_(config), dtype_(compute_dtype), hysteresis_left_(kHysteresis) {
   if (dtype_ == at::kHalf) scale_ = loss_scale;
-  check_supported(config);
+  const std::string missing = unmodelled(config);
+  if (!missing.empty()) throw std::invalid_argument("the reference GPT does not model " + missing + " (yet)");
   std::vector<torch::Tensor> leaves;
   for (const auto& [name, shape] : parameter_shapes(config)) {
     const auto it = initial.find(name);
@@ -102,8 +100,6 @@ torch::Tensor ReferenceGpt::weight(const std::string& name) const {
   const auto& p = params_.at(name);
   return dtype_ ? p.to(*dtype_) : p;
 }
-
-bool ReferenceGpt::is_moe_layer(int64_t layer) const { return is_moe(config_, layer); }
 
 // Causal self-attention over the whole sequence: x [s, b, h] -> [s, b, h].
 torch::Tensor ReferenceGpt::attention(const std::string& prefix, const torch::Tensor& x) const {
@@ -168,7 +164,7 @@ torch::Tensor ReferenceGpt::forward(const torch::Tensor& ids, torch::Tensor& aux
     const std::string p = layer_name(l) + ".";
     x = x + attention(p + "attention.", norm(p + "ln1", x));
     const auto normed = norm(p + "ln2", x);
-    x = x + (is_moe_layer(l) ? experts(p + "mlp.", normed, aux_loss) : mlp(p + "mlp.", normed));
+    x = x + (is_moe(config_, l) ? experts(p + "mlp.", normed, aux_loss) : mlp(p + "mlp.", normed));
   }
   x = norm("final_norm", x);
   const auto& output = config_.tie ? "embedding.weight" : "output.weight";

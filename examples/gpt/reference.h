@@ -50,6 +50,11 @@ using NamedTensors = std::map<std::string, torch::Tensor>;
 /// describes (the tied model: no "output.weight").
 std::map<std::string, std::vector<int64_t>> parameter_shapes(const GptConfig& config);
 
+/// What of `config` the reference does not model ("the z-loss", ...), or
+/// empty when it models all of it: softmax top-k routing with the
+/// per-sequence balancing loss, dropless.
+std::string unmodelled(const GptConfig& config);
+
 /// What a reference step gave.
 struct ReferenceStep {
   double loss = 0;       ///< cross entropy, the mean over every token of the batch
@@ -65,7 +70,7 @@ class ReferenceGpt {
   /// scale). Errors on a missing or misshapen weight, and on what the
   /// reference does not model (sigmoid scores, top-k renormalisation,
   /// z-loss, expert bias, a capacity).
-  ReferenceGpt(const GptConfig& config, const NamedTensors& initial, std::optional<at::ScalarType> compute_dtype,
+  ReferenceGpt(const GptConfig& config, const NamedTensors& initial, c10::optional<at::ScalarType> compute_dtype,
                double loss_scale = 65536.0);
 
   /// One step on the global batch (token ids and targets [B, s]): forward,
@@ -87,13 +92,12 @@ class ReferenceGpt {
   torch::Tensor attention(const std::string& prefix, const torch::Tensor& x) const;
   torch::Tensor mlp(const std::string& prefix, const torch::Tensor& x) const;
   torch::Tensor experts(const std::string& prefix, const torch::Tensor& x, torch::Tensor& aux_loss) const;
-  bool is_moe_layer(int64_t layer) const;
   double clip_gradients();
   bool unscale_and_check();
   void update_scale(bool found_inf);
 
   GptConfig config_;
-  std::optional<at::ScalarType> dtype_;
+  c10::optional<at::ScalarType> dtype_;
   NamedTensors params_;
   NamedTensors grads_;
   NamedTensors smallest_;

@@ -9,12 +9,6 @@ namespace gpt {
 
 namespace {
 
-std::optional<at::ScalarType> compute_dtype(const std::string& precision) {
-  if (precision == "bf16") return at::kBFloat16;
-  if (precision == "fp16") return at::kHalf;
-  return std::nullopt;
-}
-
 // |a - b| / |b|; NaN stays NaN (and fails).
 double relative(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
 
@@ -24,15 +18,19 @@ struct Worst {
   double error = 0;
 };
 
+// Keeps (name, error) when it is worse than `worst` (a NaN is the worst).
+void keep_worst(Worst& worst, const std::string& name, double error) {
+  const bool worse = std::isnan(error) ? !std::isnan(worst.error) : error > worst.error;
+  if (worst.name.empty() || worse) worst = {name, error};
+}
+
 // Gradients: max |p - r| over the reference's largest element.
 Worst worst_of(const NamedTensors& parallel, const NamedTensors& reference) {
   Worst worst;
   for (const auto& [name, r] : reference) {
     const double largest = r.abs().max().item<double>();
     const double off = (parallel.at(name).to(at::kDouble) - r.to(at::kDouble)).abs().max().item<double>();
-    const double error = off == 0 ? 0 : off / std::max(largest, 1e-30);
-    const bool worse = std::isnan(error) ? !std::isnan(worst.error) : error > worst.error;
-    if (worst.name.empty() || worse) worst = {name, error};
+    keep_worst(worst, name, off == 0 ? 0 : off / std::max(largest, 1e-30));
   }
   return worst;
 }
@@ -50,9 +48,7 @@ Worst worst_movement(const NamedTensors& parallel, const NamedTensors& reference
     const auto ref = r.to(at::kDouble);
     const double moved = ((ref - initial.at(name).to(at::kDouble)) * mask).norm().item<double>();
     const double off = ((parallel.at(name).to(at::kDouble) - ref) * mask).norm().item<double>();
-    const double error = off == 0 ? 0 : off / std::max(moved, 1e-30);
-    const bool worse = std::isnan(error) ? !std::isnan(worst.error) : error > worst.error;
-    if (worst.name.empty() || worse) worst = {name, error};
+    keep_worst(worst, name, off == 0 ? 0 : off / std::max(moved, 1e-30));
   }
   return worst;
 }
@@ -111,11 +107,7 @@ CheckTolerance check_tolerance(const std::string& precision) {
 }
 
 bool reference_models(const GptConfig& config, const std::string& precision) {
-  if (precision != "fp32" && precision != "bf16" && precision != "fp16") return false;
-  if (config.experts == 0) return true;
-  const auto& r = config.routing;
-  return r.score_function() == commgrad::moe::ScoreFunction::kSoftmax && !r.normalize_top_k() &&
-         r.z_loss_coeff() == 0 && r.expert_bias_rate() == 0 && config.capacity_factor == 0;
+  return (precision == "fp32" || precision == "bf16" || precision == "fp16") && unmodelled(config).empty();
 }
 
 ReferenceCheck::ReferenceCheck(const Trainer& trainer, const GptConfig& config, std::string precision,

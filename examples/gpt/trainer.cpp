@@ -48,16 +48,12 @@ Trainer::Trainer(const TrainerOptions& options, const GptConfig& model_config, c
           .no_sync(no_sync_functions()));
 }
 
-namespace {
-
 c10::optional<at::ScalarType> compute_dtype(const std::string& precision) {
   if (precision == "bf16") return at::kBFloat16;
   if (precision == "fp16") return at::kHalf;
   if (precision == "fp32") return c10::nullopt;
   throw std::invalid_argument("unknown precision '" + precision + "' (fp32, bf16 or fp16)");
 }
-
-}  // namespace
 
 void Trainer::make_optimizer() {
   const auto adamw = adamw_options();

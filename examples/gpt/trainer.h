@@ -57,6 +57,9 @@ struct Layout {
 
 /// The optimizer every layout steps with (and the reference of --check).
 inline torch::optim::AdamWOptions adamw_options() { return torch::optim::AdamWOptions(3e-3).weight_decay(0.01); }
+/// The compute dtype of a precision: none ("fp32"), bfloat16 ("bf16") or
+/// float16 ("fp16"); errors on another name.
+c10::optional<at::ScalarType> compute_dtype(const std::string& precision);
 /// Gradients are clipped to this global L2 norm.
 constexpr double kMaxGradNorm = 1.0;
 

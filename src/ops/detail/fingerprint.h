@@ -38,8 +38,8 @@ struct P2pHeader {
 };
 
 /// Posts the header of a send (`sending`: to `peer`) or its receive (a
-/// recv: from `peer`) of wire tag `tag`, on that tag's header channel. Null
-/// when debug checks are off.
+/// recv: from `peer`) on wire tag `tag`, the message's own. Null when debug
+/// checks are off.
 std::shared_ptr<P2pHeader> post_p2p_header(const Call& call, int peer, int tag, bool sending, at::IntArrayRef sizes,
                                            at::ScalarType dtype, bool requires_grad);
 
